@@ -1,0 +1,198 @@
+"""Build a Megatron-Core GPTModel from an HF config.json and load HF safetensors weights into its TP/PP shards.
+
+GPU: Transformer Engine layer spec; TE attention takes packed THD input natively.
+CPU: megatron-core's local spec with `core_attention` swapped (a supported ModuleSpec extension) for
+`SDPACoreAttention`, because the local `DotProductAttention` refuses `PackedSeqParams`. Both specs receive the
+same `packed_seq_params`, so the THD data path is one path.
+"""
+
+import math
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
+from megatron_dppo.convert.mapping import ModelShape, find_row, hf_names_of, padded_vocab_size
+from megatron_dppo.platform import is_cpu
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention through `F.scaled_dot_product_attention`, for BSHD and packed THD input.
+
+    THD: q [t, heads, head_dim], k/v [t, groups, head_dim]; each sequence of `cu_seqlens` (the padded spans when
+    `cu_seqlens_q_padded` is set) attends causally within itself, exactly as if it were run alone.
+    BSHD: q [s, b, heads, head_dim]; causal, or the given boolean mask (True = masked).
+    Returns [t, heads * head_dim] or [s, b, heads * head_dim], as Megatron's attention expects.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str = "self", attention_dropout: float | None = None,
+                 softmax_scale: float | None = None, cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError("SDPACoreAttention does not support context parallelism: use the GPU (TE) layer spec")
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def _attend(self, query, key, value, mask=None):
+        # [heads, seq, dim] (or [b, heads, seq, dim]); GQA through enable_gqa
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
+            enable_gqa=query.shape[-3] != key.shape[-3],
+        )
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None:
+            raise ValueError("SDPACoreAttention does not take an attention bias")
+        if packed_seq_params is not None:
+            cu_seqlens = packed_seq_params.cu_seqlens_q_padded
+            if cu_seqlens is None:
+                cu_seqlens = packed_seq_params.cu_seqlens_q
+            bounds = cu_seqlens.tolist()
+            outputs = []
+            for start, stop in zip(bounds[:-1], bounds[1:]):
+                q, k, v = (x[start:stop].transpose(0, 1) for x in (query, key, value))  # [heads, len, dim]
+                outputs.append(self._attend(q, k, v).transpose(0, 1))
+            out = torch.cat(outputs, dim=0)  # [t, heads, dim]
+            return out.reshape(out.shape[0], -1)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, dim]
+        mask = None if attention_mask is None else ~attention_mask
+        out = self._attend(q, k, v, mask)  # [b, heads, s, dim]
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
+def build_transformer_config(shape: ModelShape, tp_size: int = 1, pp_size: int = 1, dtype: str = "fp32",
+                             sequence_parallel: bool = False, **overrides) -> TransformerConfig:
+    """The TransformerConfig of `shape` for this parallel layout. Dropout is 0 (RL recomputes log-probs that must
+    match the rollout engine's)."""
+    shape.check_parallel(tp_size, pp_size)
+    params_dtype = DTYPES[dtype]
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        layernorm_epsilon=shape.norm_eps,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        sequence_parallel=sequence_parallel and tp_size > 1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=is_cpu(),
+        # Packed micro-batches differ in length; the alltoall dispatcher is required by that flag even for dense models.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        # Losses arrive divided by global normalisers: Megatron must sum, never average (see actor/step.py).
+        calculate_per_token_loss=True,
+        **overrides,
+    )
+
+
+def layer_spec(shape: ModelShape):
+    """Transformer Engine spec on GPU, local spec with SDPA core attention on CPU."""
+    if not is_cpu():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    attention = spec.submodules.self_attention
+    submodules = replace(attention.submodules, core_attention=SDPACoreAttention)
+    return replace(spec, submodules=replace(spec.submodules, self_attention=replace(attention, submodules=submodules)))
+
+
+def llama3_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """RoPE inverse frequencies with Llama 3 frequency-dependent scaling, from all four HF scaling parameters
+    (megatron-core's built-in scaling fixes three of them)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    medium = (wavelen <= old_context / low) & (wavelen >= old_context / high)
+    return torch.where(medium, smoothed, scaled)
+
+
+def build_gpt_model(shape: ModelShape, config: TransformerConfig, make_vocab_size_divisible_by: int = 128,
+                    vp_stage: int | None = None) -> GPTModel:
+    """This rank's pipeline stage of the model; parallel_state must be initialised."""
+    pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(shape),
+        vocab_size=padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size,
+                                     make_vocab_size_divisible_by),
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=shape.rope_theta,
+        vp_stage=vp_stage,
+    )
+    if shape.rope_scaling is not None:
+        model.rotary_pos_emb.inv_freq = llama3_inv_freq(shape.head_dim, shape.rope_theta, shape.rope_scaling).to(
+            model.rotary_pos_emb.inv_freq.device)
+    model.shape = shape
+    return model
+
+
+def global_parameter_name(model: GPTModel, local_name: str) -> str:
+    """The name of a parameter with its global layer index (PP stages number their layers from 0 locally)."""
+    prefix = "decoder.layers."
+    if not local_name.startswith(prefix):
+        return local_name
+    local_index, rest = local_name[len(prefix):].split(".", 1)
+    layer = model.decoder.layers[int(local_index)]
+    return f"{prefix}{layer.layer_number - 1}.{rest}"
+
+
+@torch.no_grad()
+def load_hf_weights(model: GPTModel, checkpoint: HFCheckpoint, make_vocab_size_divisible_by: int = 128) -> None:
+    """Copy HF weights into this rank's shards, reading only the slices the rank holds."""
+    shape = model.shape
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    padded_vocab = padded_vocab_size(shape.vocab_size, tp_size, make_vocab_size_divisible_by)
+    if checkpoint.shape != shape:
+        raise ValueError(f"checkpoint {checkpoint.dir} has config {checkpoint.shape}, the model was built for {shape}")
+    for local_name, param in model.named_parameters():
+        name = global_parameter_name(model, local_name)
+        row, layer = find_row(name, shape)
+        shard = row.layout.shard(hf_names_of(row, layer), checkpoint.read, shape, tp_rank, tp_size, padded_vocab,
+                                 checkpoint.tensor_shape)
+        if shard.shape != param.shape:
+            raise ValueError(
+                f"{checkpoint.dir}: the HF tensors {hf_names_of(row, layer)} give {name} the shape "
+                f"{tuple(shard.shape)}, but the model expects {tuple(param.shape)}: config.json does not match the weights"
+            )
+        param.copy_(shard)

@@ -1,0 +1,44 @@
+"""Start torch.distributed and megatron-core's parallel state for a TP x PP x DP layout."""
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_dppo.platform import distributed_backend, is_cpu, setup_device
+
+
+def init_parallel(tp_size: int = 1, pp_size: int = 1, seed: int = 1234, timeout_s: float = 600) -> torch.device:
+    """Initialise the default process group (from torchrun's environment) and Megatron's TP/PP/DP groups.
+
+    Returns this rank's device. Weight initialisation draws from the seeded CPU generator on every rank, so a
+    randomly initialised model is the same whatever the TP/PP layout."""
+    device = setup_device()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise RuntimeError("init_parallel needs torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR): launch with "
+                               "torchrun --nproc-per-node N ...")
+        dist.init_process_group(backend=distributed_backend(), timeout=timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    if world % (tp_size * pp_size):
+        raise ValueError(
+            f"world size {world} is not a multiple of tensor parallel size {tp_size} x pipeline parallel size "
+            f"{pp_size}: launch a multiple of {tp_size * pp_size} processes or change the parallel sizes"
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
+                                                 pipeline_model_parallel_size=pp_size)
+    torch.manual_seed(seed)
+    if not is_cpu():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+    return device
+
+
+def destroy_parallel() -> None:
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

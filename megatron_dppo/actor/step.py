@@ -1,0 +1,106 @@
+"""Run packed THD micro-batches through Megatron's pipeline schedule (forward only, or forward and backward).
+
+A micro-batch is anything with `tokens [1, T]`, `cu_seqlens [n+1]` (int32), optionally `cu_seqlens_padded` and
+`max_seqlen` (`megatron_dppo.packing.THDBatch` is one). Token t is scored against token t+1 of the stream; the last
+token of every sequence therefore has a meaningless target, and the packer's loss mask excludes it.
+
+Our loss functions return values already divided by their global normalisers (computed once per step), so the
+schedule must neither average over micro-batches nor DDP over data-parallel ranks: the model config is built with
+`calculate_per_token_loss=True` (no averaging anywhere), `loss_fn` results go back in the 3-tuple form, and the
+gradients are finalised without the per-token rescaling (`finalize_grads_without_token_scaling`).
+"""
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
+
+# loss_fn(micro_batch, logits [T, V/tp]) -> (scalar loss to backpropagate, dict of detached outputs)
+LossFn = Callable[[object, torch.Tensor], tuple[torch.Tensor, dict]]
+
+
+def packed_seq_params(micro_batch) -> PackedSeqParams:
+    cu_seqlens = micro_batch.cu_seqlens.to(torch.int32)
+    padded = getattr(micro_batch, "cu_seqlens_padded", None)
+    spans = (padded if padded is not None else cu_seqlens).to(torch.int32)
+    max_seqlen = int((spans[1:] - spans[:-1]).max())
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=None if padded is None else spans, cu_seqlens_kv_padded=None if padded is None else spans,
+        max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+    )
+
+
+def next_token_targets(tokens: torch.Tensor) -> torch.Tensor:
+    """[1, T] -> [T]: the token each position predicts (wraps at the end; that position is always masked)."""
+    return torch.roll(tokens[0], shifts=-1)
+
+
+def _forward_step(loss_fn: LossFn, data_iterator, model):
+    micro_batch = next(data_iterator)
+    device = next(model.parameters()).device
+    tokens = micro_batch.tokens.to(device)
+    position_ids = getattr(micro_batch, "position_ids", None)
+    output = model(tokens, None if position_ids is None else position_ids.to(device), None,
+                   packed_seq_params=packed_seq_params(micro_batch))
+
+    def loss_func(output_tensor):
+        loss, outputs = loss_fn(micro_batch, output_tensor[0])  # logits [T, V/tp]
+        return loss, torch.ones((), dtype=torch.int), outputs
+
+    return output, loss_func
+
+
+def run_micro_batches(model, micro_batches: Sequence, loss_fn: LossFn, forward_only: bool) -> list[dict]:
+    """Run every micro-batch through the schedule; returns loss_fn's output dicts on the last PP stage, [] elsewhere.
+
+    Backward (when not forward_only) accumulates into the parameters' grads (or DDP's buffers)."""
+    models = model if isinstance(model, list) else [model]
+    max_tokens = max(mb.tokens.shape[1] for mb in micro_batches)
+    forward_backward = get_forward_backward_func()
+    outputs = forward_backward(
+        forward_step_func=partial(_forward_step, loss_fn),
+        data_iterator=iter(micro_batches),
+        model=models,
+        num_microbatches=len(micro_batches),
+        seq_length=max_tokens,
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+    return outputs if parallel_state.is_pipeline_last_stage() else []
+
+
+def finalize_grads_without_token_scaling(model, num_tokens=None, *args, **kwargs):
+    """`config.finalize_model_grads_func`: Megatron's DP/embedding grad reduction, without dividing by token counts
+    (our losses are already normalised globally, so summing over micro-batches and DP ranks is exact)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    return finalize_model_grads(model, None, *args, **kwargs)
+
+
+def logprob_loss_fn(vocab_size: int, chunk_size: int = 1024, with_entropy: bool = False) -> LossFn:
+    """A forward-only loss_fn that returns each micro-batch's per-token log-probs (and entropy) of the next token."""
+
+    def loss_fn(micro_batch, logits):
+        targets = next_token_targets(micro_batch.tokens).to(logits.device)
+        logprobs, entropy = tensor_parallel_logprobs(logits, targets, vocab_size, chunk_size)
+        outputs = {"logprobs": logprobs.detach()}
+        if with_entropy:
+            outputs["entropy"] = entropy.detach()
+        return logprobs.sum() * 0.0, outputs
+
+    return loss_fn
+
+
+@torch.no_grad()
+def compute_logprobs(model, micro_batches: Sequence, vocab_size: int, chunk_size: int = 1024,
+                     with_entropy: bool = False) -> list[dict]:
+    """Per-token next-token log-probs [T] (and entropy) of each micro-batch, on the last pipeline stage."""
+    for m in model if isinstance(model, list) else [model]:
+        m.eval()
+    return run_micro_batches(model, micro_batches, logprob_loss_fn(vocab_size, chunk_size, with_entropy), True)
