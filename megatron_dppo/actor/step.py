@@ -1,8 +1,9 @@
 """Run packed THD micro-batches through Megatron's pipeline schedule (forward only, or forward and backward).
 
-A micro-batch is anything with `tokens [1, T]`, `cu_seqlens [n+1]` (int32), optionally `cu_seqlens_padded` and
-`max_seqlen` (`megatron_dppo.packing.THDBatch` is one). Token t is scored against token t+1 of the stream; the last
-token of every sequence therefore has a meaningless target, and the packer's loss mask excludes it.
+A packed micro-batch has `tokens [1, T]` and `cu_seqlens [n+1]` (int32), optionally `cu_seqlens_padded`
+(`megatron_dppo.packing.THDBatch` is one). Token t is scored against token t+1 of the stream; the last token of
+every sequence therefore has a meaningless target, and the packer's loss mask excludes it. A micro-batch without
+`cu_seqlens` is a padded BSHD batch `tokens [b, s]` run with a causal mask (the baseline packing is compared with).
 
 Our loss functions return values already divided by their global normalisers (computed once per step), so the
 schedule must neither average over micro-batches nor DDP over data-parallel ranks: the model config is built with
@@ -46,11 +47,13 @@ def _forward_step(loss_fn: LossFn, data_iterator, model):
     device = next(model.parameters()).device
     tokens = micro_batch.tokens.to(device)
     position_ids = getattr(micro_batch, "position_ids", None)
+    packed = getattr(micro_batch, "cu_seqlens", None) is not None
     output = model(tokens, None if position_ids is None else position_ids.to(device), None,
-                   packed_seq_params=packed_seq_params(micro_batch))
+                   packed_seq_params=packed_seq_params(micro_batch) if packed else None)
 
     def loss_func(output_tensor):
-        loss, outputs = loss_fn(micro_batch, output_tensor[0])  # logits [T, V/tp]
+        # packed: logits [T, V/tp]; padded: [b, s, V/tp]
+        loss, outputs = loss_fn(micro_batch, output_tensor[0] if packed else output_tensor)
         return loss, torch.ones((), dtype=torch.int), outputs
 
     return output, loss_func
