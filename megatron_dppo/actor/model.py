@@ -193,6 +193,7 @@ def load_hf_weights(model: GPTModel, checkpoint: HFCheckpoint, make_vocab_size_d
         if shard.shape != param.shape:
             raise ValueError(
                 f"{checkpoint.dir}: the HF tensors {hf_names_of(row, layer)} give {name} the shape "
-                f"{tuple(shard.shape)}, but the model expects {tuple(param.shape)}: config.json does not match the weights"
+                f"{tuple(shard.shape)}, but the model expects {tuple(param.shape)}: "
+                "config.json does not match the weights"
             )
         param.copy_(shard)

@@ -18,8 +18,8 @@ def init_parallel(tp_size: int = 1, pp_size: int = 1, seed: int = 1234, timeout_
     device = setup_device()
     if not dist.is_initialized():
         if "RANK" not in os.environ:
-            raise RuntimeError("init_parallel needs torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR): launch with "
-                               "torchrun --nproc-per-node N ...")
+            raise RuntimeError("init_parallel needs torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR): "
+                               "launch with torchrun --nproc-per-node N ...")
         dist.init_process_group(backend=distributed_backend(), timeout=timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     if world % (tp_size * pp_size):

@@ -148,7 +148,8 @@ class Layout:
         return {"replicated": None, "row": 1}.get(self.kind, 0)
 
 
-REPLICATED, COLUMN, ROW, VOCAB, QKV, GATED = (Layout(k) for k in ("replicated", "column", "row", "vocab", "qkv", "gated"))
+REPLICATED, COLUMN, ROW, VOCAB, QKV, GATED = (
+    Layout(kind) for kind in ("replicated", "column", "row", "vocab", "qkv", "gated"))
 
 
 @dataclass(frozen=True)
