@@ -1,0 +1,1 @@
+"""Data: shared data set loaders, prompt templates, the character tokenizer and the synthetic task."""
