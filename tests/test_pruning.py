@@ -1,0 +1,342 @@
+import io
+import itertools
+
+import pytest
+import torch
+
+from megatron_dppo.algo import (
+    PRUNERS,
+    FullBatchInfo,
+    LossConfig,
+    PromptDecision,
+    PromptHistory,
+    build_pruner,
+    compute_advantages,
+    loss_normalizer,
+    max_variance_subset,
+    proportional_keep_probs,
+    score_prompts,
+)
+from tests.test_losses import FULL_CONFIG, make_policy_batch
+
+PRUNER_OPTIONS = {
+    "none": {},
+    "dppo": dict(prompt_prune_rate=0.5, completion_prune_rate=0.5),
+    "cppo": dict(prune_rate=0.5),
+    "d3s": dict(total_steps=10),
+    "dapo": dict(oversample_factor=1.5),
+}
+
+
+def random_batch(num_prompts=6, group_size=4, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    rewards = torch.rand(num_prompts, group_size, generator=generator, dtype=torch.float64)
+    lengths = torch.randint(1, 20, (num_prompts, group_size), generator=generator)
+    return rewards, compute_advantages(rewards), lengths
+
+
+def seen_history(prompt_ids, rewards, advantages, lengths) -> PromptHistory:
+    history = PromptHistory()
+    history.update(prompt_ids, score_prompts(rewards, advantages), lengths.double().mean(dim=1))
+    return history
+
+
+def run_step(pruner, rewards, advantages, lengths, history=None, step=0, prompt_ids=None):
+    """select_prompts then select_completions on the kept prompts, as the trainer does."""
+    prompt_ids = list(range(rewards.shape[0])) if prompt_ids is None else prompt_ids
+    prompt_decision = pruner.select_prompts(prompt_ids, history, step)
+    kept = prompt_decision.kept
+    return prompt_decision, pruner.select_completions(
+        rewards[kept], advantages[kept], lengths[kept], prompt_decision, history, step
+    )
+
+
+# ------------------------------------------------------------------------------------------- keep probabilities
+
+
+@pytest.mark.parametrize("keep_fraction", [0.1, 0.3, 0.5, 0.9])
+def test_proportional_keep_probs_hit_the_keep_fraction_within_floor_and_cap(keep_fraction):
+    generator = torch.Generator().manual_seed(4)
+    scores = torch.rand(200, generator=generator, dtype=torch.float64) ** 3
+    scores[:20] = 0.0
+    probs = proportional_keep_probs(scores, keep_fraction, p_min=0.05)
+    assert probs.mean().item() == pytest.approx(keep_fraction, abs=1e-12)
+    assert probs.min().item() >= 0.05 and probs.max().item() <= 1.0
+    order = scores.argsort()
+    assert (probs[order].diff() >= -1e-15).all(), "keep probability must not decrease with the score"
+    free = (probs > 0.05) & (probs < 1.0)
+    ratios = probs[free] / scores[free]
+    torch.testing.assert_close(ratios, ratios[:1].expand_as(ratios), msg="p = c · score between floor and cap")
+
+
+def test_proportional_keep_probs_share_the_remainder_when_most_scores_are_zero():
+    scores = torch.tensor([0.0, 0.0, 0.0, 0.0, 2.0, 1.0], dtype=torch.float64)
+    probs = proportional_keep_probs(scores, 0.6, p_min=0.05)
+    torch.testing.assert_close(probs, torch.tensor([0.4, 0.4, 0.4, 0.4, 1.0, 1.0], dtype=torch.float64))
+
+
+def test_keep_probability_of_zero_is_rejected_with_a_clear_error():
+    with pytest.raises(ValueError, match="keep probability of 0"):
+        build_pruner("dppo", prompt_prune_rate=1.0)
+    with pytest.raises(ValueError, match="keep probability of 0"):
+        build_pruner("dppo", completion_prune_rate=1.0)
+    with pytest.raises(ValueError, match="completion_p_min is 0.0"):
+        build_pruner("dppo", completion_prune_rate=0.5, keep_policy="proportional", completion_p_min=0.0)
+    with pytest.raises(ValueError, match="exceeds the keep fraction"):
+        build_pruner("dppo", completion_prune_rate=0.9, keep_policy="proportional", completion_p_min=0.2)
+    with pytest.raises(ValueError, match="keep probability of 0"):
+        build_pruner("cppo", prune_rate=1.0)
+
+
+def test_unknown_pruner_and_unknown_options_are_rejected():
+    with pytest.raises(ValueError, match="unknown pruner 'grpo'"):
+        build_pruner("grpo")
+    with pytest.raises(TypeError):
+        build_pruner("dppo", prune_rate=0.5)
+    with pytest.raises(ValueError, match="mode is 'random'"):
+        build_pruner("dppo", mode="random")
+
+
+# ------------------------------------------------------------------------------------------------------- DPPO
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "deterministic"])
+@pytest.mark.parametrize("keep_policy", ["uniform", "proportional"])
+def test_prune_rate_zero_is_bit_identical_to_grpo(mode, keep_policy):
+    rewards, advantages, lengths = random_batch()
+    history = seen_history(range(6), rewards, advantages, lengths)
+    grpo = run_step(build_pruner("none"), rewards, advantages, lengths, history)
+    dppo = run_step(build_pruner("dppo", mode=mode, keep_policy=keep_policy), rewards, advantages, lengths, history)
+    for grpo_decision, dppo_decision in zip(grpo, dppo):
+        assert torch.equal(grpo_decision.kept, dppo_decision.kept)
+        assert torch.equal(grpo_decision.weights, dppo_decision.weights)
+    assert grpo[1].full_batch == dppo[1].full_batch
+    batch = make_policy_batch(lengths.reshape(-1), advantages.reshape(-1))
+    config = LossConfig(**FULL_CONFIG, aggregation="token-mean")
+    results = []
+    for _, decision in (grpo, dppo):
+        weights = torch.zeros(24, dtype=torch.float64).index_put_((decision.kept,), decision.weights)
+        loss, _ = batch.loss(config, weights, loss_normalizer(config, decision.full_batch))
+        results.append((loss, batch.gradient(loss)))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_same_seed_and_step_give_the_same_decision_on_every_rank():
+    rewards, advantages, lengths = random_batch()
+    history = seen_history(range(6), rewards, advantages, lengths)
+    ranks = [build_pruner("dppo", keep_policy="proportional", seed=7, **PRUNER_OPTIONS["dppo"]) for _ in range(2)]
+    decisions = [run_step(pruner, rewards, advantages, lengths, history, step=5)[1] for pruner in ranks]
+    assert torch.equal(decisions[0].kept, decisions[1].kept)
+    assert torch.equal(decisions[0].weights, decisions[1].weights)
+    other_steps = [run_step(ranks[0], rewards, advantages, lengths, history, step=s)[1].kept for s in range(6, 12)]
+    assert any(not torch.equal(kept, decisions[0].kept) for kept in other_steps)
+
+
+def test_unseen_prompts_are_never_pruned_before_rollout():
+    rewards, advantages, lengths = random_batch(num_prompts=8)
+    history = seen_history(range(4), rewards[:4], advantages[:4], lengths[:4])  # prompts 4..7 never seen
+    pruner = build_pruner("dppo", prompt_prune_rate=0.8)
+    for step in range(50):
+        decision = pruner.select_prompts(range(8), history, step)
+        assert {4, 5, 6, 7} <= set(decision.kept.tolist())
+        assert torch.equal(decision.keep_probs[4:], torch.ones(4, dtype=torch.float64))
+
+
+def test_below_mean_candidates_keep_every_above_mean_item():
+    rewards, advantages, lengths = random_batch(num_prompts=10, group_size=8)
+    pruner = build_pruner("dppo", completion_prune_rate=0.9, candidates="below_mean")
+    magnitude = advantages.abs()
+    above = (magnitude > magnitude.mean(dim=1, keepdim=True)).reshape(-1).nonzero().squeeze(1)
+    for step in range(20):
+        _, decision = run_step(pruner, rewards, advantages, lengths, step=step)
+        assert set(above.tolist()) <= set(decision.kept.tolist())
+        assert len(decision.kept) < 80 - 0.5 * (80 - len(above)), "about 90% of the candidates are pruned"
+
+
+def test_deterministic_dppo_drops_the_lowest_abs_advantage_per_group_and_rescales():
+    rewards, advantages, lengths = random_batch(num_prompts=3, group_size=5)
+    _, decision = run_step(build_pruner("dppo", completion_prune_rate=0.5, mode="deterministic"),
+                           rewards, advantages, lengths)
+    for group in range(3):
+        kept = [i - 5 * group for i in decision.kept.tolist() if i // 5 == group]
+        assert sorted(kept) == sorted(advantages[group].abs().topk(3).indices.tolist())  # floor(0.5·5) = 2 dropped
+    torch.testing.assert_close(decision.weights, torch.full((9,), 5 / 3, dtype=torch.float64))
+
+
+def test_dppo_normaliser_is_fixed_before_the_draw_even_when_history_lengths_are_off():
+    rewards, advantages, lengths = random_batch()
+    history = PromptHistory()
+    history.update(range(6), score_prompts(rewards, advantages), lengths.double().mean(dim=1) + 3.0)
+    pruner = build_pruner("dppo", **PRUNER_OPTIONS["dppo"])
+    bases = {run_step(pruner, rewards, advantages, lengths, history, step)[1].full_batch for step in range(30)}
+    assert bases == {FullBatchInfo(num_sequences=24.0, num_response_tokens=float(lengths.sum()) + 24 * 3.0)}
+
+
+def test_every_completion_of_a_prompt_pruned_leaves_a_valid_step():
+    rewards, advantages, lengths = random_batch()
+    pruner = build_pruner("dppo", completion_prune_rate=0.7)
+    batch = make_policy_batch(lengths.reshape(-1), advantages.reshape(-1))
+    config = LossConfig(**FULL_CONFIG)
+    emptied_groups = 0
+    for step in range(40):
+        _, decision = run_step(pruner, rewards, advantages, lengths, step=step)
+        groups_kept = set((decision.kept // 4).tolist())
+        emptied_groups += 6 - len(groups_kept)
+        assert decision.full_batch.num_sequences == 24.0  # a fully pruned prompt still counts in the normaliser
+        weights = torch.zeros(24, dtype=torch.float64).index_put_((decision.kept,), decision.weights)
+        loss, _ = batch.loss(config, weights, loss_normalizer(config, decision.full_batch), samples=decision.kept)
+        assert torch.isfinite(loss) and torch.isfinite(batch.gradient(loss)).all()
+    assert emptied_groups > 0, "the draws never emptied a group: the edge case was not exercised"
+
+
+# ------------------------------------------------------------------------------------------------- CPPO, D3S
+
+
+@pytest.mark.parametrize("scope", ["per_group", "batch"])
+def test_cppo_keeps_exactly_the_k_largest_abs_advantages(scope):
+    rewards, advantages, lengths = random_batch(num_prompts=5, group_size=8)
+    _, decision = run_step(build_pruner("cppo", prune_rate=0.75, scope=scope), rewards, advantages, lengths)
+    magnitude = advantages.abs()
+    if scope == "per_group":  # k = floor(8 · 0.25) = 2 per group
+        expected = (magnitude.topk(2, dim=1).indices + 8 * torch.arange(5)[:, None]).reshape(-1)
+    else:  # k = floor(40 · 0.25) = 10 over the batch
+        expected = magnitude.reshape(-1).topk(10).indices
+    assert torch.equal(decision.kept, expected.sort().values)
+    assert torch.equal(decision.weights, torch.ones(len(expected), dtype=torch.float64))
+    assert decision.full_batch == FullBatchInfo.from_lengths(lengths.reshape(-1)[expected])
+
+
+def test_cppo_refill_samples_more_prompts_and_rejects_keeping_nothing():
+    assert build_pruner("cppo", prune_rate=0.75, refill=True).prompts_to_sample(8) == 32
+    assert build_pruner("cppo", prune_rate=0.75).prompts_to_sample(8) == 8
+    rewards, advantages, lengths = random_batch(group_size=2)
+    with pytest.raises(ValueError, match="keeps floor"):
+        run_step(build_pruner("cppo", prune_rate=0.75), rewards, advantages, lengths)
+
+
+def variance(values) -> float:
+    values = torch.as_tensor(values, dtype=torch.float64)
+    return float(values.var(unbiased=False))
+
+
+@pytest.mark.parametrize("n", range(1, 13))
+def test_d3s_max_variance_subset_equals_brute_force(n):
+    generator = torch.Generator().manual_seed(n)
+    for trial in range(3):
+        values = torch.randn(n, generator=generator, dtype=torch.float64)
+        if trial == 2:
+            values = values.round()  # ties, as binary rewards give
+        for size in range(1, n + 1):
+            ranked = sorted(itertools.combinations(range(n), size), key=lambda subset: -variance(values[list(subset)]))
+            best_variance = variance(values[list(ranked[0])])
+            found = max_variance_subset(values, size)
+            assert len(found) == size == len(set(found.tolist()))
+            assert variance(values[found]) == pytest.approx(best_variance, abs=1e-12)
+            unique_optimum = len(ranked) == 1 or variance(values[list(ranked[1])]) < best_variance - 1e-9
+            if unique_optimum:
+                assert found.tolist() == list(ranked[0])
+
+
+def test_d3s_schedule_is_linear_and_selects_samples_then_tokens():
+    pruner = build_pruner("d3s", sample_fraction_init=0.25, sample_fraction_final=0.75, token_fraction_init=0.2,
+                          token_fraction_final=0.6, total_steps=10)
+    assert pruner.fractions(0) == (0.25, 0.2)
+    assert pruner.fractions(5) == pytest.approx((0.5, 0.4))
+    assert pruner.fractions(99) == pytest.approx((0.75, 0.6))
+    rewards, advantages, lengths = random_batch(num_prompts=4, group_size=4)
+    _, decision = run_step(pruner, rewards, advantages, lengths, step=0)
+    assert torch.equal(decision.kept, max_variance_subset(advantages.reshape(-1), 4))
+    assert decision.full_batch == FullBatchInfo.from_lengths(lengths.reshape(-1)[decision.kept])
+
+    generator = torch.Generator().manual_seed(0)
+    token_advantages = torch.randn(50, generator=generator)
+    entropy = torch.rand(50, generator=generator)
+    loss_mask = torch.ones(50)
+    loss_mask[:10] = 0
+    mask, full_batch = pruner.select_tokens(token_advantages, entropy, loss_mask, FullBatchInfo(4.0, 40.0), step=0)
+    key = (token_advantages.abs() * entropy)[10:]
+    assert full_batch == FullBatchInfo(4.0, 8.0)  # round(0.2 · 40)
+    assert torch.equal(mask[10:].nonzero().squeeze(1), key.topk(8).indices.sort().values)
+    assert mask[:10].sum() == 0
+
+
+def test_dapo_drops_zero_variance_groups_and_refills_to_the_batch_size():
+    pruner = build_pruner("dapo", oversample_factor=1.5)
+    assert pruner.prompts_to_sample(4) == 6
+    rewards = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+    _, decision = run_step(pruner, rewards, compute_advantages(rewards), torch.ones(6, 2, dtype=torch.int64))
+    assert decision.kept.tolist() == [2, 3, 6, 7, 8, 9, 10, 11]  # groups 1, 3, 4, 5: floor(6 / 1.5) = 4 allowed
+    _, decision = run_step(pruner, rewards[1:], compute_advantages(rewards[1:]), torch.ones(5, 2, dtype=torch.int64))
+    assert decision.kept.tolist() == [0, 1, 4, 5, 6, 7]  # floor(5 / 1.5) = 3 groups at most
+
+
+# ------------------------------------------------------------------------------------------------ edge cases
+
+
+@pytest.mark.parametrize("name", sorted(PRUNERS))
+def test_all_equal_rewards_in_a_group_give_a_valid_decision(name):
+    rewards, _, lengths = random_batch()
+    rewards[2] = 0.5
+    advantages = compute_advantages(rewards)
+    history = seen_history(range(6), rewards, advantages, lengths)
+    for step in range(5):
+        prompt_decision, decision = run_step(build_pruner(name, **PRUNER_OPTIONS[name]), rewards, advantages, lengths,
+                                             history, step)
+        assert torch.isfinite(decision.weights).all() and (decision.weights > 0).all()
+        assert decision.kept.max().item() < 4 * len(prompt_decision.kept)
+        if name == "dapo":
+            assert not set(range(8, 12)) & set(decision.kept.tolist())
+
+
+@pytest.mark.parametrize("name", ["none", "dppo", "d3s", "dapo"])
+def test_group_of_one_completion_is_handled(name):
+    rewards, _, lengths = random_batch(group_size=1)
+    advantages = compute_advantages(rewards)
+    history = seen_history(range(6), rewards, advantages, lengths)
+    _, decision = run_step(build_pruner(name, **PRUNER_OPTIONS[name]), rewards, advantages, lengths, history)
+    assert torch.isfinite(decision.weights).all()
+    if name == "dapo":
+        assert len(decision.kept) == 0  # a single completion has no variance: DAPO drops it
+    elif name == "d3s":
+        assert len(decision.kept) == 3  # round(0.5 · 6) samples, at the schedule's start
+    else:
+        assert decision.full_batch.num_sequences == 6
+
+
+def test_nan_reward_is_rejected_by_the_pruner_naming_the_sample():
+    rewards, advantages, lengths = random_batch()
+    rewards[3, 2] = float("nan")
+    pruner = build_pruner("dppo", **PRUNER_OPTIONS["dppo"])
+    with pytest.raises(ValueError, match="prompt index 3, sample index 2"):
+        pruner.select_completions(rewards, advantages, lengths, PromptDecision.keep_all(6), None, 0)
+
+
+def test_completion_inputs_must_match_the_prompt_decision():
+    rewards, advantages, lengths = random_batch()
+    with pytest.raises(ValueError, match="kept 5 prompts but rewards has 6 rows"):
+        build_pruner("none").select_completions(rewards, advantages, lengths, PromptDecision.keep_all(5), None, 0)
+
+
+# -------------------------------------------------------------------------------------------------- history
+
+
+def test_prompt_history_is_an_ema_and_survives_a_checkpoint():
+    history = PromptHistory(ema_decay=0.75)
+    history.update([3, 9], torch.tensor([1.0, 0.0]), torch.tensor([100.0, 40.0]))
+    history.update([3], [0.0])
+    scores, lengths, seen = history.lookup([3, 9, 11])
+    torch.testing.assert_close(scores[:2], torch.tensor([0.75, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(lengths[:2], torch.tensor([100.0, 40.0], dtype=torch.float64))
+    assert seen.tolist() == [True, True, False] and history.visits(3) == 2
+    buffer = io.BytesIO()
+    torch.save(history.state_dict(), buffer)
+    buffer.seek(0)
+    restored = PromptHistory()
+    restored.load_state_dict(torch.load(buffer))
+    for restored_value, value in zip(restored.lookup([3, 9, 11]), history.lookup([3, 9, 11])):
+        torch.testing.assert_close(restored_value, value, equal_nan=True)
+    assert restored.ema_decay == 0.75 and restored.visits(3) == 2
+    with pytest.raises(ValueError, match="score of prompt id 5"):
+        history.update([5], [float("nan")])
+    with pytest.raises(ValueError, match="2 prompt ids, 1 scores"):
+        history.update([5, 6], [1.0])
