@@ -1,0 +1,134 @@
+"""Benchmark evaluation: pass@1 (mean over k samples) and maj@k on the six math benchmarks.
+
+    load_dataset(benchmark)[:limit] ──► encode_prompt ──► RolloutClient.agenerate(n=k) (progress bar)
+        ──► decode ──► score each sample (math: math-verify pool; gsm8k: exact number) ──► aggregate
+        ──► {"benchmarks": {name: {pass@1, maj@k, problems: [...]}}} and a markdown table
+
+- pass@1 is the mean over problems of the mean score of the k samples.
+- maj@k votes over the samples' parsed final answers (normalised string for math, exact number for GSM8K);
+  samples without an answer do not vote; ties go to the answer seen first; a problem with no vote scores 0.
+  Samples that share a vote key share a score (same answer against the same reference), so the majority's
+  score is that of any of its members.
+"""
+
+import asyncio
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from megatron_dppo.data.datasets import BENCHMARKS, Example, load_dataset
+from megatron_dppo.data.templates import encode_prompt
+from megatron_dppo.rewards import gsm8k as gsm8k_reward
+from megatron_dppo.rewards.math import VerifierPool, normalize_answer, score_batch
+from megatron_dppo.rollout.client import Completion, RolloutClient, SamplingParams
+
+# Which reward scores each benchmark.
+BENCHMARK_REWARDS = {name: "gsm8k" if name == "gsm8k" else "math" for name in BENCHMARKS}
+
+
+@dataclass(frozen=True)
+class SampleScore:
+    score: float
+    vote_key: str | None  # the parsed answer in canonical form; None when no answer was found
+
+
+def score_samples(
+    reward: str, texts: Sequence[str], references: Sequence[str], pool: VerifierPool | None
+) -> list[SampleScore]:
+    """Score decoded samples against their references with the benchmark's reward."""
+    if reward == "math":
+        results = score_batch(texts, references, pool=pool)
+        return [SampleScore(r.score, normalize_answer(r.answer) if r.answer else None) for r in results]
+    if reward == "gsm8k":
+        scores = []
+        for text, reference in zip(texts, references):
+            number = gsm8k_reward.final_number(text)
+            vote_key = None if number is None else str(number)
+            scores.append(SampleScore(gsm8k_reward.compute_score(text, reference), vote_key))
+        return scores
+    raise ValueError(f"unknown reward {reward!r}; choose 'math' or 'gsm8k'")
+
+
+def majority_score(samples: Sequence[SampleScore]) -> float:
+    votes = Counter(sample.vote_key for sample in samples if sample.vote_key is not None)
+    if not votes:
+        return 0.0
+    winner = votes.most_common(1)[0][0]  # most_common keeps first-seen order among ties
+    return next(sample.score for sample in samples if sample.vote_key == winner)
+
+
+def aggregate(per_problem: Sequence[Sequence[SampleScore]]) -> dict[str, float]:
+    if not per_problem:
+        raise ValueError("no problems to aggregate; check --limit and the benchmark file")
+    pass_at_1 = sum(sum(s.score for s in samples) / len(samples) for samples in per_problem) / len(per_problem)
+    maj_at_k = sum(majority_score(samples) for samples in per_problem) / len(per_problem)
+    return {"pass@1": pass_at_1, "maj@k": maj_at_k}
+
+
+def generate_grouped(client: RolloutClient, prompts: list[list[int]], params: SamplingParams, k: int,
+                     description: str, show_progress: bool = True) -> list[list[Completion]]:
+    """k completions per prompt, [prompt][sample], with a progress bar over finished samples."""
+
+    async def collect() -> list[list[Completion]]:
+        grouped: list[list[Completion | None]] = [[None] * k for _ in prompts]
+        with tqdm(total=len(prompts) * k, desc=description, unit="sample", disable=not show_progress) as bar:
+            async for completion in client.agenerate(prompts, params, n=k):
+                grouped[completion.prompt_index][completion.sample_index] = completion
+                bar.update(1)
+        missing = sum(c is None for group in grouped for c in group)
+        if missing:
+            raise RuntimeError(f"{description}: the rollout servers returned {missing} fewer samples than asked")
+        return grouped  # type: ignore[return-value]
+
+    return asyncio.run(collect())
+
+
+def evaluate_benchmark(name: str, examples: Sequence[Example], client: RolloutClient, tokenizer, k: int,
+                       params: SamplingParams, template: str, pool: VerifierPool | None,
+                       show_progress: bool = True) -> dict:
+    """Generate k samples per problem, score them, and return the summary with per-problem records."""
+    prompts = [encode_prompt(example.problem, template, tokenizer) for example in examples]
+    grouped = generate_grouped(client, prompts, params, k, name, show_progress)
+    texts = [tokenizer.decode(c.output_ids, skip_special_tokens=True) for group in grouped for c in group]
+    references = [example.answer for example in examples for _ in range(k)]
+    flat = score_samples(BENCHMARK_REWARDS[name], texts, references, pool)
+    per_problem = [flat[i * k : (i + 1) * k] for i in range(len(examples))]
+    problems = [
+        {
+            "line": example.line,
+            "reference": example.answer,
+            "scores": [s.score for s in samples],
+            "answers": [s.vote_key for s in samples],
+            "finish_reasons": [c.finish_reason for c in group],
+            "responses": texts[index * k : (index + 1) * k],
+        }
+        for index, (example, samples, group) in enumerate(zip(examples, per_problem, grouped))
+    ]
+    return {"num_problems": len(examples), "k": k, **aggregate(per_problem), "problems": problems}
+
+
+def evaluate(benchmarks: Sequence[str], client: RolloutClient, tokenizer, k: int, params: SamplingParams,
+             template: str = "auto", limit: int | None = None, pool: VerifierPool | None = None,
+             data_dir: str | None = None, show_progress: bool = True) -> dict:
+    unknown = [name for name in benchmarks if name not in BENCHMARK_REWARDS]
+    if unknown:
+        raise ValueError(f"unknown benchmarks {unknown}; choose from {list(BENCHMARKS)}")
+    if k < 1:
+        raise ValueError(f"k={k} samples per problem must be >= 1")
+    results = {}
+    for name in benchmarks:
+        examples = load_dataset(name, data_dir=data_dir, limit=limit)
+        results[name] = evaluate_benchmark(name, examples, client, tokenizer, k, params, template, pool,
+                                           show_progress)
+    return results
+
+
+def markdown_table(results: dict) -> str:
+    """| benchmark | problems | k | pass@1 | maj@k |, scores in percent."""
+    lines = ["| benchmark | problems | k | pass@1 (%) | maj@k (%) |", "|---|---|---|---|---|"]
+    for name, summary in results.items():
+        lines.append(f"| {name} | {summary['num_problems']} | {summary['k']} | {100 * summary['pass@1']:.1f} | "
+                     f"{100 * summary['maj@k']:.1f} |")
+    return "\n".join(lines) + "\n"

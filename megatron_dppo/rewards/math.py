@@ -1,0 +1,353 @@
+"""Math reward: final-answer extraction → exact match → math-verify equivalence, under a hard deadline.
+
+    response ──► extract_final_answer ──► normalised strings equal? ──yes──► 1
+                 (last \\boxed{}/\\fbox{},            │ no
+                  "the answer is", ####,             ▼
+                  last number)               VerifierPool worker: math-verify parse + verify
+                                             (killed and replaced when it overruns its deadline) ──► 1 / 0
+
+Invariants
+- A score is 1 only when an answer was extracted and it equals the reference (string match after a mild
+  normalisation, or math-verify equivalence); everything else, timeouts and crashes included, scores 0 (or the
+  optional `format_reward` when a wrong answer was at least given in \\boxed{}).
+- No check can stall the caller: math-verify runs in worker processes, where its own signal-based timeout works
+  (the worker's main thread), and the parent kills a worker that overruns `ceil(timeout_s) + HARD_DEADLINE_GRACE_S`
+  (C-level big-integer arithmetic ignores signals). The parent never uses signals, so the pool can be driven from
+  any thread or process.
+"""
+
+import atexit
+import logging
+import math
+import multiprocessing
+import os
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 5.0
+# Extra seconds the parent waits past math-verify's own timeout before it kills the worker.
+HARD_DEADLINE_GRACE_S = 2.0
+WORKER_STARTUP_TIMEOUT_S = 120.0
+
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+_ANSWER_IS = re.compile(r"answer\s+is\s*:?", re.IGNORECASE)
+_HASH_MARK = "####"
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_SENTENCE_END = re.compile(r"\.(?:\s|$)")
+_INLINE_MATH = re.compile(r"(?<!\\)\$((?:\\\$|[^$])+?)(?<!\\)\$")  # $...$, where \$ is a dollar sign
+_WHOLE_TEXT = re.compile(r"^\\(?:text|textbf|mathrm|mbox)\{(.*)\}$", re.DOTALL)
+_SIZED_DELIMITER = re.compile(r"\\(?:left|right)(?![A-Za-z])")  # \left( but not \leftarrow
+_NORMALISE_DROP = ("\\!", "\\,", "\\;", "\\:", "\\ ", "^\\circ", "^{\\circ}", "\\%", "%", "\\$")
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """A reward with what was parsed and why, for logs."""
+
+    score: float
+    answer: str | None  # the extracted final answer, None when nothing was found
+    source: str  # where the answer came from: boxed | answer-is | #### | last-number | none
+    reason: str  # exact-match | math-verify-equal | math-verify-different | math-verify-unparsable | no-answer
+    #              | timeout | error: <what>
+
+
+def find_last_boxed(text: str) -> str | None:
+    """Content of the last complete \\boxed{...} or \\fbox{...} (also the brace-less `\\boxed 5` form)."""
+    position = len(text)
+    while True:
+        start = max(text.rfind(command, 0, position) for command in _BOX_COMMANDS)
+        if start < 0:
+            return None
+        command = next(c for c in _BOX_COMMANDS if text.startswith(c, start))
+        content = _read_box_argument(text, start + len(command))
+        if content is not None:
+            return content.strip()
+        position = start
+
+
+def _read_box_argument(text: str, index: int) -> str | None:
+    """The argument after a box command at `index`: a balanced {...} group or one space-separated token."""
+    if text.startswith("{", index):
+        depth = 0
+        for end in range(index, len(text)):
+            if text[end] == "{":
+                depth += 1
+            elif text[end] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[index + 1 : end]
+        return None  # unbalanced: the response was cut inside the box
+    if text.startswith(" ", index):
+        token = text[index + 1 :].split(maxsplit=1)
+        if token:
+            return token[0].rstrip("$.")
+    return None
+
+
+def _after_answer_is(text: str) -> str | None:
+    """What follows the last "the answer is", up to the end of that sentence or line."""
+    matches = list(_ANSWER_IS.finditer(text))
+    if not matches:
+        return None
+    tail = text[matches[-1].end() :].split("\n", 1)[0]
+    inline_math = _INLINE_MATH.search(tail)
+    if inline_math:
+        return inline_math.group(1).strip() or None
+    sentence_end = _SENTENCE_END.search(tail)
+    if sentence_end:
+        tail = tail[: sentence_end.start()]
+    return tail.strip().strip("$").rstrip(".").strip() or None
+
+
+def _after_hash_mark(text: str) -> str | None:
+    index = text.rfind(_HASH_MARK)
+    if index < 0:
+        return None
+    return text[index + len(_HASH_MARK) :].split("\n", 1)[0].strip().rstrip(".") or None
+
+
+def _last_number(text: str) -> str | None:
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def extract_final_answer(response: str) -> tuple[str | None, str]:
+    """(answer, source) in priority order: last box, "the answer is", ####, last number."""
+    for source, extract in (
+        ("boxed", find_last_boxed),
+        ("answer-is", _after_answer_is),
+        (_HASH_MARK, _after_hash_mark),
+        ("last-number", _last_number),
+    ):
+        answer = extract(response)
+        if answer:
+            return answer, source
+    return None, "none"
+
+
+def normalize_answer(answer: str) -> str:
+    """A mild canonical form used for exact matching and for majority voting; never decides inequality."""
+    text = answer.strip().strip("$").strip()
+    whole_text = _WHOLE_TEXT.match(text)
+    if whole_text:
+        text = whole_text.group(1)
+    text = _SIZED_DELIMITER.sub("", text)
+    for token in _NORMALISE_DROP:
+        text = text.replace(token, "")
+    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    return "".join(text.split()).rstrip(".")
+
+
+def _verify_pair(answer: str, reference: str, timeout_seconds: int) -> tuple[bool | None, str]:
+    """Runs in a worker process: math-verify equivalence of two extracted answers."""
+    from math_verify import parse, verify
+    from math_verify.errors import TimeoutException
+
+    try:
+        gold = parse(f"\\boxed{{{reference}}}", parsing_timeout=timeout_seconds, raise_on_error=True)
+        predicted = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout_seconds, raise_on_error=True)
+        if not gold or not predicted:
+            return False, "math-verify-unparsable"
+        equal = verify(gold, predicted, timeout_seconds=timeout_seconds, raise_on_error=True)
+    except TimeoutException:
+        return None, "timeout"
+    except Exception as error:  # sympy raises many exception types on odd input; all mean "not verified"
+        return False, f"error: {type(error).__name__}"
+    return bool(equal), "math-verify-equal" if equal else "math-verify-different"
+
+
+def _worker_main(connection: Connection, timeout_seconds: int) -> None:
+    """Import math-verify, say ready, then serve (answer, reference) pairs until the parent closes the pipe."""
+    import math_verify  # noqa: F401  (imported before "ready", so no deadline pays for the import)
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    connection.send("ready")
+    while True:
+        try:
+            answer, reference = connection.recv()
+        except EOFError:
+            return
+        connection.send(_verify_pair(answer, reference, timeout_seconds))
+
+
+class _Worker:
+    def __init__(self, timeout_seconds: int):
+        context = multiprocessing.get_context("spawn")
+        self.connection, child_connection = context.Pipe()
+        self.process = context.Process(target=_worker_main, args=(child_connection, timeout_seconds), daemon=True)
+        self.process.start()
+        child_connection.close()
+
+    def wait_ready(self) -> None:
+        try:
+            if self.connection.poll(WORKER_STARTUP_TIMEOUT_S) and self.connection.recv() == "ready":
+                return
+        except EOFError:
+            pass
+        self.kill()
+        raise RuntimeError(
+            f"a math-verify worker process did not start within {WORKER_STARTUP_TIMEOUT_S:.0f} s; check that "
+            "math_verify imports (`python -c 'import math_verify'`) and that the machine is not out of memory"
+        )
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.connection.close()
+
+
+class VerifierPool:
+    """Worker processes that run math-verify, one pair each at a time, each under a hard deadline.
+
+    `verify(pairs)` is thread-safe (calls are serialised); a worker that overruns its deadline or dies is
+    killed and replaced, and its pair is reported as a timeout or error instead of blocking the batch.
+    """
+
+    def __init__(self, num_workers: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.num_workers = num_workers or min(4, os.cpu_count() or 1)
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be at least 1, got {self.num_workers}")
+        self.timeout_s = timeout_s
+        self._soft_timeout_seconds = max(1, math.ceil(timeout_s))  # math-verify takes whole seconds
+        self._hard_deadline_s = self._soft_timeout_seconds + HARD_DEADLINE_GRACE_S
+        self._workers = [_Worker(self._soft_timeout_seconds) for _ in range(self.num_workers)]
+        for worker in self._workers:  # started together, waited on in turn
+            worker.wait_ready()
+        self._lock = threading.Lock()
+
+    def worker_pids(self) -> list[int]:
+        return [worker.process.pid for worker in self._workers]
+
+    def verify(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[bool | None, str]]:
+        """(equal, reason) per (answer, reference) pair; equal is None on timeout."""
+        with self._lock:
+            if not self._workers:
+                raise RuntimeError("VerifierPool.verify called after close(); create a new pool")
+            return self._run(pairs)
+
+    def _run(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[bool | None, str]]:
+        results: list[tuple[bool | None, str] | None] = [None] * len(pairs)
+        pending = deque(range(len(pairs)))
+        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (pair index, deadline)
+        while pending or busy:
+            for slot in range(len(self._workers)):
+                if slot not in busy and pending:
+                    if not self._workers[slot].process.is_alive():
+                        self._replace(slot)
+                    index = pending.popleft()
+                    self._workers[slot].connection.send(pairs[index])
+                    busy[slot] = (index, time.monotonic() + self._hard_deadline_s)
+            nearest_deadline = min(deadline for _, deadline in busy.values())
+            wait([self._workers[slot].connection for slot in busy], max(0.0, nearest_deadline - time.monotonic()))
+            for slot in list(busy):
+                index, deadline = busy.pop(slot)
+                connection = self._workers[slot].connection
+                # poll() again rather than trusting wait(): a replacement below may take seconds.
+                if connection.poll():
+                    try:
+                        results[index] = connection.recv()
+                    except (EOFError, OSError):
+                        results[index] = (False, "error: verifier worker died")
+                        self._replace(slot)
+                elif time.monotonic() >= deadline:
+                    results[index] = (None, "timeout")
+                    self._replace(slot)
+                else:
+                    busy[slot] = (index, deadline)
+        return results  # type: ignore[return-value]
+
+    def _replace(self, slot: int) -> None:
+        self._workers[slot].kill()
+        self._workers[slot] = _Worker(self._soft_timeout_seconds)
+        self._workers[slot].wait_ready()
+
+    def close(self) -> None:
+        with self._lock:
+            for worker in self._workers:
+                worker.kill()
+            self._workers = []
+
+    def __enter__(self) -> "VerifierPool":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+_default_pool: VerifierPool | None = None
+_default_pool_lock = threading.Lock()
+
+
+def default_pool() -> VerifierPool:
+    """The process-wide pool used when no pool is passed; started on first use, closed at exit."""
+    global _default_pool
+    with _default_pool_lock:
+        if _default_pool is None:
+            _default_pool = VerifierPool()
+            atexit.register(_default_pool.close)
+        return _default_pool
+
+
+def score_batch(
+    responses: Sequence[str],
+    references: Sequence[str],
+    pool: VerifierPool | None = None,
+    format_reward: float = 0.0,
+) -> list[ScoreResult]:
+    """Score many responses; pairs that need math-verify go to the pool in one batch."""
+    if len(responses) != len(references):
+        raise ValueError(f"got {len(responses)} responses but {len(references)} references; pass one reference each")
+    results: list[ScoreResult | None] = [None] * len(responses)
+    to_verify: list[int] = []
+    extracted: list[tuple[str | None, str]] = []
+    for index, (response, reference) in enumerate(zip(responses, references)):
+        answer, source = extract_final_answer(response)
+        extracted.append((answer, source))
+        if answer is None:
+            results[index] = ScoreResult(0.0, None, source, "no-answer")
+        elif normalize_answer(answer) == normalize_answer(str(reference)):
+            results[index] = ScoreResult(1.0, answer, source, "exact-match")
+        else:
+            to_verify.append(index)
+    if to_verify:
+        pool = pool or default_pool()
+        verdicts = pool.verify([(extracted[i][0], str(references[i])) for i in to_verify])
+        for index, (equal, reason) in zip(to_verify, verdicts):
+            answer, source = extracted[index]
+            if equal:
+                score = 1.0
+            else:
+                score = format_reward if source == "boxed" else 0.0
+            if equal is None:
+                logger.warning(
+                    "math reward: verification of answer %.80r against %.80r timed out after %.1f s; scored 0",
+                    answer,
+                    references[index],
+                    pool.timeout_s,
+                )
+            results[index] = ScoreResult(score, answer, source, reason)
+    return results  # type: ignore[return-value]
+
+
+def score_with_details(
+    response: str, reference: str, pool: VerifierPool | None = None, format_reward: float = 0.0
+) -> ScoreResult:
+    """compute_score with the parsed answer, where it came from, and the reason."""
+    return score_batch([response], [reference], pool=pool, format_reward=format_reward)[0]
+
+
+def compute_score(response: str, reference: str, pool: VerifierPool | None = None, format_reward: float = 0.0) -> float:
+    """1.0 when the response's final answer is equivalent to `reference` (an answer, not a solution), else 0.0.
+
+    `format_reward` (default 0) is given instead of 0 to a wrong answer that was written in \\boxed{}.
+    """
+    return score_with_details(response, reference, pool=pool, format_reward=format_reward).score

@@ -1,0 +1,230 @@
+"""Async HTTP client for SGLang-compatible rollout servers (SGLang itself or the embedded engine).
+
+prompts ──► one /generate request per prompt (input_ids, sampling_params with n, return_logprob)
+        ──► spread over servers (least requests in flight) under a concurrency limit
+        ──► completions yielded as each request finishes
+
+Invariants:
+- every wait is bounded: each request has `request_timeout_s`, each failure is retried at most `max_retries`
+  times, then `RolloutServerError` names the server URL and the cause;
+- a failed request is retried on the next server; with a `supervisor` (launcher.ServerPool) the dead server is
+  restarted and re-synced before the retry;
+- payload fields are exactly those of SGLang's `GenerateReqInput` / `SamplingParams` (checked against the
+  installed wheel by tests/test_rollout_contract.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class RolloutServerError(RuntimeError):
+    """A rollout server could not be reached or answered with an error."""
+
+
+@dataclass
+class SamplingParams:
+    """Maps onto SGLang's `sampling_params` dict."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p={self.top_p} must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k={self.top_k} must be -1 (all tokens) or >= 1")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens} must be >= 0")
+
+    def to_sglang(self, n: int = 1) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+            "n": n,
+        }
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        return params
+
+
+@dataclass
+class Completion:
+    prompt_index: int  # index into the prompts list given to generate
+    sample_index: int  # 0..n-1
+    output_ids: list[int]  # response token ids (no prompt)
+    output_logprobs: list[float]  # one per output id, from the rollout engine
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: str | None
+
+
+class Supervisor(Protocol):
+    """What the client needs from launcher.ServerPool: make a failed server healthy again (bounded)."""
+
+    def ensure_alive(self, url: str) -> None: ...
+
+
+def generate_payload(input_ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
+    """The /generate body for one prompt and n samples (SGLang's GenerateReqInput fields)."""
+    return {"input_ids": list(input_ids), "sampling_params": params.to_sglang(n), "return_logprob": True}
+
+
+def parse_generate_response(body: Any, prompt_index: int, n: int, url: str) -> list[Completion]:
+    """SGLang answers a dict for one sample and a list of n dicts (sample order) for n > 1."""
+    outputs = body if isinstance(body, list) else [body]
+    if len(outputs) != n:
+        raise RolloutServerError(f"{url}/generate returned {len(outputs)} outputs for n={n}")
+    completions = []
+    for sample_index, output in enumerate(outputs):
+        meta = output["meta_info"]
+        triples = meta.get("output_token_logprobs") or []  # [[logprob, token_id, text-or-None], ...]
+        output_ids = list(output["output_ids"])
+        if [token for _, token, _ in triples] != output_ids:
+            raise RolloutServerError(f"{url}/generate: output_token_logprobs do not match output_ids")
+        finish = meta.get("finish_reason") or {}
+        completions.append(Completion(
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+            output_ids=output_ids,
+            output_logprobs=[float(logprob) for logprob, _, _ in triples],
+            finish_reason=finish.get("type", "abort") if isinstance(finish, dict) else str(finish),
+            weight_version=meta.get("weight_version"),
+        ))
+    return completions
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def control_request(url: str, path: str, payload: dict | None = None, method: str = "POST",
+                    timeout_s: float = 60.0, api_key: str | None = None) -> Any:
+    """Blocking JSON call to a control endpoint (pause, flush, weight update); raises RolloutServerError."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url.rstrip("/") + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **auth_headers(api_key)})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            text = response.read().decode()
+    except urllib.error.HTTPError as error:
+        detail = error.read().decode(errors="replace")[:2000]
+        raise RolloutServerError(f"{method} {url}{path} failed with HTTP {error.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as error:
+        raise RolloutServerError(f"{method} {url}{path} failed: {error}; is the server running?") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class RolloutClient:
+    """Generate n samples per prompt on SGLang-compatible servers; see the module docstring."""
+
+    def __init__(self, urls: list[str], max_concurrency: int = 32, request_timeout_s: float = 300.0,
+                 max_retries: int = 3, api_key: str | None = None, supervisor: Supervisor | None = None,
+                 retry_backoff_s: float = 0.5):
+        if not urls:
+            raise ValueError("RolloutClient needs at least one server URL (e.g. http://127.0.0.1:30000)")
+        if max_concurrency < 1 or max_retries < 0 or request_timeout_s <= 0:
+            raise ValueError(f"RolloutClient: max_concurrency={max_concurrency} must be >= 1, max_retries="
+                             f"{max_retries} >= 0 and request_timeout_s={request_timeout_s} > 0")
+        self.urls = [url.rstrip("/") for url in urls]
+        self.max_concurrency = max_concurrency
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.api_key = api_key
+        self.supervisor = supervisor
+        self.retry_backoff_s = retry_backoff_s
+        self._in_flight = dict.fromkeys(self.urls, 0)
+
+    def _pick_server(self, avoid: set[str]) -> str:
+        candidates = [url for url in self.urls if url not in avoid] or self.urls
+        return min(candidates, key=lambda url: self._in_flight[url])
+
+    async def _post_generate(self, session, url: str, payload: dict) -> Any:
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+        async with session.post(f"{url}/generate", json=payload, timeout=timeout,
+                                headers=auth_headers(self.api_key)) as response:
+            if response.status != 200:
+                detail = (await response.text())[:2000]
+                raise RolloutServerError(f"{url}/generate failed with HTTP {response.status}: {detail}")
+            return await response.json()
+
+    async def _generate_one(self, session, semaphore, prompt_index: int, input_ids: list[int],
+                            params: SamplingParams, n: int) -> list[Completion]:
+        import aiohttp
+
+        payload = generate_payload(input_ids, params, n)
+        failed: set[str] = set()
+        errors = []
+        async with semaphore:
+            for attempt in range(self.max_retries + 1):
+                url = self._pick_server(failed)
+                self._in_flight[url] += 1
+                try:
+                    body = await self._post_generate(session, url, payload)
+                    return parse_generate_response(body, prompt_index, n, url)
+                except (TimeoutError, aiohttp.ClientError, RolloutServerError) as error:
+                    errors.append(f"{url}: {type(error).__name__}: {error}")
+                    failed.add(url)
+                finally:
+                    self._in_flight[url] -= 1
+                if attempt == self.max_retries:
+                    break
+                if self.supervisor is not None:
+                    # Restart (and re-sync) a dead server before retrying; bounded inside the pool.
+                    await asyncio.to_thread(self.supervisor.ensure_alive, url)
+                    failed.discard(url)
+                await asyncio.sleep(self.retry_backoff_s * 2**attempt)
+        raise RolloutServerError(
+            f"generate for prompt {prompt_index} failed after {len(errors)} attempts; last errors: "
+            + " | ".join(errors[-3:])
+        )
+
+    async def agenerate(self, prompts: list[list[int]], params: SamplingParams,
+                        n: int = 1) -> AsyncIterator[Completion]:
+        """Yield completions as their requests finish (order not guaranteed)."""
+        import aiohttp
+
+        if n < 1:
+            raise ValueError(f"n={n} samples per prompt must be >= 1")
+        for index, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt {index} is empty; every prompt needs at least one token id")
+        semaphore = asyncio.Semaphore(self.max_concurrency)
+        connector = aiohttp.TCPConnector(limit=self.max_concurrency)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            tasks = [asyncio.ensure_future(self._generate_one(session, semaphore, index, prompt, params, n))
+                     for index, prompt in enumerate(prompts)]
+            try:
+                for finished in asyncio.as_completed(tasks):
+                    for completion in await finished:
+                        yield completion
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Completion]:
+        """Blocking; sorted by (prompt_index, sample_index)."""
+
+        async def collect():
+            return [completion async for completion in self.agenerate(prompts, params, n)]
+
+        completions = asyncio.run(collect())
+        return sorted(completions, key=lambda c: (c.prompt_index, c.sample_index))

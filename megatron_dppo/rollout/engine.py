@@ -1,0 +1,564 @@
+"""Embedded rollout server for CPU: SGLang's HTTP endpoints served from an HF transformers model.
+
+requests ──► queue ──► batch loop (collect for `batch_window_s`) ──► one batched sampling loop with a KV cache
+weights  ──► /init_weights_update_group, then /update_weights_from_distributed per bucket (receive, load by HF name)
+
+Endpoints (same routes, fields and response layout as SGLang 0.5.23): /generate, /health, /health_generate,
+/model_info, /flush_cache, /pause_generation, /continue_generation, /init_weights_update_group,
+/update_weights_from_distributed, /destroy_weights_update_group, /update_weights_from_disk.
+
+Log-probs follow SGLang's default: the log-softmax of logits / temperature at the sampled token, before
+top-p/top-k filtering (greedy, temperature 0: raw logits). At temperature 1.0 they are the model's own
+log-probs, which is what the trainer recomputes.
+
+Invariants:
+- generation and weight loading never overlap (one lock); pause(abort) ends running sequences with
+  finish_reason "abort", pause(retract) puts them back in the queue with their tokens, resumed on continue;
+- every received tensor must name a parameter of the model with the same shape, or the update fails
+  and says which names were wrong.
+
+Run: python -m megatron_dppo.rollout.engine --model-dir DIR [--host 127.0.0.1] [--port P] [--api-key K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_dppo.rollout.weight_sync import (
+    destroy_weight_update_group,
+    init_weight_update_group,
+    unpack_bucket,
+)
+
+TOP_K_ALL = -1
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (answered with HTTP 400 and this message)."""
+
+
+@dataclass
+class SequenceParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = TOP_K_ALL
+    max_new_tokens: int = 128
+    stop_token_ids: set[int] = field(default_factory=set)
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_sglang(cls, params: dict) -> tuple[SequenceParams, int]:
+        """Parse SGLang's sampling_params dict; returns the params and n (samples per prompt)."""
+        known = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "n"}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise RequestError(f"sampling_params {unknown} are not supported by the embedded engine; "
+                               f"supported: {sorted(known)}")
+        top_k = int(params.get("top_k", TOP_K_ALL) if params.get("top_k") is not None else TOP_K_ALL)
+        parsed = cls(
+            temperature=float(params.get("temperature", 1.0) if params.get("temperature") is not None else 1.0),
+            top_p=float(params.get("top_p", 1.0) if params.get("top_p") is not None else 1.0),
+            top_k=TOP_K_ALL if top_k >= 1 << 30 else top_k,
+            max_new_tokens=int(params.get("max_new_tokens", 128) if params.get("max_new_tokens") is not None
+                               else 128),
+            stop_token_ids=set(params.get("stop_token_ids") or []),
+            ignore_eos=bool(params.get("ignore_eos", False)),
+        )
+        n = int(params.get("n", 1) or 1)
+        if parsed.temperature < 0 or not 0 < parsed.top_p <= 1 or parsed.top_k == 0 or parsed.top_k < -1:
+            raise RequestError(f"invalid sampling_params {params}: need temperature >= 0, 0 < top_p <= 1, "
+                               "top_k -1 or >= 1")
+        if parsed.max_new_tokens < 0 or n < 1:
+            raise RequestError(f"invalid sampling_params {params}: need max_new_tokens >= 0 and n >= 1")
+        return parsed, n
+
+
+@dataclass
+class Sequence:
+    """One sample being generated; `output_ids` survive a retract and generation resumes after them."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SequenceParams
+    return_logprob: bool
+    logprob_start_len: int
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    finish_reason: dict | None = None
+    done: asyncio.Future | None = None
+
+
+def sample_next_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (tokens [B], SGLang-style log-probs of those tokens [B]).
+
+    logits [B, V] fp32; temperature/top_p [B] float; top_k [B] long (-1 = all). Rows with temperature 0 are greedy.
+    """
+    greedy = temperature == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]; the distribution reported to the caller
+
+    filtered = scaled.clone()
+    vocab = logits.shape[-1]
+    k = torch.where(top_k < 1, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
+    sorted_logits, sorted_index = torch.sort(filtered, dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= k[:, None]
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= mass_before > top_p[:, None]  # keep the smallest prefix whose mass reaches top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    filtered.scatter_(-1, sorted_index, sorted_logits)
+    sampled = torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=generator).squeeze(-1)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class EmbeddedEngine:
+    """Model, request queue, batch loop and weight-update state of one embedded rollout server."""
+
+    def __init__(self, model_dir: str, dtype: str = "float32", max_batch_size: int = 64,
+                 batch_window_s: float = 0.005, seed: int = 0, model_name: str | None = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not Path(model_dir, "config.json").is_file():
+            raise FileNotFoundError(f"--model-dir {model_dir} has no config.json; give a saved HF model directory")
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+            raise ValueError(f"--dtype {dtype!r} is not a torch floating dtype (float32, bfloat16, float16)")
+        self.model_dir = model_dir
+        self.model_name = model_name or model_dir
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except (OSError, ValueError):
+            self.tokenizer = None  # input_ids in, output_ids out; text stays empty
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        eos = eos if eos is not None else self.model.config.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.max_batch_size = max_batch_size
+        self.batch_window_s = batch_window_s
+        self.generator = torch.Generator().manual_seed(seed)
+        self.weight_version = "default"
+        self.load_format = None
+        self.groups: dict[str, object] = {}
+        self.waiting: list[Sequence] = []
+        self.running = False
+        self.paused = False
+        self.interrupt = threading.Event()  # set by pause: the running batch stops at its next step
+        self.interrupt_mode = "abort"
+        self.model_lock: asyncio.Lock | None = None
+        self.wakeup: asyncio.Event | None = None
+
+    # ---- generation -------------------------------------------------------------------------------------
+
+    def _parameters_by_name(self) -> dict[str, torch.Tensor]:
+        tensors = dict(self.model.named_parameters(remove_duplicate=False))
+        tensors.update(self.model.named_buffers(remove_duplicate=False))
+        return tensors
+
+    @torch.no_grad()
+    def generate_batch(self, batch: list[Sequence]) -> None:
+        """Run the sampling loop for `batch` until each sequence finishes or a pause interrupts it."""
+        contexts = [seq.prompt_ids + seq.output_ids for seq in batch]
+        width = max(map(len, contexts))
+        input_ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, T], left-padded
+        attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, context in enumerate(contexts):
+            input_ids[row, width - len(context):] = torch.tensor(context)
+            attention_mask[row, width - len(context):] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        temperature = torch.tensor([seq.params.temperature for seq in batch], dtype=torch.float32)
+        top_p = torch.tensor([seq.params.top_p for seq in batch], dtype=torch.float32)
+        top_k = torch.tensor([seq.params.top_k for seq in batch], dtype=torch.long)
+
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True)
+        logits = out.logits.float()  # [B, T, V]
+        for row, seq in enumerate(batch):
+            if seq.return_logprob and seq.logprob_start_len >= 0 and seq.input_logprobs is None:
+                seq.input_logprobs = self._prompt_logprobs(logits[row, width - len(contexts[row]):],
+                                                           seq, temperature[row])
+        active = [seq.finish_reason is None and len(seq.output_ids) < seq.params.max_new_tokens for seq in batch]
+        for row, seq in enumerate(batch):
+            if not active[row] and seq.finish_reason is None:
+                seq.finish_reason = {"type": "length", "length": seq.params.max_new_tokens}
+        next_logits = logits[:, -1]
+        past = out.past_key_values
+        positions = position_ids[:, -1]
+        while any(active):
+            if self.interrupt.is_set():
+                return  # the pause handler decides what happens to unfinished sequences
+            tokens, token_logprobs = sample_next_tokens(next_logits, temperature, top_p, top_k, self.generator)
+            for row, seq in enumerate(batch):
+                if not active[row]:
+                    continue
+                token = int(tokens[row])
+                seq.output_ids.append(token)
+                seq.output_logprobs.append(float(token_logprobs[row]))
+                stops = seq.params.stop_token_ids | (set() if seq.params.ignore_eos else self.eos_token_ids)
+                if token in stops:
+                    seq.finish_reason = {"type": "stop", "matched": token}
+                elif len(seq.output_ids) >= seq.params.max_new_tokens:
+                    seq.finish_reason = {"type": "length", "length": seq.params.max_new_tokens}
+                elif self.max_positions and len(seq.prompt_ids) + len(seq.output_ids) >= self.max_positions:
+                    seq.finish_reason = {"type": "length", "length": len(seq.output_ids)}
+                active[row] = seq.finish_reason is None
+            if not any(active):
+                return
+            attention_mask = torch.cat([attention_mask, torch.ones(len(batch), 1, dtype=torch.long)], dim=1)
+            positions = positions + 1
+            out = self.model(input_ids=tokens[:, None], attention_mask=attention_mask,
+                             position_ids=positions[:, None], past_key_values=past, use_cache=True)
+            next_logits, past = out.logits[:, -1].float(), out.past_key_values
+
+    def _prompt_logprobs(self, logits: torch.Tensor, seq: Sequence, temperature: torch.Tensor) -> list:
+        """SGLang's input_token_logprobs: position i scores token i given tokens < i; position 0 has None."""
+        scale = temperature if temperature > 0 else torch.tensor(1.0)
+        logprobs = torch.log_softmax(logits[: len(seq.prompt_ids) - 1] / scale, dim=-1)  # [P-1, V]
+        targets = torch.tensor(seq.prompt_ids[1:], dtype=torch.long)
+        values = [None] + logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
+        return values[seq.logprob_start_len:]
+
+    async def batch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.wakeup.wait()
+            await asyncio.sleep(self.batch_window_s)  # let concurrent requests join the batch
+            self.wakeup.clear()
+            if self.paused or not self.waiting:
+                continue
+            async with self.model_lock:
+                batch, self.waiting = self.waiting[: self.max_batch_size], self.waiting[self.max_batch_size:]
+                self.running = True
+                try:
+                    await loop.run_in_executor(None, self.generate_batch, batch)
+                except Exception as error:  # a broken batch must not kill the server
+                    for seq in batch:
+                        if not seq.done.done():
+                            seq.done.set_exception(error)
+                    continue
+                finally:
+                    self.running = False
+            interrupted = [seq for seq in batch if seq.finish_reason is None]
+            if interrupted and self.interrupt_mode == "retract":
+                self.waiting = interrupted + self.waiting
+            for seq in interrupted if self.interrupt_mode == "abort" else []:
+                seq.finish_reason = {"type": "abort", "message": "aborted by /pause_generation"}
+            for seq in batch:
+                if seq.finish_reason is not None and not seq.done.done():
+                    seq.done.set_result(None)
+            if self.waiting:
+                self.wakeup.set()
+
+    # ---- HTTP handlers ------------------------------------------------------------------------------------
+
+    def _response(self, seq: Sequence) -> dict:
+        meta = {
+            "id": seq.rid,
+            "finish_reason": seq.finish_reason,
+            "prompt_tokens": len(seq.prompt_ids),
+            "completion_tokens": len(seq.output_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+        }
+        if seq.return_logprob:
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.output_logprobs, seq.output_ids)]
+            meta["output_token_logprobs_length"] = len(seq.output_ids)
+            prompt_tail = seq.prompt_ids[max(seq.logprob_start_len, 0):] if seq.logprob_start_len >= 0 else []
+            meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.input_logprobs or [], prompt_tail)]
+        text = self.tokenizer.decode(seq.output_ids) if self.tokenizer is not None else ""
+        return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
+
+    def _parse_generate(self, body: dict) -> tuple[list[Sequence], bool]:
+        if not isinstance(body, dict) or body.get("input_ids") is None:
+            raise RequestError("the embedded engine needs `input_ids` (a list of token ids or a list of lists); "
+                               "`text` prompts need a tokenizer-backed SGLang server")
+        if body.get("stream"):
+            raise RequestError("stream=true is not supported by the embedded engine")
+        input_ids = body["input_ids"]
+        single = not input_ids or not isinstance(input_ids[0], list)
+        prompts = [input_ids] if single else input_ids
+        if not prompts or any(not prompt for prompt in prompts):
+            raise RequestError("input_ids must hold at least one token per prompt")
+        vocab = self.model.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for prompt in prompts for t in prompt):
+            raise RequestError(f"input_ids must be integers in [0, {vocab})")
+        params_list = body.get("sampling_params") or {}
+        params_list = params_list if isinstance(params_list, list) else [params_list] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise RequestError(f"{len(params_list)} sampling_params for {len(prompts)} prompts")
+        parsed = [SequenceParams.from_sglang(params) for params in params_list]
+        n = parsed[0][1]
+        if any(count != n for _, count in parsed):
+            raise RequestError("every sampling_params entry must have the same n")
+        return_logprob = bool(body.get("return_logprob") or False)
+        logprob_start_len = body.get("logprob_start_len")
+        logprob_start_len = -1 if logprob_start_len is None else int(logprob_start_len)
+        sequences = []
+        for _ in range(n):  # SGLang's expansion order: all prompts for sample 0, then sample 1, ...
+            for prompt, (params, _) in zip(prompts, parsed):
+                if self.max_positions and len(prompt) >= self.max_positions:
+                    raise RequestError(f"prompt of {len(prompt)} tokens exceeds the model's "
+                                       f"{self.max_positions} positions")
+                if logprob_start_len >= len(prompt):
+                    raise RequestError(f"logprob_start_len={logprob_start_len} >= prompt length {len(prompt)}")
+                sequences.append(Sequence(rid=uuid.uuid4().hex, prompt_ids=list(prompt), params=params,
+                                          return_logprob=return_logprob, logprob_start_len=logprob_start_len))
+        return sequences, single and n == 1
+
+    async def generate(self, body: dict):
+        sequences, single = self._parse_generate(body)
+        loop = asyncio.get_running_loop()
+        for seq in sequences:
+            seq.done = loop.create_future()
+        self.waiting.extend(sequences)
+        self.wakeup.set()
+        await asyncio.gather(*(seq.done for seq in sequences))
+        responses = [self._response(seq) for seq in sequences]
+        return responses[0] if single else responses
+
+    async def pause(self, mode: str) -> None:
+        if mode not in ("abort", "retract"):
+            raise RequestError(f"pause mode {mode!r} is not supported by the embedded engine; use abort or retract")
+        self.paused = True
+        self.interrupt_mode = mode
+        self.interrupt.set()
+        async with self.model_lock:  # wait until the running batch has stopped
+            pass
+        if mode == "abort":
+            for seq in self.waiting:
+                seq.finish_reason = {"type": "abort", "message": "aborted by /pause_generation"}
+                seq.done.set_result(None)
+            self.waiting = []
+
+    def resume(self) -> None:
+        self.paused = False
+        self.interrupt.clear()
+        self.wakeup.set()
+
+    def join_group(self, body: dict) -> None:
+        name = body.get("group_name", "weight_update_group")
+        if name in self.groups:
+            raise RequestError(f"weight update group {name!r} already exists; destroy it first")
+        self.groups[name] = init_weight_update_group(
+            body.get("backend", "nccl"), body["master_address"], int(body["master_port"]),
+            int(body["rank_offset"]), int(body["world_size"]), name,
+        )
+
+    def leave_group(self, body: dict) -> None:
+        name = body.get("group_name", "weight_update_group")
+        if name not in self.groups:
+            raise RequestError(f"no weight update group {name!r}")
+        destroy_weight_update_group(self.groups.pop(name))
+
+    def receive(self, body: dict) -> list[tuple[str, torch.Tensor]]:
+        """Receive one bucket (flattened_bucket: one broadcast; default: one per tensor) from group rank 0."""
+        name = body.get("group_name", "weight_update_group")
+        if name not in self.groups:
+            raise RequestError(f"weight update group {name!r} does not exist; call /init_weights_update_group")
+        group = self.groups[name]
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        load_format = body.get("load_format")
+        if load_format == "flattened_bucket":
+            nbytes = sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+                         for dtype, shape in zip(dtypes, shapes))
+            flat = torch.empty(nbytes, dtype=torch.uint8)
+            group.broadcast(flat, 0).wait()
+            return unpack_bucket(flat, names, dtypes, shapes)
+        if load_format is None:
+            received = []
+            for tensor_name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                group.broadcast(tensor, 0).wait()
+                received.append((tensor_name, tensor))
+            return received
+        raise RequestError(f"load_format {load_format!r} is not supported; use null or 'flattened_bucket'")
+
+    @torch.no_grad()
+    def load_named_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        targets = self._parameters_by_name()
+        unknown = [name for name, _ in named_tensors if name not in targets]
+        mismatched = [f"{name} {list(t.shape)} vs {list(targets[name].shape)}" for name, t in named_tensors
+                      if name in targets and t.shape != targets[name].shape]
+        if unknown or mismatched:
+            raise RequestError(f"weights do not fit the model: unknown names {unknown[:8]}, "
+                               f"shape mismatches {mismatched[:8]}")
+        for name, tensor in named_tensors:
+            targets[name].copy_(tensor)  # tied embeddings share storage, so either name updates both
+
+    def load_from_disk(self, body: dict) -> None:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(body["model_path"]).glob("*.safetensors"))
+        if not files:
+            raise RequestError(f"model_path {body['model_path']} has no *.safetensors files")
+        self.load_named_tensors([item for file in files for item in load_file(file).items()])
+
+    def model_info(self) -> dict:
+        return {
+            "model_path": self.model_dir, "served_model_name": self.model_name,
+            "tokenizer_path": self.model_dir if self.tokenizer is not None else None,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
+            "load_format": self.load_format, "reasoning_parser": None, "tool_call_parser": None,
+            "model_type": self.model.config.model_type, "architectures": self.model.config.architectures,
+        }
+
+
+def build_app(engine: EmbeddedEngine, api_key: str | None = None):
+    from aiohttp import web
+
+    async def json_body(request) -> dict:
+        if not request.can_read_body:
+            return {}
+        try:
+            return await request.json()
+        except ValueError as error:
+            raise RequestError(f"request body is not JSON: {error}") from None
+
+    def handler(fn):
+        async def wrapped(request):
+            try:
+                return await fn(request)
+            except (RequestError, KeyError, TypeError) as error:
+                message = f"missing field {error}" if isinstance(error, KeyError) else str(error)
+                return web.json_response({"error": {"message": message}, "success": False, "message": message},
+                                         status=400)
+        return wrapped
+
+    @web.middleware
+    async def check_api_key(request, handler):
+        # As SGLang: health probes stay open; everything else needs "Authorization: Bearer <key>".
+        if api_key and not request.path.startswith("/health"):
+            if request.headers.get("Authorization", "") != f"Bearer {api_key}":
+                return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
+        return await handler(request)
+
+    async def generate(request):
+        return web.json_response(await engine.generate(await json_body(request)))
+
+    async def health(request):
+        return web.Response(status=200)
+
+    async def health_generate(request):
+        if engine.paused or engine.running:
+            return web.Response(status=200)
+        try:
+            await asyncio.wait_for(engine.generate({"input_ids": [0], "sampling_params": {
+                "max_new_tokens": 1, "temperature": 0.0}}), timeout=20)
+        except (TimeoutError, RuntimeError):
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def model_info(request):
+        return web.json_response(engine.model_info())
+
+    async def flush_cache(request):
+        # No cache outlives a request here; like SGLang, refuse while requests are running or waiting.
+        if engine.running or (engine.waiting and not engine.paused):
+            return web.Response(status=400, text="Cache not flushed: requests are running.\n")
+        return web.Response(status=200, text="Cache flushed.\n")
+
+    async def pause_generation(request):
+        await engine.pause((await json_body(request)).get("mode", "abort"))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(request):
+        engine.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def locked_call(fn, body) -> None:
+        async with engine.model_lock:
+            await asyncio.get_running_loop().run_in_executor(None, fn, body)
+
+    async def init_group(request):
+        await locked_call(engine.join_group, await json_body(request))
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def destroy_group(request):
+        await locked_call(engine.leave_group, await json_body(request))
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def update_distributed(request):
+        body = await json_body(request)
+        async with engine.model_lock:  # generation never sees a half-loaded bucket
+            loop = asyncio.get_running_loop()
+            received = await loop.run_in_executor(None, engine.receive, body)
+            await loop.run_in_executor(None, engine.load_named_tensors, received)
+        if body.get("weight_version") is not None:
+            engine.weight_version = str(body["weight_version"])
+        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def update_from_disk(request):
+        body = await json_body(request)
+        await locked_call(engine.load_from_disk, body)
+        engine.load_format = body.get("load_format")
+        if body.get("weight_version") is not None:
+            engine.weight_version = str(body["weight_version"])
+        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+                                  "num_paused_requests": 0})
+
+    app = web.Application(middlewares=[check_api_key], client_max_size=1024**3)
+    app.router.add_route("POST", "/generate", handler(generate))
+    app.router.add_route("PUT", "/generate", handler(generate))
+    app.router.add_get("/health", handler(health))
+    app.router.add_get("/health_generate", handler(health_generate))
+    app.router.add_get("/model_info", handler(model_info))
+    app.router.add_route("*", "/flush_cache", handler(flush_cache))
+    app.router.add_post("/pause_generation", handler(pause_generation))
+    app.router.add_post("/continue_generation", handler(continue_generation))
+    app.router.add_post("/init_weights_update_group", handler(init_group))
+    app.router.add_post("/destroy_weights_update_group", handler(destroy_group))
+    app.router.add_post("/update_weights_from_distributed", handler(update_distributed))
+    app.router.add_post("/update_weights_from_disk", handler(update_from_disk))
+
+    async def start_batch_loop(app):
+        engine.model_lock = asyncio.Lock()
+        engine.wakeup = asyncio.Event()
+        app["batch_loop"] = asyncio.create_task(engine.batch_loop())
+
+    async def stop_batch_loop(app):
+        app["batch_loop"].cancel()
+
+    app.on_startup.append(start_batch_loop)
+    app.on_cleanup.append(stop_batch_loop)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", required=True, help="saved HF model directory (config.json + weights)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--api-key", default=os.environ.get("MEGATRON_DPPO_ENGINE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on every route except /health*")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: cores / 2)")
+    args = parser.parse_args(argv)
+
+    from aiohttp import web
+
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
+    engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed)
+    start = time.perf_counter()
+    print(f"embedded engine: model {args.model_dir} loaded, serving http://{args.host}:{args.port}", flush=True)
+    web.run_app(build_app(engine, args.api_key), host=args.host, port=args.port, print=None,
+                handle_signals=True, shutdown_timeout=1.0)
+    print(f"embedded engine stopped after {time.perf_counter() - start:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""Start, probe and restart rollout servers: the embedded engine, SGLang servers, or external URLs.
+
+launch ──► wait on /health_generate (bounded) ──► ServerPool
+ServerPool.ensure_alive(url): dead process → restart on the same port → wait healthy
+                              → weight syncer re-joins the group with every engine → resync callback
+
+Invariants:
+- every wait is bounded (`startup_timeout_s`); a server that exits or never gets healthy raises
+  RolloutServerError with the command and the tail of its log;
+- servers started here are stopped with their whole process group; external URLs are only probed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from megatron_dppo.rollout.client import RolloutServerError, control_request
+
+DEFAULT_STARTUP_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = None,
+                 describe: Callable[[], str] = lambda: "") -> None:
+    """Poll GET /health_generate until 200; fail early if `process` exits."""
+    deadline = time.monotonic() + timeout_s
+    last_error = "no answer yet"
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RolloutServerError(f"rollout server {url} exited with code {process.returncode} while starting."
+                                     f"{describe()}")
+        try:
+            control_request(url, "/health_generate", None, "GET", timeout_s=5.0)
+            return
+        except RolloutServerError as error:
+            last_error = str(error)
+        time.sleep(0.2)
+    raise RolloutServerError(f"rollout server {url} not healthy after {timeout_s} s ({last_error}).{describe()}")
+
+
+class ServerHandle:
+    """One server process started here (or an external URL when `command` is None)."""
+
+    def __init__(self, url: str, command: list[str] | None = None, env: dict | None = None,
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S):
+        self.url = url.rstrip("/")
+        self.command = command
+        self.env = env
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+        self.restarts = 0
+
+    def start(self) -> ServerHandle:
+        if self.command is None:
+            wait_healthy(self.url, self.startup_timeout_s)
+            return self
+        log = tempfile.NamedTemporaryFile("w", prefix="rollout_server_", suffix=".log", delete=False)
+        self.log_path = Path(log.name)
+        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                        start_new_session=True)
+        log.close()
+        try:
+            wait_healthy(self.url, self.startup_timeout_s, self.process, self._describe)
+        except RolloutServerError:
+            self.stop()
+            raise
+        return self
+
+    def _describe(self) -> str:
+        tail = self.log_path.read_text(errors="replace")[-3000:] if self.log_path else ""
+        return f"\ncommand: {' '.join(self.command or [])}\nlog tail:\n{tail}"
+
+    @property
+    def managed(self) -> bool:
+        return self.command is not None
+
+    def alive(self) -> bool:
+        if self.process is not None and self.process.poll() is not None:
+            return False
+        try:
+            control_request(self.url, "/health", None, "GET", timeout_s=5.0)
+            return True
+        except RolloutServerError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.restarts += 1
+        self.start()
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def python_env() -> dict[str, str]:
+    """This environment with the package importable in child processes, even from a source checkout."""
+    repo_root = str(Path(__file__).resolve().parents[2])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))}
+
+
+def embedded_engine_command(model_dir: str, host: str, port: int, **engine_options) -> list[str]:
+    command = [sys.executable, "-m", "megatron_dppo.rollout.engine", "--model-dir", str(model_dir),
+               "--host", host, "--port", str(port)]
+    for key, value in engine_options.items():
+        if value is not None:
+            command += [f"--{key.replace('_', '-')}", str(value)]
+    return command
+
+
+def launch_embedded_engine(model_dir: str, host: str = "127.0.0.1", port: int | None = None,
+                           startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, **engine_options) -> ServerHandle:
+    """Start `python -m megatron_dppo.rollout.engine` and wait until /health_generate answers."""
+    if not Path(model_dir, "config.json").is_file():
+        raise FileNotFoundError(f"model_dir {model_dir} has no config.json; save an HF model there first")
+    port = port or free_port()
+    handle = ServerHandle(f"http://{host}:{port}", embedded_engine_command(model_dir, host, port, **engine_options),
+                          env=python_env(), startup_timeout_s=startup_timeout_s)
+    return handle.start()
+
+
+def forward_sglang_args(argv: list[str]) -> list[str]:
+    """Pick the --sglang-* flags (and their values) out of a command line, without the prefix:
+    `--sglang-tp-size 2 --lr 1e-6 --sglang-mem-fraction-static=0.8` → `--tp-size 2 --mem-fraction-static=0.8`."""
+    forwarded, taking = [], False
+    for item in argv:
+        if item.startswith("--"):
+            taking = item.startswith("--sglang-")
+            if taking:
+                forwarded.append("--" + item.removeprefix("--sglang-"))
+        elif taking:
+            forwarded.append(item)
+    return forwarded
+
+
+def sglang_command(model_path: str, host: str, port: int, sglang_args: list[str]) -> list[str]:
+    reserved = {"--host", "--port", "--model-path"} & {arg.split("=")[0] for arg in sglang_args}
+    if reserved:
+        raise ValueError(f"{sorted(reserved)} are set by the launcher; drop them from the --sglang-* flags")
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
+            "--port", str(port), *sglang_args]
+
+
+def launch_sglang_servers(n: int, model_path: str, sglang_args: list[str], host: str = "127.0.0.1",
+                          ports: list[int] | None = None, gpus_per_server: int = 1,
+                          startup_timeout_s: float = 600.0) -> list[ServerHandle]:
+    """Start n `python -m sglang.launch_server` processes, each on its own GPUs (CUDA_VISIBLE_DEVICES)."""
+    spec = importlib.util.find_spec("sglang")  # top-level only: importing sglang's server needs CUDA
+    if spec is None or not any(Path(p, "launch_server.py").is_file() for p in spec.submodule_search_locations):
+        raise RolloutServerError("sglang is not installed in this environment (pip install 'sglang[all]' on a "
+                                 "GPU machine), or give --rollout-urls of servers started elsewhere")
+    ports = ports or [free_port() for _ in range(n)]
+    if len(ports) != n:
+        raise ValueError(f"{len(ports)} ports given for {n} SGLang servers")
+    handles = []
+    try:
+        for index, port in enumerate(ports):
+            gpus = ",".join(str(index * gpus_per_server + g) for g in range(gpus_per_server))
+            handle = ServerHandle(f"http://{host}:{port}", sglang_command(model_path, host, port, sglang_args),
+                                  env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus},
+                                  startup_timeout_s=startup_timeout_s)
+            handles.append(handle.start())
+    except BaseException:
+        for handle in handles:
+            handle.stop()
+        raise
+    return handles
+
+
+def external_servers(urls: list[str], startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> list[ServerHandle]:
+    """Servers started elsewhere (e.g. by Slurm): probe them; they cannot be restarted from here."""
+    return [ServerHandle(url, startup_timeout_s=startup_timeout_s).start() for url in urls]
+
+
+class ServerPool:
+    """Servers plus what a restart needs: the weight syncer (to rebuild the group) and a resync callback."""
+
+    def __init__(self, handles: list[ServerHandle], weight_syncer=None,
+                 resync: Callable[[], object] | None = None):
+        self.handles = {handle.url: handle for handle in handles}
+        self.weight_syncer = weight_syncer
+        self.resync = resync
+        self._lock = threading.Lock()
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.handles)
+
+    def ensure_alive(self, url: str) -> None:
+        """Restart `url` if it is dead, then re-join the weight group and re-send the current weights."""
+        handle = self.handles.get(url.rstrip("/"))
+        if handle is None:
+            raise RolloutServerError(f"{url} is not a server of this pool ({self.urls})")
+        with self._lock:  # concurrent failing requests restart a server once
+            if handle.alive():
+                return
+            if not handle.managed:
+                raise RolloutServerError(f"external rollout server {url} is down and cannot be restarted from "
+                                         "here; restart it (e.g. its Slurm job) and retry")
+            handle.restart()
+            if self.weight_syncer is not None and self.weight_syncer.group is not None:
+                self.weight_syncer.reconnect()
+            if self.resync is not None:
+                self.resync()
+
+    def check_all(self) -> list[str]:
+        """Restart every dead server; return the URLs that were restarted."""
+        dead = [url for url, handle in self.handles.items() if not handle.alive()]
+        for url in dead:
+            self.ensure_alive(url)
+        return dead
+
+    def stop(self) -> None:
+        for handle in self.handles.values():
+            handle.stop()
+
+    def __enter__(self) -> ServerPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

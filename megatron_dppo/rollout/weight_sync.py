@@ -1,0 +1,318 @@
+"""Trainer → rollout engines weight sync, SGLang's distributed update protocol.
+
+init (once): POST /init_weights_update_group to every engine ‖ trainer joins as group rank 0
+sync:        pause → flush → for each bucket: POST /update_weights_from_distributed (names, dtypes, shapes,
+             load_format="flattened_bucket") to every engine ‖ broadcast(one flat uint8 buffer) → continue
+             → check /model_info weight_version on every engine
+
+Invariants:
+- the group is created exactly as SGLang creates its side (tcp rendezvous, PrefixStore(group_name),
+  torch's process-group helper), so the same code talks to SGLang (NCCL) and the embedded engine (gloo);
+- a bucket holds whole tensors, at most `bucket_bytes` (a larger tensor travels alone), each starting at a
+  byte offset aligned to its dtype (SGLang's FlattenedTensorBucket refuses unaligned offsets);
+- while bucket k is broadcast, a producer thread gathers and flattens bucket k+1 (two buckets in memory);
+- after a sync every engine reports the new weight version, or the sync raises.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from megatron_dppo.rollout.client import RolloutServerError, control_request
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2
+DEFAULT_GROUP_NAME = "megatron_dppo_weight_sync"
+
+
+def init_weight_update_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
+                             group_name: str, timeout_s: float = 120.0):
+    """Join (rank 0: host) a process group outside the default one; the same steps SGLang takes."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                         group_name=group_name, backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def destroy_weight_update_group(group) -> None:
+    torch.distributed.destroy_process_group(group)
+
+
+def broadcast_from_trainer(group, tensor: torch.Tensor) -> None:
+    """Group rank 0 sends `tensor` to every engine; engines receive into it."""
+    group.broadcast(tensor, 0).wait()  # ProcessGroup.broadcast(tensor, root); a list form raises in torch 2.13
+
+
+@dataclass
+class Bucket:
+    names: list[str]
+    dtypes: list[str]  # torch dtype names without "torch.", as SGLang parses them with getattr(torch, dtype)
+    shapes: list[list[int]]
+    flat: torch.Tensor  # [sum of tensor bytes] uint8, tensors back to back in `names` order
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def pack_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> Bucket:
+    """Flatten whole tensors into one contiguous byte buffer (SGLang's flattened_bucket layout)."""
+    total = sum(tensor.numel() * tensor.element_size() for _, tensor in named_tensors)
+    flat = torch.empty(total, dtype=torch.uint8, device=named_tensors[0][1].device)
+    offset = 0
+    for name, tensor in named_tensors:
+        size = tensor.numel() * tensor.element_size()
+        if offset % tensor.element_size():
+            raise ValueError(f"tensor {name} would start at unaligned byte offset {offset} in its bucket")
+        flat[offset:offset + size].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+        offset += size
+    return Bucket(names=[name for name, _ in named_tensors],
+                  dtypes=[dtype_name(tensor.dtype) for _, tensor in named_tensors],
+                  shapes=[list(tensor.shape) for _, tensor in named_tensors], flat=flat)
+
+
+def unpack_bucket(flat: torch.Tensor, names: list[str], dtypes: list[str],
+                  shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+    """Views into `flat` (uint8) for each tensor; inverse of pack_bucket."""
+    tensors, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ValueError(f"tensor {name}: unknown dtype {dtype!r}")
+        size = torch.Size(shape).numel() * torch_dtype.itemsize
+        tensors.append((name, flat[offset:offset + size].view(torch_dtype).reshape(shape)))
+        offset += size
+    if offset != flat.numel():
+        raise ValueError(f"bucket holds {flat.numel()} bytes but its metadata describes {offset}")
+    return tensors
+
+
+def group_into_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Whole tensors, in order, at most bucket_bytes per bucket, each aligned to its dtype."""
+    bucket, used = [], 0
+    for name, tensor in named_tensors:
+        size = tensor.numel() * tensor.element_size()
+        if bucket and (used + size > bucket_bytes or used % tensor.element_size()):
+            yield bucket
+            bucket, used = [], 0
+        bucket.append((name, tensor))
+        used += size
+    if bucket:
+        yield bucket
+
+
+def prefetch_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                     timeout_s: float) -> Iterator[Bucket]:
+    """Packed buckets, the next one prepared in a thread while the caller sends the current one."""
+    ready: queue.Queue = queue.Queue(maxsize=1)
+    done = object()
+    stop = threading.Event()
+
+    def produce():
+        try:
+            for group in group_into_buckets(named_tensors, bucket_bytes):
+                bucket = pack_bucket(group)
+                while not stop.is_set():
+                    try:
+                        ready.put(bucket, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            ready.put(done)
+        except BaseException as error:  # re-raised in the consumer
+            ready.put(error)
+
+    producer = threading.Thread(target=produce, name="weight-sync-pack", daemon=True)
+    producer.start()
+    try:
+        while True:
+            try:
+                item = ready.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"preparing the next weight bucket took longer than {timeout_s} s") from None
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        producer.join(timeout=timeout_s)
+
+
+@dataclass
+class SyncStats:
+    seconds: float
+    bytes: int
+    buckets: int
+    tensors: int
+    weight_version: str
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
+
+
+class WeightSyncer:
+    """Trainer side (group rank 0) of the sync; see the module docstring for the order of operations."""
+
+    def __init__(self, urls: list[str], master_address: str = "127.0.0.1", master_port: int | None = None,
+                 backend: str = "gloo", group_name: str = DEFAULT_GROUP_NAME,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0, api_key: str | None = None,
+                 pause_mode: str = "retract", engine_ranks: list[int] | None = None):
+        if not urls:
+            raise ValueError("WeightSyncer needs at least one rollout server URL")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"weight sync backend {backend!r} must be 'gloo' (CPU) or 'nccl' (GPU)")
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must be positive (default {DEFAULT_BUCKET_BYTES})")
+        if pause_mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause_mode={pause_mode!r} must be one of SGLang's: abort, retract, in_place")
+        self.urls = [url.rstrip("/") for url in urls]
+        # Ranks per engine: 1 for the embedded engine, tp*dp GPUs for an SGLang server.
+        self.engine_ranks = engine_ranks or [1] * len(self.urls)
+        if len(self.engine_ranks) != len(self.urls):
+            raise ValueError(f"engine_ranks has {len(self.engine_ranks)} entries for {len(self.urls)} servers")
+        self.master_address = master_address
+        self.master_port = master_port
+        self.backend = backend
+        self.group_name = group_name
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.api_key = api_key
+        self.pause_mode = pause_mode
+        self.group = None
+        self.last_version: str | None = None
+
+    # Request bodies, one builder per SGLang request dataclass (checked by tests/test_rollout_contract.py).
+    def init_group_payload(self, master_port: int, rank_offset: int, world_size: int) -> dict:
+        return {"master_address": self.master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": self.group_name, "backend": self.backend}
+
+    def destroy_group_payload(self) -> dict:
+        return {"group_name": self.group_name}
+
+    def pause_payload(self) -> dict:
+        return {"mode": self.pause_mode}
+
+    def update_payload(self, bucket: Bucket, version: str) -> dict:
+        return {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes,
+                "group_name": self.group_name, "flush_cache": False, "weight_version": version,
+                "load_format": "flattened_bucket"}
+
+    def _call_all(self, path: str, payload: dict | None = None, method: str = "POST") -> list:
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            futures = [pool.submit(control_request, url, path, payload, method, self.timeout_s, self.api_key)
+                       for url in self.urls]
+            return [future.result() for future in futures]
+
+    def init_group(self) -> None:
+        """Every engine joins at its rank offset while this process joins as rank 0 (all concurrently)."""
+        from megatron_dppo.rollout.launcher import free_port
+
+        port = self.master_port or free_port()
+        world_size = 1 + sum(self.engine_ranks)
+        offsets = [1 + sum(self.engine_ranks[:i]) for i in range(len(self.urls))]
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            futures = [pool.submit(control_request, url, "/init_weights_update_group",
+                                   self.init_group_payload(port, offset, world_size), "POST", self.timeout_s,
+                                   self.api_key) for url, offset in zip(self.urls, offsets)]
+            try:
+                self.group = init_weight_update_group(self.backend, self.master_address, port, 0, world_size,
+                                                      self.group_name, self.timeout_s)
+            finally:
+                results = [future.exception() or future.result() for future in futures]
+        failures = [f"{url}: {result}" for url, result in zip(self.urls, results) if isinstance(result, Exception)]
+        if failures:
+            raise RolloutServerError("init_weights_update_group failed on " + "; ".join(failures))
+
+    def destroy_group(self, tell_engines: bool = True) -> None:
+        """Leave the group; engines that cannot be reached (e.g. dead ones) are skipped."""
+        if tell_engines:
+            for url in self.urls:
+                try:
+                    control_request(url, "/destroy_weights_update_group", self.destroy_group_payload(),
+                                    timeout_s=min(self.timeout_s, 10.0), api_key=self.api_key)
+                except RolloutServerError:
+                    pass  # a restarted engine has no group; a dead one cannot answer
+        if self.group is not None:
+            destroy_weight_update_group(self.group)
+            self.group = None
+
+    def reconnect(self) -> None:
+        """After an engine restart: rebuild the group with every engine (the old one lost a member)."""
+        self.destroy_group()
+        self.init_group()
+
+    def _flush_all(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        for url in self.urls:
+            while True:
+                try:
+                    control_request(url, "/flush_cache", None, "GET", self.timeout_s, self.api_key)
+                    break
+                except RolloutServerError:
+                    if time.monotonic() > deadline:  # SGLang refuses to flush while requests are running
+                        raise
+                    time.sleep(0.2)
+
+    def _send_bucket(self, bucket: Bucket, version: str) -> None:
+        payload = self.update_payload(bucket, version)
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            futures = [pool.submit(control_request, url, "/update_weights_from_distributed", payload, "POST",
+                                   self.timeout_s, self.api_key) for url in self.urls]
+            broadcast_from_trainer(self.group, bucket.flat)
+            for future in futures:
+                future.result()
+
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | str) -> SyncStats:
+        """pause → flush → bucketed broadcast → continue → version check; returns timing and size."""
+        if self.group is None:
+            self.init_group()
+        version = str(version)
+        start = time.perf_counter()
+        self._call_all("/pause_generation", self.pause_payload())
+        try:
+            self._flush_all()
+            total_bytes = buckets = tensors = 0
+            for bucket in prefetch_buckets(named_tensors, self.bucket_bytes, self.timeout_s):
+                self._send_bucket(bucket, version)
+                total_bytes += bucket.nbytes
+                buckets += 1
+                tensors += len(bucket.names)
+        finally:
+            self._call_all("/continue_generation", {})
+        seconds = time.perf_counter() - start
+        reported = [info.get("weight_version") for info in self._call_all("/model_info", None, "GET")]
+        stale = [f"{url} reports {got!r}" for url, got in zip(self.urls, reported) if got != version]
+        if stale:
+            raise RolloutServerError(f"weight version {version!r} not reached after sync: " + "; ".join(stale))
+        self.last_version = version
+        return SyncStats(seconds=seconds, bytes=total_bytes, buckets=buckets, tensors=tensors,
+                         weight_version=version)

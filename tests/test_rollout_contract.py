@@ -1,0 +1,153 @@
+"""Every request the rollout client and weight syncer send is valid for SGLang's own request classes and routes.
+
+SGLang's server cannot be imported without CUDA, so its sources are read with `ast` from the installed wheel
+(sglang==0.5.23, `pip install --no-deps sglang==0.5.23`): request dataclasses in srt/managers/io_struct.py,
+the JSON schema classes in api/v1/api_types.py, and route decorators in srt/entrypoints/http_server.py.
+"""
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_dppo.rollout.client import SamplingParams, generate_payload
+from megatron_dppo.rollout.weight_sync import WeightSyncer, pack_bucket
+
+INSTALL_HINT = "install it with: pip install --no-deps sglang==0.5.23 (part of the test extra)"
+
+
+def sglang_dir() -> Path:
+    spec = importlib.util.find_spec("sglang")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail(f"the sglang wheel is not installed, so the contract cannot be checked; {INSTALL_HINT}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def class_fields(path: Path, class_name: str) -> dict[str, bool]:
+    """Annotated fields of a class (including BaseReq's), mapped to whether they are required."""
+    tree = ast.parse(path.read_text())
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    if class_name not in classes:
+        pytest.fail(f"{class_name} not found in {path}; the installed sglang is not 0.5.23? {INSTALL_HINT}")
+    fields = {}
+    node = classes[class_name]
+    for base in node.bases:
+        if isinstance(base, ast.Name) and base.id in classes:
+            fields.update(class_fields(path, base.id))
+    for statement in node.body:
+        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+            fields[statement.target.id] = statement.value is None
+    return fields
+
+
+def routes(path: Path) -> set[tuple[str, str]]:
+    """(path, METHOD) pairs from @app.get/@app.post/@app.api_route decorators."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef):
+            continue
+        for decorator in node.decorator_list:
+            if not (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute)):
+                continue
+            kind = decorator.func.attr
+            if not decorator.args or not isinstance(decorator.args[0], ast.Constant):
+                continue
+            route = decorator.args[0].value
+            if kind in ("get", "post", "put"):
+                found.add((route, kind.upper()))
+            elif kind == "api_route":
+                for keyword in decorator.keywords:
+                    if keyword.arg == "methods":
+                        found |= {(route, method.value) for method in keyword.value.elts}
+    return found
+
+
+def assert_valid(payload: dict, fields: dict[str, bool], what: str) -> None:
+    unknown = sorted(set(payload) - set(fields))
+    missing = sorted(name for name, required in fields.items() if required and name not in payload)
+    assert not unknown, f"{what}: fields {unknown} are not in SGLang's request class"
+    assert not missing, f"{what}: required fields {missing} missing"
+
+
+# Every (route, method) the client, weight syncer and launcher call.
+ROUTES_USED = [
+    ("/generate", "POST"), ("/health_generate", "GET"), ("/health", "GET"), ("/model_info", "GET"),
+    ("/flush_cache", "GET"), ("/pause_generation", "POST"), ("/continue_generation", "POST"),
+    ("/init_weights_update_group", "POST"), ("/update_weights_from_distributed", "POST"),
+    ("/destroy_weights_update_group", "POST"), ("/update_weights_from_disk", "POST"),
+]
+
+
+def test_routes_used_by_client_syncer_and_engine_exist_in_sglang_http_server():
+    server_routes = routes(sglang_dir() / "srt/entrypoints/http_server.py")
+    assert ("/generate", "POST") in server_routes  # the parser reads the decorators at all
+    missing = [route for route in ROUTES_USED if route not in server_routes]
+    assert not missing, f"routes not served by SGLang 0.5.23: {missing}"
+
+    from megatron_dppo.rollout.engine import build_app
+
+    class NoEngine:  # build_app only stores the engine; routes are registered without touching it
+        pass
+
+    engine_routes = {(r.resource.canonical, r.method) for r in build_app(NoEngine()).router.routes()
+                     if r.method != "HEAD"}
+    extra = sorted(route for route in engine_routes if route[1] != "*" and route not in server_routes)
+    assert not extra, f"the embedded engine serves routes SGLang does not: {extra}"
+    assert set(ROUTES_USED) - {("/flush_cache", "GET")} <= engine_routes
+
+
+def test_generate_payload_fits_generate_req_input_and_the_v1_json_schema():
+    root = sglang_dir()
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16, stop_token_ids=[2, 3])
+    payload = generate_payload([5, 6, 7], params, n=4)
+    assert_valid(payload, class_fields(root / "srt/managers/io_struct.py", "GenerateReqInput"), "/generate")
+    assert_valid(payload, class_fields(root / "api/v1/api_types.py", "GenerateRequest"), "/generate schema")
+    sampling = payload["sampling_params"]
+    # api_types.SamplingParams rejects unknown keys, so every key must be one of its fields.
+    assert_valid(sampling, class_fields(root / "api/v1/api_types.py", "SamplingParams"), "sampling_params")
+    assert_valid(sampling, class_fields(root / "srt/sampling/sampling_params.py", "SamplingParams"),
+                 "sampling_params (srt)")
+    assert sampling["n"] == 4 and sampling["stop_token_ids"] == [2, 3] and payload["return_logprob"] is True
+
+
+def test_weight_sync_payloads_fit_sglang_request_classes():
+    io_struct = sglang_dir() / "srt/managers/io_struct.py"
+    syncer = WeightSyncer(["http://127.0.0.1:1"], backend="gloo", pause_mode="retract")
+    bucket = pack_bucket([("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.ones(2, 4))])
+    checks = [
+        (syncer.init_group_payload(29500, 1, 2), "InitWeightsUpdateGroupReqInput"),
+        (syncer.update_payload(bucket, "3"), "UpdateWeightsFromDistributedReqInput"),
+        (syncer.destroy_group_payload(), "DestroyWeightsUpdateGroupReqInput"),
+        (syncer.pause_payload(), "PauseGenerationReqInput"),
+        ({}, "ContinueGenerationReqInput"),
+        ({"model_path": "/ckpt", "weight_version": "3"}, "UpdateWeightFromDiskReqInput"),
+    ]
+    for payload, class_name in checks:
+        assert_valid(payload, class_fields(io_struct, class_name), class_name)
+    assert class_fields(io_struct, "UpdateWeightsFromDistributedReqInput")["names"]  # required: parser works
+
+
+def test_flattened_bucket_layout_matches_sglang_tensor_bucket_reader():
+    """SGLang's receiver allocates sum(numel * itemsize) uint8 bytes and slices tensors back to back."""
+    source = (sglang_dir() / "srt/weight_sync/tensor_bucket.py").read_text()
+    assert "torch.empty(offset, dtype=torch.uint8" in source and "offset % dtype.itemsize" in source
+    tensors = [("a", torch.arange(3, dtype=torch.float32)), ("b", torch.ones(2, 2, dtype=torch.bfloat16))]
+    bucket = pack_bucket(tensors)
+    assert bucket.dtypes == ["float32", "bfloat16"] and all(isinstance(getattr(torch, d), torch.dtype)
+                                                             for d in bucket.dtypes)
+    assert bucket.nbytes == 3 * 4 + 4 * 2
+
+
+def test_vllm_backend_without_a_server_raises_a_clear_error():
+    from megatron_dppo.rollout.client import RolloutServerError
+    from megatron_dppo.rollout.launcher import free_port
+    from megatron_dppo.rollout.vllm import VLLMRolloutClient, completions_payload
+
+    payload = completions_payload("m", [1, 2], SamplingParams(max_new_tokens=4), n=2)
+    assert payload["prompt"] == [1, 2] and payload["n"] == 2 and payload["return_tokens_as_token_ids"] is True
+    url = f"http://127.0.0.1:{free_port()}"
+    client = VLLMRolloutClient([url], model="m", max_retries=1, retry_backoff_s=0.01)
+    with pytest.raises(RolloutServerError, match=f"vLLM generate for prompt 0 failed: {url}"):
+        client.generate([[1, 2]], SamplingParams(max_new_tokens=4))

@@ -1,0 +1,77 @@
+"""Evaluate a model on the math benchmarks: pass@1 (mean over k samples) and maj@k.
+
+    --urls (SGLang or any compatible server) or --model-dir (starts the embedded engine)
+        ──► megatron_dppo.evaluation.evaluate ──► <output-dir>/results.json and results.md
+
+Example:
+    python tools/evaluate.py --model-dir ckpt/hf --benchmarks math500 gsm8k --k 4 --temperature 0.6
+"""
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+from megatron_dppo.data.datasets import BENCHMARKS
+from megatron_dppo.data.templates import TEMPLATES
+from megatron_dppo.evaluation import evaluate, markdown_table
+from megatron_dppo.rewards.math import VerifierPool
+from megatron_dppo.rollout.client import RolloutClient, SamplingParams
+from megatron_dppo.rollout.launcher import launch_embedded_engine
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--benchmarks", nargs="+", default=list(BENCHMARKS), choices=BENCHMARKS)
+    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N problems of each")
+    parser.add_argument("--k", type=int, default=1, help="samples per problem")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    server = parser.add_mutually_exclusive_group(required=True)
+    server.add_argument("--urls", nargs="+", help="rollout servers (SGLang /generate API)")
+    server.add_argument("--model-dir", help="HF model directory: start the embedded engine on it")
+    parser.add_argument("--tokenizer-dir", help="HF tokenizer directory (default: --model-dir)")
+    parser.add_argument("--output-dir", required=True, help="where results.json and results.md go")
+    parser.add_argument("--prompt-template", default="auto", choices=TEMPLATES)
+    parser.add_argument("--data-dir", default=None,
+                        help="shared data directory (default: DPPO_DATA_DIR or ../shared/data)")
+    parser.add_argument("--reward-workers", type=int, default=None, help="math-verify worker processes")
+    parser.add_argument("--reward-timeout-s", type=float, default=5.0, help="deadline for one math-verify check")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    args = parser.parse_args(argv)
+    if args.urls and not args.tokenizer_dir:
+        parser.error("--urls needs --tokenizer-dir (the tokenizer the servers' model uses)")
+    if args.k < 1 or (args.limit is not None and args.limit < 1):
+        parser.error(f"--k ({args.k}) and --limit ({args.limit}) must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir or args.model_dir)
+    stop_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                            stop_token_ids=stop_token_ids)
+    with contextlib.ExitStack() as stack:
+        if args.model_dir:
+            urls = [stack.enter_context(launch_embedded_engine(args.model_dir)).url]
+        else:
+            urls = args.urls
+        pool = stack.enter_context(VerifierPool(args.reward_workers, timeout_s=args.reward_timeout_s))
+        results = evaluate(args.benchmarks, RolloutClient(urls), tokenizer, args.k, params, args.prompt_template,
+                           args.limit, pool, args.data_dir, show_progress=not args.no_progress)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    config = {key: value for key, value in vars(args).items() if key != "no_progress"}
+    (output_dir / "results.json").write_text(json.dumps({"config": config, "benchmarks": results}, indent=2) + "\n")
+    table = markdown_table(results)
+    (output_dir / "results.md").write_text(table)
+    sys.stdout.write(table)
+
+
+if __name__ == "__main__":
+    main()
