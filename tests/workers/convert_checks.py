@@ -1,0 +1,120 @@
+"""Multi-process checks of the conversion tools: the trainer's side of a checkpoint, run under torchrun.
+
+Usage: torchrun --nproc-per-node 2 convert_checks.py --models DIR --tp T --pp P --checks a,b
+    [--converted DIR (a converter save dir of the qwen3 model)] [--save-trainer DIR]
+Each passing check prints `CHECK <name> ok <details>`; any failure raises.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+LR, ADAM_EPS = 1e-2, 1e-3  # a step large enough to change every weight in fp32
+
+
+def log(message):
+    print(f"[rank {dist.get_rank()}] {message}", flush=True)
+
+
+def hf_state(model_dir):
+    from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
+
+    checkpoint = HFCheckpoint(model_dir)
+    return {name: checkpoint.read(name) for name in checkpoint.names()}
+
+
+def build(model_dir, tp, pp):
+    from megatron.core import parallel_state
+
+    from megatron_dppo.actor.model import build_gpt_model, build_transformer_config, load_hf_weights
+    from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    checkpoint = HFCheckpoint(model_dir)
+    model = build_gpt_model(checkpoint.shape, build_transformer_config(checkpoint.shape, tp, pp))
+    load_hf_weights(model, checkpoint)
+    return model, checkpoint
+
+
+def check_trainer_loads_converted(args):
+    """The converter's checkpoint (written under another TP/PP) loads through the trainer's load_sharded into this
+    layout, and the loaded weights are bit-identical to the HF model it was converted from."""
+    from megatron_dppo.actor.checkpoint import load_sharded
+    from megatron_dppo.convert.export import iter_hf_tensors
+
+    model, _ = build(f"{args.models}/qwen3", args.tp, args.pp)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()  # whatever passes below came from the checkpoint
+    state = load_sharded(args.converted, {"model": model.sharded_state_dict()})
+    model.load_state_dict(state["model"])
+    loaded = dict(iter_hf_tensors(model))
+    if loaded:
+        original = hf_state(f"{args.models}/qwen3")
+        assert set(loaded) == set(original), set(loaded) ^ set(original)
+        for name, tensor in loaded.items():
+            assert torch.equal(tensor, original[name]), f"{name} differs after loading the converted checkpoint"
+        log(f"CHECK trainer_loads_converted ok tp={args.tp} pp={args.pp} {len(loaded)} tensors bit-identical")
+
+
+def check_trainer_checkpoint(args):
+    """One optimizer step of the trainer's Actor on the qwen2 model, saved with the trainer's save_checkpoint (model,
+    optimizer and trainer state, as the trainer saves them); the HF view of the trained weights is kept next to it
+    for the export test."""
+    from megatron.core import parallel_state
+
+    from megatron_dppo.actor.actor import Actor, OptimConfig
+    from megatron_dppo.actor.checkpoint import save_checkpoint
+    from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
+    from megatron_dppo.actor.step import next_token_targets
+    from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
+    from tests.workers.actor_checks import packed_batch, random_sequences
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    checkpoint = HFCheckpoint(f"{args.models}/qwen2")
+    vocab = checkpoint.shape.vocab_size
+    actor = Actor(checkpoint.shape, args.tp, args.pp, "fp32", OptimConfig(lr=LR, adam_eps=ADAM_EPS),
+                  hf_checkpoint=checkpoint)
+
+    def loss_fn(micro_batch, logits):
+        logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(micro_batch.tokens), vocab)
+        return -logprobs.sum() / logprobs.numel(), {}
+
+    actor.train_step([packed_batch(random_sequences([7, 4, 10, 6], vocab, seed=5))], loss_fn)
+    save_checkpoint(args.save_trainer, 1, actor.sharded_state_dict(), checkpoint.config, trainer_state={"step": 1})
+    trained = dict(actor.hf_tensors())
+    if trained:
+        original = hf_state(f"{args.models}/qwen2")
+        changed = sum(not torch.equal(trained[name], original[name]) for name in original)
+        assert changed == len(original), f"only {changed} of {len(original)} tensors changed in the optimizer step"
+        torch.save(trained, f"{args.save_trainer}/trained_hf_state.pt")
+        log(f"CHECK trainer_checkpoint ok tp={args.tp} pp={args.pp} {changed} tensors trained and saved")
+    dist.barrier()
+
+
+CHECKS = {"trainer_loads_converted": check_trainer_loads_converted, "trainer_checkpoint": check_trainer_checkpoint}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--checks", required=True)
+    parser.add_argument("--converted")
+    parser.add_argument("--save-trainer")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
+
+    init_parallel(args.tp, args.pp)
+    for name in args.checks.split(","):
+        CHECKS[name](args)
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()

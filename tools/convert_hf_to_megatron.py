@@ -1,0 +1,43 @@
+"""Convert an HF safetensors directory into a Megatron dist checkpoint for a TP x PP layout (CPU, no GPU needed).
+
+    --hf-dir (config.json + model.safetensors or shards with an index)
+        ──► megatron_dppo.convert.conversion.hf_to_megatron ──► --out/iter_0000000 + --out/latest
+
+The result is what the trainer's --load reads (any TP/PP can load it: dist checkpoints reshard on load).
+Example:
+    python tools/convert_hf_to_megatron.py --hf-dir Qwen2.5-0.5B --out ckpt/qwen --tp 2 --pp 1 --dtype bf16
+"""
+
+import argparse
+import sys
+
+from megatron_dppo.convert.conversion import DTYPES, hf_to_megatron
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hf-dir", required=True, help="HF model directory (safetensors)")
+    parser.add_argument("--out", required=True, help="new Megatron save directory (must not exist)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor model parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline model parallel size")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="parameter dtype of the checkpoint (default: that of the HF weights)")
+    args = parser.parse_args(argv)
+    if args.tp < 1 or args.pp < 1:
+        parser.error(f"--tp {args.tp} and --pp {args.pp} must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        out = hf_to_megatron(args.hf_dir, args.out, args.tp, args.pp, args.dtype)
+    except (FileNotFoundError, FileExistsError, KeyError, ValueError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
