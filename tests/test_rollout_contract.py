@@ -151,3 +151,20 @@ def test_vllm_backend_without_a_server_raises_a_clear_error():
     client = VLLMRolloutClient([url], model="m", max_retries=1, retry_backoff_s=0.01)
     with pytest.raises(RolloutServerError, match=f"vLLM generate for prompt 0 failed: {url}"):
         client.generate([[1, 2]], SamplingParams(max_new_tokens=4))
+
+
+def test_seeded_batch_payload_fits_generate_req_input_with_one_sampling_seed_per_sample():
+    from megatron_dppo.rollout.client import seeded_batch_payload
+
+    root = sglang_dir()
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=[2], seed=7)
+    payload = seeded_batch_payload([[5, 6], [7]], first_prompt_index=3, params=params, n=2)
+    assert_valid(payload, class_fields(root / "srt/managers/io_struct.py", "GenerateReqInput"), "/generate batch")
+    assert payload["input_ids"] == [[5, 6], [5, 6], [7], [7]]
+    seeds = [sampling["sampling_seed"] for sampling in payload["sampling_params"]]
+    assert len(set(seeds)) == 4 and seeds == [params.sample_seed(p, s, 2) for p in (3, 4) for s in (0, 1)]
+    for sampling in payload["sampling_params"]:
+        assert sampling["n"] == 1
+        assert_valid(sampling, class_fields(root / "api/v1/api_types.py", "SamplingParams"), "seeded sampling_params")
+        assert_valid(sampling, class_fields(root / "srt/sampling/sampling_params.py", "SamplingParams"),
+                     "seeded sampling_params (srt)")

@@ -66,6 +66,24 @@ def test_generate_logprobs_at_temperature_one_equal_trainer_recomputation(engine
         torch.testing.assert_close(torch.tensor(completion.output_logprobs), expected, atol=1e-5, rtol=0)
 
 
+def test_seeded_generation_is_reproducible_and_independent_of_the_other_requests_in_the_batch(engine, hf_model):
+    handle, _ = engine
+    client = RolloutClient([handle.url], api_key=API_KEY)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=11)
+    first = client.generate(prompts, params, n=3)
+    again = client.generate(prompts, params, n=3)
+    assert [(c.output_ids, c.output_logprobs) for c in first] == [(c.output_ids, c.output_logprobs) for c in again]
+    assert [(c.prompt_index, c.sample_index) for c in first] == [(p, s) for p in range(3) for s in range(3)]
+    assert len({tuple(c.output_ids) for c in first[:3]}) > 1, "the samples of one prompt must differ"
+    # prompt 0 alone (a batch of 3 sequences instead of 9) has the same seeds, hence the same samples
+    alone = client.generate(prompts[:1], params, n=3)
+    assert [c.output_ids for c in alone] == [c.output_ids for c in first[:3]]
+    for completion in first:
+        expected = sequence_logprobs(hf_model, prompts[completion.prompt_index], completion.output_ids)
+        torch.testing.assert_close(torch.tensor(completion.output_logprobs), expected, atol=1e-5, rtol=0)
+
+
 def test_greedy_generation_equals_hf_argmax_and_batched_layout_matches_sglang(engine, hf_model):
     handle, _ = engine
     body = control_request(handle.url, "/generate", {

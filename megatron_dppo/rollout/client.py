@@ -37,6 +37,9 @@ class SamplingParams:
     top_k: int = -1
     max_new_tokens: int = 128
     stop_token_ids: list[int] | None = None
+    # Reproducible sampling: each sample gets its own SGLang `sampling_seed`, derived from this seed, the prompt
+    # index and the sample index, and one batched request per server keeps the batch composition fixed.
+    seed: int | None = None
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -60,6 +63,10 @@ class SamplingParams:
             params["stop_token_ids"] = list(self.stop_token_ids)
         return params
 
+    def sample_seed(self, prompt_index: int, sample_index: int, n: int) -> int:
+        """The sampling_seed of one sample: distinct per (prompt, sample), stable across runs."""
+        return (self.seed * 1_000_003 + prompt_index * n + sample_index) % (2**63 - 1)
+
 
 @dataclass
 class Completion:
@@ -80,6 +87,19 @@ class Supervisor(Protocol):
 def generate_payload(input_ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
     """The /generate body for one prompt and n samples (SGLang's GenerateReqInput fields)."""
     return {"input_ids": list(input_ids), "sampling_params": params.to_sglang(n), "return_logprob": True}
+
+
+def seeded_batch_payload(prompts: list[list[int]], first_prompt_index: int, params: SamplingParams,
+                         n: int) -> dict[str, Any]:
+    """One /generate body for all samples of `prompts`, each sample its own input with its own sampling_seed
+    (SGLang's batched GenerateReqInput: lists of input_ids and of sampling_params), in (prompt, sample) order."""
+    inputs, sampling = [], []
+    for offset, input_ids in enumerate(prompts):
+        for sample_index in range(n):
+            inputs.append(list(input_ids))
+            sampling.append({**params.to_sglang(1),
+                             "sampling_seed": params.sample_seed(first_prompt_index + offset, sample_index, n)})
+    return {"input_ids": inputs, "sampling_params": sampling, "return_logprob": True}
 
 
 def parse_generate_response(body: Any, prompt_index: int, n: int, url: str) -> list[Completion]:
@@ -165,36 +185,39 @@ class RolloutClient:
                 raise RolloutServerError(f"{url}/generate failed with HTTP {response.status}: {detail}")
             return await response.json()
 
-    async def _generate_one(self, session, semaphore, prompt_index: int, input_ids: list[int],
-                            params: SamplingParams, n: int) -> list[Completion]:
+    async def _post_with_retries(self, session, payload: dict, what: str, first_url: str | None = None):
+        """POST /generate with bounded retries, on another server where there is one (after the supervisor, if
+        any, has restarted the failed one). Returns (url, body)."""
         import aiohttp
 
-        payload = generate_payload(input_ids, params, n)
         failed: set[str] = set()
         errors = []
-        async with semaphore:
-            for attempt in range(self.max_retries + 1):
-                url = self._pick_server(failed)
-                self._in_flight[url] += 1
-                try:
-                    body = await self._post_generate(session, url, payload)
-                    return parse_generate_response(body, prompt_index, n, url)
-                except (TimeoutError, aiohttp.ClientError, RolloutServerError) as error:
-                    errors.append(f"{url}: {type(error).__name__}: {error}")
-                    failed.add(url)
-                finally:
-                    self._in_flight[url] -= 1
-                if attempt == self.max_retries:
-                    break
-                if self.supervisor is not None:
-                    # Restart (and re-sync) a dead server before retrying; bounded inside the pool.
-                    await asyncio.to_thread(self.supervisor.ensure_alive, url)
-                    failed.discard(url)
-                await asyncio.sleep(self.retry_backoff_s * 2**attempt)
+        for attempt in range(self.max_retries + 1):
+            url = first_url if attempt == 0 and first_url else self._pick_server(failed)
+            self._in_flight[url] += 1
+            try:
+                return url, await self._post_generate(session, url, payload)
+            except (TimeoutError, aiohttp.ClientError, RolloutServerError) as error:
+                errors.append(f"{url}: {type(error).__name__}: {error}")
+                failed.add(url)
+            finally:
+                self._in_flight[url] -= 1
+            if attempt == self.max_retries:
+                break
+            if self.supervisor is not None:
+                # Restart (and re-sync) a dead server before retrying; bounded inside the pool.
+                await asyncio.to_thread(self.supervisor.ensure_alive, url)
+                failed.discard(url)
+            await asyncio.sleep(self.retry_backoff_s * 2**attempt)
         raise RolloutServerError(
-            f"generate for prompt {prompt_index} failed after {len(errors)} attempts; last errors: "
-            + " | ".join(errors[-3:])
-        )
+            f"generate for {what} failed after {len(errors)} attempts; last errors: " + " | ".join(errors[-3:]))
+
+    async def _generate_one(self, session, semaphore, prompt_index: int, input_ids: list[int],
+                            params: SamplingParams, n: int) -> list[Completion]:
+        async with semaphore:
+            url, body = await self._post_with_retries(session, generate_payload(input_ids, params, n),
+                                                      f"prompt {prompt_index}")
+        return parse_generate_response(body, prompt_index, n, url)
 
     async def agenerate(self, prompts: list[list[int]], params: SamplingParams,
                         n: int = 1) -> AsyncIterator[Completion]:
@@ -221,10 +244,46 @@ class RolloutClient:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Completion]:
-        """Blocking; sorted by (prompt_index, sample_index)."""
+        """Blocking; sorted by (prompt_index, sample_index). With `params.seed` set, reproducible: see
+        `generate_seeded`."""
+        if params.seed is not None:
+            return self.generate_seeded(prompts, params, n)
 
         async def collect():
             return [completion async for completion in self.agenerate(prompts, params, n)]
 
         completions = asyncio.run(collect())
         return sorted(completions, key=lambda c: (c.prompt_index, c.sample_index))
+
+    def generate_seeded(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Completion]:
+        """Reproducible generation: contiguous chunks of prompts, one batched request per server, every sample
+        seeded by `params.sample_seed`. The same prompts, seed and weights give the same tokens and log-probs."""
+        if n < 1:
+            raise ValueError(f"n={n} samples per prompt must be >= 1")
+        chunk = -(-len(prompts) // len(self.urls)) if prompts else 0
+        chunks = [(start, prompts[start:start + chunk]) for start in range(0, len(prompts), chunk or 1)]
+
+        async def run_chunk(session, url_index, start, chunk_prompts):
+            payload = seeded_batch_payload(chunk_prompts, start, params, n)
+            what = f"prompts {start}..{start + len(chunk_prompts) - 1}"
+            url, body = await self._post_with_retries(session, payload, what, first_url=self.urls[url_index])
+            outputs = body if isinstance(body, list) else [body]
+            if len(outputs) != len(chunk_prompts) * n:
+                raise RolloutServerError(f"{url}/generate returned {len(outputs)} outputs for "
+                                         f"{len(chunk_prompts)} prompts x {n}")
+            completions = []
+            for index, output in enumerate(outputs):
+                (completion,) = parse_generate_response(output, start + index // n, 1, url)
+                completion.sample_index = index % n
+                completions.append(completion)
+            return completions
+
+        async def collect():
+            import aiohttp
+
+            async with aiohttp.ClientSession() as session:
+                results = await asyncio.gather(*(run_chunk(session, i, start, part)
+                                                 for i, (start, part) in enumerate(chunks)))
+            return [completion for result in results for completion in result]
+
+        return asyncio.run(collect())

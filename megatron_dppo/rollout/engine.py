@@ -54,11 +54,13 @@ class SequenceParams:
     max_new_tokens: int = 128
     stop_token_ids: set[int] = field(default_factory=set)
     ignore_eos: bool = False
+    sampling_seed: int | None = None  # SGLang's per-request seed: this sequence draws from its own generator
 
     @classmethod
     def from_sglang(cls, params: dict) -> tuple[SequenceParams, int]:
         """Parse SGLang's sampling_params dict; returns the params and n (samples per prompt)."""
-        known = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "n"}
+        known = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "n",
+                 "sampling_seed"}
         unknown = sorted(set(params) - known)
         if unknown:
             raise RequestError(f"sampling_params {unknown} are not supported by the embedded engine; "
@@ -72,6 +74,7 @@ class SequenceParams:
                                else 128),
             stop_token_ids=set(params.get("stop_token_ids") or []),
             ignore_eos=bool(params.get("ignore_eos", False)),
+            sampling_seed=None if params.get("sampling_seed") is None else int(params["sampling_seed"]),
         )
         n = int(params.get("n", 1) or 1)
         if parsed.temperature < 0 or not 0 < parsed.top_p <= 1 or parsed.top_k == 0 or parsed.top_k < -1:
@@ -96,13 +99,21 @@ class Sequence:
     input_logprobs: list[float | None] | None = None
     finish_reason: dict | None = None
     done: asyncio.Future | None = None
+    generator: torch.Generator | None = None  # set when params.sampling_seed is
+
+    def __post_init__(self):
+        if self.params.sampling_seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.sampling_seed)
 
 
 def sample_next_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                       generator: torch.Generator, row_generators: list | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (tokens [B], SGLang-style log-probs of those tokens [B]).
 
     logits [B, V] fp32; temperature/top_p [B] float; top_k [B] long (-1 = all). Rows with temperature 0 are greedy.
+    A row with its own generator in `row_generators` (a seeded request) draws from it alone, so its samples do not
+    depend on which other requests share the batch.
     """
     greedy = temperature == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
@@ -119,7 +130,11 @@ def sample_next_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: t
     drop |= mass_before > top_p[:, None]  # keep the smallest prefix whose mass reaches top_p
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered.scatter_(-1, sorted_index, sorted_logits)
-    sampled = torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=generator).squeeze(-1)
+    probs = torch.softmax(filtered, dim=-1)
+    sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    for row, row_generator in enumerate(row_generators or []):
+        if row_generator is not None:
+            sampled[row] = torch.multinomial(probs[row], 1, generator=row_generator)[0]
     tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
@@ -200,7 +215,8 @@ class EmbeddedEngine:
         while any(active):
             if self.interrupt.is_set():
                 return  # the pause handler decides what happens to unfinished sequences
-            tokens, token_logprobs = sample_next_tokens(next_logits, temperature, top_p, top_k, self.generator)
+            tokens, token_logprobs = sample_next_tokens(next_logits, temperature, top_p, top_k, self.generator,
+                                                        [seq.generator for seq in batch])
             for row, seq in enumerate(batch):
                 if not active[row]:
                     continue
@@ -536,6 +552,19 @@ def build_app(engine: EmbeddedEngine, api_key: str | None = None):
     return app
 
 
+def exit_when_orphaned(poll_s: float = 1.0) -> None:
+    """A daemon thread that ends this process once its parent is gone (it is then re-parented), so a trainer
+    killed with kill -9 leaves no engine behind."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", required=True, help="saved HF model directory (config.json + weights)")
@@ -547,7 +576,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: cores / 2)")
+    parser.add_argument("--exit-with-parent", action="store_true",
+                        help="exit when the process that started this server dies (set by our launcher)")
     args = parser.parse_args(argv)
+    if args.exit_with_parent:
+        exit_when_orphaned()
 
     from aiohttp import web
 

@@ -123,15 +123,24 @@ class ServerHandle:
         self.stop()
 
 
+# torchrun's variables describe the trainer's process group; a server started from a trainer rank must not
+# believe it is a member of it (torch's rendezvous would, for one, wait on torchelastic's agent store).
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
 def python_env() -> dict[str, str]:
-    """This environment with the package importable in child processes, even from a source checkout."""
+    """This environment, without torchrun's variables, with the package importable even from a source checkout."""
     repo_root = str(Path(__file__).resolve().parents[2])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))}
+    env = {key: value for key, value in os.environ.items()
+           if key not in TORCHRUN_VARIABLES and not key.startswith("TORCHELASTIC_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))
+    return env
 
 
 def embedded_engine_command(model_dir: str, host: str, port: int, **engine_options) -> list[str]:
     command = [sys.executable, "-m", "megatron_dppo.rollout.engine", "--model-dir", str(model_dir),
-               "--host", host, "--port", str(port)]
+               "--host", host, "--port", str(port), "--exit-with-parent"]
     for key, value in engine_options.items():
         if value is not None:
             command += [f"--{key.replace('_', '-')}", str(value)]

@@ -6,7 +6,7 @@ sync:        pause → flush → for each bucket: POST /update_weights_from_dist
              → check /model_info weight_version on every engine
 
 Invariants:
-- the group is created exactly as SGLang creates its side (tcp rendezvous, PrefixStore(group_name),
+- the group is created as SGLang creates its side (a TCPStore hosted by group rank 0, PrefixStore(group_name),
   torch's process-group helper), so the same code talks to SGLang (NCCL) and the embedded engine (gloo);
 - a bucket holds whole tensors, at most `bucket_bytes` (a larger tensor travels alone), each starting at a
   byte offset aligned to its dtype (SGLang's FlattenedTensorBucket refuses unaligned offsets);
@@ -35,18 +35,13 @@ DEFAULT_GROUP_NAME = "megatron_dppo_weight_sync"
 def init_weight_update_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
                              group_name: str, timeout_s: float = 120.0):
     """Join (rank 0: host) a process group outside the default one; the same steps SGLang takes."""
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
+    # An explicit TCPStore (rank 0 hosts it), not `rendezvous("tcp://...")`: under torchrun, rendezvous would
+    # look for torchelastic's agent store (TORCHELASTIC_USE_AGENT_STORE) and every member would wait as a client.
+    store = torch.distributed.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
+                                       timeout=timeout)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                          group_name=group_name, backend_options=None, timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
@@ -185,7 +180,10 @@ class WeightSyncer:
     def __init__(self, urls: list[str], master_address: str = "127.0.0.1", master_port: int | None = None,
                  backend: str = "gloo", group_name: str = DEFAULT_GROUP_NAME,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0, api_key: str | None = None,
-                 pause_mode: str = "retract", engine_ranks: list[int] | None = None):
+                 pause_mode: str = "retract", engine_ranks: list[int] | None = None,
+                 keep_host_copy: bool = False):
+        """keep_host_copy: remember the last synced tensors (host memory, one model copy) so that `resend()` can
+        restore a restarted engine without the trainer ranks' help (they may be busy in a collective)."""
         if not urls:
             raise ValueError("WeightSyncer needs at least one rollout server URL")
         if backend not in ("gloo", "nccl"):
@@ -209,6 +207,8 @@ class WeightSyncer:
         self.pause_mode = pause_mode
         self.group = None
         self.last_version: str | None = None
+        self.keep_host_copy = keep_host_copy
+        self.host_copy: list[tuple[str, torch.Tensor]] = []
 
     # Request bodies, one builder per SGLang request dataclass (checked by tests/test_rollout_contract.py).
     def init_group_payload(self, master_port: int, rank_offset: int, world_size: int) -> dict:
@@ -265,6 +265,12 @@ class WeightSyncer:
             destroy_weight_update_group(self.group)
             self.group = None
 
+    def resend(self) -> SyncStats:
+        """Sync the last synced weights again (after an engine restart); needs keep_host_copy=True."""
+        if not self.keep_host_copy or self.last_version is None:
+            raise RolloutServerError("resend() needs a WeightSyncer(keep_host_copy=True) that has synced once")
+        return self.sync(list(self.host_copy), self.last_version)
+
     def reconnect(self) -> None:
         """After an engine restart: rebuild the group with every engine (the old one lost a member)."""
         self.destroy_group()
@@ -297,6 +303,10 @@ class WeightSyncer:
             self.init_group()
         version = str(version)
         start = time.perf_counter()
+        if self.keep_host_copy:
+            kept: list[tuple[str, torch.Tensor]] = []
+            named_tensors = ((name, kept.append((name, t.detach().to("cpu", copy=True))) or t)
+                             for name, t in named_tensors)
         self._call_all("/pause_generation", self.pause_payload())
         try:
             self._flush_all()
@@ -314,5 +324,7 @@ class WeightSyncer:
         if stale:
             raise RolloutServerError(f"weight version {version!r} not reached after sync: " + "; ".join(stale))
         self.last_version = version
+        if self.keep_host_copy:
+            self.host_copy = kept
         return SyncStats(seconds=seconds, bytes=total_bytes, buckets=buckets, tensors=tensors,
                          weight_version=version)

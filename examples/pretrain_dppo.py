@@ -1,0 +1,28 @@
+"""DPPO / GRPO-family RL on Megatron-Core. Launch with torchrun; see `--help` and the README.
+
+    torchrun --nproc-per-node 2 examples/pretrain_dppo.py            # the embedded CPU default
+    torchrun --nproc-per-node 8 examples/pretrain_dppo.py --hf-checkpoint Qwen3-4B --data-prompts math \\
+        --rollout-backend external --rollout-urls http://node2:30000 ... # a real run (examples/configs/)
+
+The last line printed by rank 0 is a JSON summary.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main():
+    from megatron_dppo.arguments import parse_args
+    from megatron_dppo.run import run
+
+    args = parse_args()
+    summary = run(args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

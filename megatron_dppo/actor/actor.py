@@ -1,0 +1,116 @@
+"""The actor: a TP/PP/DP-sharded GPTModel with Megatron's DDP, optimizer and LR schedule, behind four calls.
+
+    forward(micro_batches, loss_fn)      forward only (old / reference log-probs)
+    train_step(micro_batches, loss_fn)   zero grads → forward+backward → DP reduce → clip → optimizer step → LR step
+    hf_tensors()                         the weights as HF-named tensors on the export source rank (weight sync)
+    sharded_state_dict() / load(...)     Megatron distributed checkpoint state
+"""
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_dppo.actor.model import build_gpt_model, build_transformer_config, load_hf_weights
+from megatron_dppo.actor.step import LossFn, finalize_grads_without_token_scaling, run_micro_batches
+from megatron_dppo.convert.export import iter_hf_tensors
+from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
+from megatron_dppo.convert.mapping import ModelShape
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int = 1
+    lr_decay_style: str = "constant"
+    clip_grad: float = 1.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    use_distributed_optimizer: bool = False
+
+
+class Actor:
+    def __init__(self, shape: ModelShape, tp: int, pp: int, dtype: str, optim: OptimConfig | None,
+                 hf_checkpoint: HFCheckpoint | None = None, sequence_parallel: bool = False):
+        """`optim=None` builds a frozen model (the reference policy): no DDP, no optimizer."""
+        self.shape = shape
+        config = build_transformer_config(shape, tp, pp, dtype, sequence_parallel)
+        self.model = build_gpt_model(shape, config)
+        if hf_checkpoint is not None:
+            load_hf_weights(self.model, hf_checkpoint)
+        self.optimizer = self.scheduler = None
+        self.ddp = self.model
+        if optim is None:
+            for param in self.model.parameters():
+                param.requires_grad_(False)
+            return
+        self.ddp = DistributedDataParallel(
+            config, DistributedDataParallelConfig(
+                use_distributed_optimizer=optim.use_distributed_optimizer, grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False), self.model)
+        config.finalize_model_grads_func = finalize_grads_without_token_scaling
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                clip_grad=optim.clip_grad, params_dtype=config.params_dtype, bf16=config.bf16, fp16=config.fp16,
+                use_distributed_optimizer=optim.use_distributed_optimizer),
+            [self.ddp])
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if optim.lr_warmup_iters else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+            lr_warmup_steps=optim.lr_warmup_iters, lr_decay_steps=max(optim.lr_decay_iters, optim.lr_warmup_iters + 1),
+            lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+            wd_incr_steps=1, wd_incr_style="constant")
+
+    def forward(self, micro_batches, loss_fn: LossFn) -> list[dict]:
+        """Forward only; loss_fn's output dicts on the last pipeline stage."""
+        self.model.eval()
+        with torch.no_grad():
+            return run_micro_batches([self.ddp], micro_batches, loss_fn, forward_only=True)
+
+    def train_step(self, micro_batches, loss_fn: LossFn) -> tuple[float, list[dict]]:
+        """One optimizer step over all micro-batches; returns (grad norm before clipping, loss_fn outputs)."""
+        self.model.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = run_micro_batches([self.ddp], micro_batches, loss_fn, forward_only=False)
+        success, grad_norm, _ = self.optimizer.step()
+        if not success:
+            raise FloatingPointError("the optimizer step was skipped: non-finite gradients (check rewards and lr)")
+        self.scheduler.step(increment=1)
+        return float(grad_norm or 0.0), outputs
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def hf_tensors(self):
+        return iter_hf_tensors(self.model)
+
+    def sharded_state_dict(self) -> dict:
+        model_state = self.model.sharded_state_dict()
+        state = {"model": model_state}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.sharded_state_dict(model_state)
+        return state
+
+    def load_sharded(self, checkpoint, with_optimizer: bool) -> None:
+        """Load model (and optimizer) state from a Megatron checkpoint saved under any TP/PP."""
+        from megatron_dppo.actor.checkpoint import load_sharded
+
+        model_state = self.model.sharded_state_dict()
+        request = {"model": model_state}
+        if with_optimizer:
+            request["optimizer"] = self.optimizer.sharded_state_dict(model_state, is_loading=True)
+        loaded = load_sharded(checkpoint, request)
+        self.model.load_state_dict(loaded["model"])
+        if with_optimizer:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        elif self.optimizer is not None:
+            self.optimizer.reload_model_params()  # the optimizer's main copies must follow the new weights

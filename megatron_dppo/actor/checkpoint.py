@@ -1,0 +1,119 @@
+"""Megatron distributed checkpoints of the actor: atomic, resumable, loadable under any TP/PP.
+
+Layout of a save directory:
+
+    <save>/iter_0000040/          one checkpoint (megatron dist_checkpointing, torch_dist backend)
+        .metadata, __*.distcp      the sharded state: {"model": ..., "optimizer": ..., "scheduler": ...}
+        hf_config.json             the HF config.json the model was built from (export needs it)
+        dppo_state.pt              trainer state that is not sharded: step, data position, pruner history,
+                                   RNG states per rank, metrics cursor (absent in a converter's checkpoint)
+        complete                   written last: a checkpoint without it is partial and never loaded
+    <save>/latest                  "iter_0000040", replaced atomically after the checkpoint is complete
+
+Writes go to `<save>/.tmp_iter_XXXXXXX` first and are renamed when every rank has finished, so a crash leaves
+either the old checkpoint or the new one, never half of one under its final name.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+LATEST = "latest"
+COMPLETE = "complete"
+HF_CONFIG = "hf_config.json"
+
+
+def iteration_dir(save_dir: str | Path, step: int) -> Path:
+    return Path(save_dir) / f"iter_{step:07d}"
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(save_dir: str | Path, step: int, sharded_state: dict, hf_config: dict,
+                    trainer_state: dict | None = None, keep_last: int | None = None) -> Path:
+    """Save `sharded_state` (values from `.sharded_state_dict()`) atomically as checkpoint `step`; every rank calls.
+
+    `trainer_state` is a picklable dict saved by rank 0 (per-rank parts, e.g. RNG states, are gathered by the
+    caller). Keeps the newest `keep_last` complete checkpoints when given."""
+    save_dir = Path(save_dir)
+    final = iteration_dir(save_dir, step)
+    staging = save_dir / f".tmp_{final.name}"
+    if _rank0():
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    _barrier()
+    dist_checkpointing.save(sharded_state, str(staging))
+    _barrier()
+    if _rank0():
+        (staging / HF_CONFIG).write_text(json.dumps(hf_config, indent=2))
+        if trainer_state is not None:
+            torch.save(trainer_state, staging / "dppo_state.pt")
+        (staging / COMPLETE).write_text(str(step))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        marker = save_dir / f".{LATEST}.tmp"
+        marker.write_text(final.name)
+        os.replace(marker, save_dir / LATEST)
+        if keep_last:
+            for old in sorted(complete_checkpoints(save_dir))[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def complete_checkpoints(save_dir: str | Path) -> list[Path]:
+    return sorted(p for p in Path(save_dir).glob("iter_*") if (p / COMPLETE).is_file())
+
+
+def resolve_checkpoint(load: str | Path) -> Path:
+    """The checkpoint directory `load` names: an iter_* directory itself, or a save directory (its `latest`).
+
+    A partial checkpoint (no `complete` marker), or missing files, is a clear error naming what is missing and the
+    newest complete checkpoint that can be loaded instead."""
+    path = Path(load)
+    if (path / LATEST).is_file():
+        path = path / (path / LATEST).read_text().strip()
+    elif not path.name.startswith("iter_") and complete_checkpoints(path):
+        path = complete_checkpoints(path)[-1]
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {path} does not exist: pass --load a save directory or an iter_* dir")
+    missing = [name for name in (COMPLETE, HF_CONFIG, ".metadata") if not (path / name).is_file()]
+    if missing:
+        fallback = [p for p in complete_checkpoints(path.parent) if p != path]
+        hint = f"load the previous complete checkpoint {fallback[-1]}" if fallback else "no complete checkpoint exists"
+        raise FileNotFoundError(
+            f"checkpoint {path} is partial or corrupted: missing {', '.join(missing)}; {hint}")
+    return path
+
+
+def read_hf_config(checkpoint: str | Path) -> dict:
+    return json.loads((Path(checkpoint) / HF_CONFIG).read_text())
+
+
+def load_sharded(checkpoint: str | Path, sharded_state: dict) -> dict:
+    """Load the parts of `sharded_state` (a dict of `.sharded_state_dict()` values) from `checkpoint`."""
+    path = resolve_checkpoint(checkpoint)
+    try:
+        return dist_checkpointing.load(sharded_state, str(path))
+    except Exception as error:  # megatron raises several types for a damaged shard file
+        raise RuntimeError(
+            f"checkpoint {path} could not be read ({type(error).__name__}: {error}); its shard files are damaged or "
+            "incomplete: load an earlier checkpoint"
+        ) from error
+
+
+def load_trainer_state(checkpoint: str | Path) -> dict | None:
+    path = resolve_checkpoint(checkpoint) / "dppo_state.pt"
+    return torch.load(path, weights_only=False) if path.is_file() else None

@@ -1,0 +1,211 @@
+"""Command-line arguments of examples/pretrain_dppo.py, grouped by subsystem and validated once at start-up.
+
+Megatron's own flags keep Megatron-LM's names (--tensor-model-parallel-size, --lr, --save, ...); ours come in
+prefixed groups: --rollout-*, --dppo-* (and the other algorithms' options), --reward-*, --data-*, --warm-start-*.
+Every --sglang-* flag is forwarded verbatim to `python -m sglang.launch_server` (without the prefix).
+A bad combination is reported naming both flags and the fix.
+"""
+
+import argparse
+import os
+from dataclasses import dataclass
+
+ALGORITHMS = ("grpo", "dppo", "cppo", "d3s")
+PROMPT_DATA = ("synthetic", "math", "gsm8k")
+
+# The embedded default (no --hf-checkpoint, embedded engine, synthetic prompts) starts from these unless a flag
+# says otherwise: a tiny model answering in a few tokens, and a wall-time budget instead of a step count.
+EMBEDDED_DEFAULTS = dict(
+    lr=1e-4, rollout_max_response_len=8, rollout_batch_size=16, n_samples_per_prompt=8, dapo_filter=True,
+    time_budget_s=330.0, max_tokens_per_gpu=4096, log_dir="runs/embedded",
+)
+
+
+def is_embedded_default(args) -> bool:
+    return args.rollout_backend == "embedded" and not args.hf_checkpoint and args.data_prompts == "synthetic"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_dppo.py",
+        description="GRPO-family RL with DPPO on Megatron-Core. With no arguments on a CPU machine: the embedded "
+        "default (tiny model, synthetic arithmetic, embedded rollout engine).",
+    )
+    megatron = parser.add_argument_group("megatron (Megatron-LM flag names)")
+    megatron.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    megatron.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    megatron.add_argument("--sequence-parallel", action="store_true")
+    megatron.add_argument("--use-distributed-optimizer", action="store_true")
+    megatron.add_argument("--bf16", action="store_true")
+    megatron.add_argument("--fp16", action="store_true")
+    megatron.add_argument("--hf-checkpoint", help="HF model directory to start from (config.json + safetensors)")
+    megatron.add_argument("--load", help="resume from a Megatron checkpoint (save dir or iter_* dir)")
+    megatron.add_argument("--save", help="directory for Megatron distributed checkpoints")
+    megatron.add_argument("--save-interval", type=int, default=0, help="save every N steps (0: only at the end)")
+    megatron.add_argument("--keep-last-checkpoints", type=int, default=2)
+    megatron.add_argument("--train-iters", type=int, default=None, help="RL steps (default: until the time budget)")
+    megatron.add_argument("--lr", type=float, default=1e-6)
+    megatron.add_argument("--min-lr", type=float, default=0.0)
+    megatron.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant")
+    megatron.add_argument("--lr-warmup-iters", type=int, default=0)
+    megatron.add_argument("--clip-grad", type=float, default=1.0)
+    megatron.add_argument("--weight-decay", type=float, default=0.0)
+    megatron.add_argument("--adam-beta1", type=float, default=0.9)
+    megatron.add_argument("--adam-beta2", type=float, default=0.999)
+    megatron.add_argument("--adam-eps", type=float, default=1e-8)
+    megatron.add_argument("--seed", type=int, default=1234)
+    megatron.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="token budget of one micro-batch")
+    megatron.add_argument("--packing-window", type=int, default=256, help="Dense Prompt Packing window W")
+    megatron.add_argument("--log-dir", default="runs/dppo", help="metrics.jsonl and TensorBoard events")
+    megatron.add_argument("--time-budget-s", type=float, default=None,
+                          help="stop RL when this many seconds have passed since start (after the current step)")
+
+    rollout = parser.add_argument_group("rollout")
+    rollout.add_argument("--rollout-backend", choices=("embedded", "sglang", "external"), default="embedded",
+                         help="embedded: our CPU engine; sglang: start SGLang servers; external: --rollout-urls")
+    rollout.add_argument("--rollout-urls", nargs="*", default=[], help="servers started elsewhere (Slurm)")
+    rollout.add_argument("--rollout-num-servers", type=int, default=1)
+    rollout.add_argument("--rollout-batch-size", type=int, default=16, help="prompts per RL step")
+    rollout.add_argument("--n-samples-per-prompt", type=int, default=8, help="group size G")
+    rollout.add_argument("--rollout-temperature", type=float, default=1.0)
+    rollout.add_argument("--rollout-top-p", type=float, default=1.0)
+    rollout.add_argument("--rollout-top-k", type=int, default=-1)
+    rollout.add_argument("--rollout-max-response-len", type=int, default=1024)
+    rollout.add_argument("--rollout-max-concurrency", type=int, default=64)
+    rollout.add_argument("--rollout-timeout-s", type=float, default=600.0)
+    rollout.add_argument("--rollout-weight-bucket-mb", type=int, default=512, help="weight-sync bucket size")
+    rollout.add_argument("--rollout-engine-threads", type=int, default=1, help="torch threads of the embedded engine")
+    rollout.add_argument("--async", dest="async_rollout", action="store_true",
+                         help="generate step t+1 while step t trains (one step off-policy, corrected by TIS)")
+
+    algo = parser.add_argument_group("algorithm (--dppo-* and the other pruners)")
+    algo.add_argument("--algorithm", choices=ALGORITHMS, default="dppo")
+    algo.add_argument("--dppo-prompt-prune-rate", type=float, default=0.5)
+    algo.add_argument("--dppo-completion-prune-rate", type=float, default=0.5)
+    algo.add_argument("--dppo-mode", choices=("stochastic", "deterministic"), default="stochastic")
+    algo.add_argument("--dppo-keep-policy", choices=("uniform", "proportional"), default="proportional")
+    algo.add_argument("--dppo-prompt-p-min", type=float, default=0.3)
+    algo.add_argument("--dppo-completion-p-min", type=float, default=0.05)
+    algo.add_argument("--dppo-candidates", choices=("all", "below_mean"), default="below_mean")
+    algo.add_argument("--cppo-prune-rate", type=float, default=0.5)
+    algo.add_argument("--cppo-scope", choices=("per_group", "batch"), default="per_group")
+    algo.add_argument("--cppo-refill", action="store_true", help="draw batch / (1 - P) prompts (CPPO's allocation)")
+    algo.add_argument("--d3s-sample-fraction", type=float, nargs=2, default=(0.25, 0.75), metavar=("INIT", "FINAL"))
+    algo.add_argument("--d3s-token-fraction", type=float, nargs=2, default=(0.5, 1.0), metavar=("INIT", "FINAL"))
+    algo.add_argument("--dapo-filter", action="store_true", help="drop groups whose rewards are all equal")
+    algo.add_argument("--dapo-oversample", type=float, default=1.0, help="prompts drawn per step / kept (refill)")
+    algo.add_argument("--advantage-estimator", choices=("grpo", "dr_grpo", "rloo"), default="grpo")
+    algo.add_argument("--loss-agg-mode", default="token-mean",
+                      choices=("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"))
+    algo.add_argument("--eps-clip", type=float, default=0.2)
+    algo.add_argument("--eps-clip-high", type=float, default=0.28)
+    algo.add_argument("--eps-clip-c", type=float, default=None, help="dual-clip constant (e.g. 3)")
+    algo.add_argument("--kl-coef", type=float, default=0.0, help="> 0 loads a frozen reference model")
+    algo.add_argument("--kl-type", choices=("k1", "k2", "k3", "low_var_kl"), default="low_var_kl")
+    algo.add_argument("--entropy-coef", type=float, default=0.0)
+    algo.add_argument("--importance-level", choices=("token", "sequence"), default="token", help="sequence: GSPO")
+    algo.add_argument("--tis-cap", type=float, default=2.0, help="truncated IS cap for rollout/trainer mismatch")
+    algo.add_argument("--ppo-epochs", type=int, default=1, help="update passes over each rollout batch")
+    algo.add_argument("--history-ema-decay", type=float, default=0.5)
+
+    reward = parser.add_argument_group("reward")
+    reward.add_argument("--reward-fn", choices=("synthetic", "math", "gsm8k"), default=None,
+                        help="default: the one matching --data-prompts")
+    reward.add_argument("--reward-timeout-s", type=float, default=5.0)
+
+    data = parser.add_argument_group("data")
+    data.add_argument("--data-prompts", default="synthetic", help="synthetic | math | gsm8k")
+    data.add_argument("--data-train-size", type=int, default=4000,
+                      help="synthetic: size of the recurring training pool (prompts recur, so history can prune)")
+    data.add_argument("--data-skip-bad-rows", action="store_true")
+    data.add_argument("--eval-size", type=int, default=500, help="held-out problems evaluated before and after")
+    data.add_argument("--eval-interval", type=int, default=0, help="also evaluate every N steps (0: never)")
+
+    warm = parser.add_argument_group("embedded default (tiny model, supervised warm start)")
+    warm.add_argument("--warm-start-steps", type=int, default=900)
+    warm.add_argument("--warm-start-lr", type=float, default=3e-3)
+    warm.add_argument("--warm-start-batch-size", type=int, default=128)
+    warm.add_argument("--cache-dir", default="cache", help="where the warm start is cached and reused")
+
+    ops = parser.add_argument_group("operations")
+    ops.add_argument("--dry-run", action="store_true", help="print the launch plan and parallel layout, start nothing")
+    return parser
+
+
+@dataclass
+class Topology:
+    world_size: int
+    tp: int
+    pp: int
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and validate; `args.sglang_args` holds the forwarded --sglang-* flags."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if is_embedded_default(args):
+        parser.set_defaults(**EMBEDDED_DEFAULTS)
+        args, unknown = parser.parse_known_args(argv)
+    sglang_args, rest = [], []
+    for index, token in enumerate(unknown):
+        takes_value = index > 0 and unknown[index - 1].startswith("--sglang-") and "=" not in unknown[index - 1]
+        if token.startswith("--sglang-") or (takes_value and not token.startswith("--")):
+            sglang_args.append(token)
+        else:
+            rest.append(token)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.sglang_args = sglang_args
+    validate(args, parser)
+    return args
+
+
+def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Reject bad combinations with a message naming both flags and the fix."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    errors = []
+    if world % model_parallel:
+        errors.append(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} x "
+                      f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} = {model_parallel} does not "
+                      f"divide the {world} launched processes: launch a multiple of {model_parallel} (torchrun "
+                      "--nproc-per-node) or lower the parallel sizes")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1: drop it or raise TP")
+    if args.bf16 and args.fp16:
+        errors.append("--bf16 and --fp16 are exclusive: pick one")
+    if args.rollout_backend == "external" and not args.rollout_urls:
+        errors.append("--rollout-backend external needs --rollout-urls URL [URL ...]")
+    if args.rollout_urls and args.rollout_backend != "external":
+        errors.append(f"--rollout-urls is given but --rollout-backend is {args.rollout_backend}: "
+                      "use --rollout-backend external")
+    if args.sglang_args and args.rollout_backend != "sglang":
+        errors.append(f"--sglang-* flags ({args.sglang_args[0]}) need --rollout-backend sglang")
+    if args.rollout_backend == "sglang" and not (args.hf_checkpoint or args.load):
+        errors.append("--rollout-backend sglang needs --hf-checkpoint (the model SGLang starts from)")
+    if args.algorithm != "dppo":
+        touched = [flag for flag, value, default in (
+            ("--dppo-prompt-prune-rate", args.dppo_prompt_prune_rate, 0.5),
+            ("--dppo-completion-prune-rate", args.dppo_completion_prune_rate, 0.5),
+            ("--dppo-mode", args.dppo_mode, "stochastic")) if value != default]
+        if touched:
+            errors.append(f"{touched[0]} only applies to --algorithm dppo, but --algorithm is {args.algorithm}: "
+                          f"drop {touched[0]} or use --algorithm dppo")
+    if args.dapo_oversample != 1.0 and not args.dapo_filter:
+        errors.append("--dapo-oversample refills groups removed by the DAPO filter: add --dapo-filter")
+    if args.ppo_epochs < 1:
+        errors.append(f"--ppo-epochs {args.ppo_epochs} must be >= 1")
+    if args.n_samples_per_prompt < 2 and args.advantage_estimator != "dr_grpo":
+        errors.append(f"--n-samples-per-prompt {args.n_samples_per_prompt} gives every sample a zero "
+                      f"--advantage-estimator {args.advantage_estimator} advantage: use G >= 2")
+    if args.data_prompts not in PROMPT_DATA and not os.path.isfile(args.data_prompts):
+        errors.append(f"--data-prompts {args.data_prompts!r} is neither one of {PROMPT_DATA} nor a JSONL file")
+    if errors:
+        parser.error("\n  ".join(["invalid arguments:", *errors]))
+    if args.reward_fn is None:
+        args.reward_fn = args.data_prompts if args.data_prompts in ("math", "gsm8k") else (
+            "synthetic" if args.data_prompts == "synthetic" else "math")

@@ -1,0 +1,146 @@
+"""Start everything a training run needs, run the trainer, shut everything down.
+
+    parse/validate args ─► torch.distributed + Megatron parallel state
+    ─► model source: --hf-checkpoint, or the embedded default (tiny model + cached warm start)
+    ─► actor (+ frozen reference when --kl-coef > 0) ─► task (prompts + reward)
+    ─► rank 0: rollout servers (embedded engine | SGLang | external URLs), client, weight syncer, server pool
+    ─► resume (--load) ─► initial weight sync ─► evaluate ─► RL steps ─► evaluate ─► save
+The last line on rank 0 is a JSON summary.
+"""
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_dppo.actor.actor import Actor, OptimConfig
+from megatron_dppo.actor.checkpoint import read_hf_config, resolve_checkpoint
+from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
+from megatron_dppo.arguments import is_embedded_default
+from megatron_dppo.convert.hf_checkpoint import HFCheckpoint, read_config
+from megatron_dppo.convert.mapping import model_shape
+from megatron_dppo.metrics import MetricsLogger
+from megatron_dppo.platform import distributed_backend
+from megatron_dppo.tasks import dataset_task, synthetic_task
+from megatron_dppo.trainer import Trainer
+
+DATASET_SPLITS = {"math": ("math_train", "math500"), "gsm8k": ("gsm8k_train", "gsm8k_test")}
+
+
+def load_tokenizer(model_dir: Path):
+    """The model directory's tokenizer: our character tokenizer when it is one, else transformers'."""
+    from megatron_dppo.data.tokenizer import CharTokenizer
+
+    try:
+        return CharTokenizer.from_pretrained(model_dir)
+    except (ValueError, KeyError, FileNotFoundError):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir)
+
+
+def build_task(args, tokenizer):
+    if args.data_prompts == "synthetic":
+        return synthetic_task(tokenizer, args.seed, args.data_train_size, args.eval_size)
+    train, heldout = DATASET_SPLITS.get(args.data_prompts, (args.data_prompts, "math500"))
+    return dataset_task(train, tokenizer, args.seed, heldout, args.eval_size, args.data_skip_bad_rows,
+                        args.reward_fn, timeout_s=args.reward_timeout_s)
+
+
+def start_rollout(args, model_dir: Path):
+    """rank 0: the servers, a client on them, a weight syncer, and the pool that restarts dead servers."""
+    from megatron_dppo.rollout.client import RolloutClient
+    from megatron_dppo.rollout.launcher import (
+        ServerPool,
+        external_servers,
+        launch_embedded_engine,
+        launch_sglang_servers,
+    )
+    from megatron_dppo.rollout.weight_sync import WeightSyncer
+
+    if args.rollout_backend == "embedded":
+        handles = [launch_embedded_engine(str(model_dir), threads=args.rollout_engine_threads)
+                   for _ in range(args.rollout_num_servers)]
+    elif args.rollout_backend == "sglang":
+        handles = launch_sglang_servers(args.rollout_num_servers, str(model_dir), args.sglang_args)
+    else:
+        handles = external_servers(args.rollout_urls)
+    urls = [handle.url for handle in handles]
+    syncer = WeightSyncer(urls, backend=distributed_backend(), bucket_bytes=args.rollout_weight_bucket_mb * 2**20,
+                          timeout_s=args.rollout_timeout_s, keep_host_copy=args.rollout_backend != "external")
+    pool = ServerPool(handles, weight_syncer=syncer, resync=syncer.resend)
+    client = RolloutClient(urls, max_concurrency=args.rollout_max_concurrency, request_timeout_s=args.rollout_timeout_s,
+                           supervisor=pool)
+    return pool, client, syncer
+
+
+def run(args) -> dict:
+    start = time.perf_counter()
+    init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed)
+    rank0 = dist.get_rank() == 0
+    warm_start = None
+    if is_embedded_default(args):
+        from megatron_dppo import embedded
+
+        model_dir, tokenizer, warm_start = embedded.prepare(args)
+    else:
+        model_dir = Path(args.hf_checkpoint)
+        tokenizer = load_tokenizer(model_dir)
+    hf_config = read_hf_config(resolve_checkpoint(args.load)) if args.load else read_config(model_dir)
+    shape = model_shape(hf_config)
+    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    checkpoint = HFCheckpoint(model_dir)
+    optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
+                        lr_decay_iters=args.train_iters or 1, lr_decay_style=args.lr_decay_style,
+                        clip_grad=args.clip_grad, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+                        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                        use_distributed_optimizer=args.use_distributed_optimizer)
+    actor = Actor(shape, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, dtype, optim,
+                  checkpoint, args.sequence_parallel)
+    if warm_start is not None and not args.load:
+        actor.load_sharded(warm_start, with_optimizer=False)
+    reference = None
+    if args.kl_coef > 0:
+        reference = Actor(shape, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, dtype, None,
+                          checkpoint, args.sequence_parallel)
+        if warm_start is not None:
+            reference.load_sharded(warm_start, with_optimizer=False)
+    task = build_task(args, tokenizer)
+    pool = client = syncer = None
+    with contextlib.ExitStack() as stack:
+        if rank0:
+            pool, client, syncer = start_rollout(args, model_dir)
+            stack.callback(pool.stop)
+        trainer = Trainer(args, actor, task, tokenizer, client, syncer, hf_config, reference)
+        resumed = trainer.load(args.load) if args.load else {}
+        trainer.sync_weights()
+        before = resumed.get("eval_before") or trainer.evaluate(args.eval_size)
+        elapsed_before = resumed.get("seconds_rl", 0.0)
+        metrics = MetricsLogger(args.log_dir, rank0, args.train_iters, trainer.step)
+        rl_start = time.perf_counter()
+        while trainer.step < trainer.total_steps():
+            if args.time_budget_s is not None and elapsed_before + time.perf_counter() - rl_start > args.time_budget_s:
+                break
+            step_metrics = trainer.train_one_step()
+            step_metrics["seconds_wall"] = elapsed_before + time.perf_counter() - rl_start
+            if args.eval_interval and trainer.step % args.eval_interval == 0:
+                step_metrics["heldout_accuracy"] = trainer.evaluate(args.eval_size)["accuracy"]
+            metrics.log(trainer.step, step_metrics)
+            if args.save and args.save_interval and trainer.step % args.save_interval == 0:
+                trainer.save({"eval_before": before,
+                              "seconds_rl": elapsed_before + time.perf_counter() - rl_start})
+        seconds_rl = elapsed_before + time.perf_counter() - rl_start
+        after = trainer.evaluate(args.eval_size)
+        if args.save and not (args.save_interval and trainer.step % args.save_interval == 0):
+            trainer.save({"eval_before": before, "seconds_rl": seconds_rl})
+        metrics.close()
+    summary = {"heldout_accuracy_before": round(before["accuracy"], 4),
+               "heldout_accuracy_after": round(after["accuracy"], 4), "steps": trainer.step,
+               "seconds": round(time.perf_counter() - start, 1)}
+    if rank0:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.log_dir) / "summary.json").write_text(json.dumps({**summary, "seconds_rl": seconds_rl}))
+    destroy_parallel()
+    return summary

@@ -1,0 +1,89 @@
+"""What the trainer trains on: a prompt source (ids, token ids, references) and its reward, behind one interface.
+
+    task.next_prompts(n) → [Prompt(prompt_id, input_ids, reference)]   resumable (state_dict)
+    task.score(responses, references) → [float]                        the reward of each decoded response
+    task.heldout(n) → [Prompt]                                         never trained on
+
+Prompt ids are stable integers (the row index in the data set, or the index in the synthetic training pool), so
+DPPO's prompt history recognises a prompt when it comes back in a later epoch.
+"""
+
+from dataclasses import dataclass
+
+from megatron_dppo.data.datasets import PromptSampler
+
+
+@dataclass
+class Prompt:
+    prompt_id: int
+    input_ids: list[int]
+    reference: object
+    text: str = ""
+
+
+class Task:
+    def __init__(self, prompts: list[Prompt], heldout: list[Prompt], scorer, seed: int):
+        self.prompts = prompts
+        self.heldout_prompts = heldout
+        self.scorer = scorer
+        self.sampler = PromptSampler(len(prompts), seed)
+
+    def next_prompts(self, count: int) -> list[Prompt]:
+        return [self.prompts[index] for index in self.sampler.next_indices(count)]
+
+    def heldout(self, count: int) -> list[Prompt]:
+        return self.heldout_prompts[:count]
+
+    def score(self, responses: list[str], references: list) -> list[float]:
+        return self.scorer(responses, references)
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+
+def synthetic_task(tokenizer, seed: int, train_size: int, heldout_size: int) -> Task:
+    """A recurring pool of `train_size` synthetic problems (so prompts come back and history can prune them),
+    and the fixed held-out split (seed 12345, never in training)."""
+    from megatron_dppo.data.synthetic import SyntheticArithmetic
+    from megatron_dppo.rewards.synthetic import compute_score
+
+    generator = SyntheticArithmetic(seed)
+
+    def as_prompt(index, problem):
+        return Prompt(index, tokenizer.encode(problem.prompt), problem.answer, problem.prompt)
+
+    train = [as_prompt(i, p) for i, p in enumerate(generator.sample(train_size))]
+    heldout = [as_prompt(-1 - i, p) for i, p in enumerate(generator.heldout(heldout_size))]
+    return Task(train, heldout, lambda responses, refs: [compute_score(r, a) for r, a in zip(responses, refs)], seed)
+
+
+def dataset_task(name: str, tokenizer, seed: int, heldout_name: str, heldout_size: int, skip_bad_rows: bool,
+                 reward_fn: str, template: str = "auto", timeout_s: float = 5.0) -> Task:
+    """MATH / GSM8K training prompts (or a JSONL file in either layout), scored by the math or gsm8k reward."""
+    from megatron_dppo.data.datasets import load_dataset
+    from megatron_dppo.data.templates import encode_prompt
+
+    def as_prompts(examples, offset=0, sign=1):
+        return [Prompt(sign * (offset + i), encode_prompt(e.problem, template, tokenizer), e.answer, e.problem)
+                for i, e in enumerate(examples)]
+
+    train = as_prompts(load_dataset(name, skip_bad_rows=skip_bad_rows))
+    heldout = as_prompts(load_dataset(heldout_name, skip_bad_rows=skip_bad_rows, limit=heldout_size), 1, -1)
+    return Task(train, heldout, reward_scorer(reward_fn, timeout_s), seed)
+
+
+def reward_scorer(reward_fn: str, timeout_s: float):
+    if reward_fn == "gsm8k":
+        from megatron_dppo.rewards.gsm8k import compute_score
+
+        return lambda responses, refs: [compute_score(r, str(a)) for r, a in zip(responses, refs)]
+    if reward_fn == "math":
+        from megatron_dppo.rewards.math import VerifierPool, score_batch
+
+        pool = VerifierPool(timeout_s=timeout_s)
+        return lambda responses, refs: [result.score for result in score_batch(responses, [str(a) for a in refs],
+                                                                                pool=pool)]
+    raise ValueError(f"unknown reward function {reward_fn!r}: choose synthetic, math or gsm8k")
