@@ -319,7 +319,8 @@ class Trainer:
         tensors = self.actor.hf_tensors()
         if is_export_source():
             stats = self.syncer.sync(tensors, version=self.step)
-            result = {"seconds_sync": stats.seconds, "sync_gb_per_s": stats.gb_per_s, "sync_bytes": stats.bytes}
+            result = {"seconds_sync": stats.seconds, "sync_gb_per_s": stats.gb_per_s, "sync_bytes": stats.bytes,
+                      "weight_version": int(stats.weight_version)}
         else:
             for _ in tensors:
                 pass

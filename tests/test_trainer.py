@@ -1,0 +1,157 @@
+"""The full RL loop through examples/pretrain_dppo.py on 2 CPU ranks with the embedded engine.
+
+- smoke: TP=2, a few steps: finite loss and gradient norm, weights changed, weight version advanced, metrics written;
+- exact resume: 4 steps straight vs 2 steps, kill -9, resume to 4: bitwise-identical final weights and identical
+  metrics for the resumed steps (fp32, CPU, fixed seeds; wall-time fields excluded);
+- a partial or corrupted checkpoint gives a clear error naming what is missing, and the previous one still loads.
+Each launch reuses one cached warm start (a short one: these tests prove the loop, not the accuracy).
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.launch import REPO_ROOT, free_port
+
+ENTRY = REPO_ROOT / "examples" / "pretrain_dppo.py"
+SHORT = ["--warm-start-steps", "20", "--eval-size", "16", "--time-budget-s", "100000", "--rollout-batch-size", "8",
+         "--n-samples-per-prompt", "4", "--data-train-size", "64", "--lr", "1e-3"]
+TIMING_FIELDS = ("seconds", "per_second", "gb_per_s")
+
+
+def torchrun_command(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(free_port()), str(ENTRY), *map(str, args)]
+
+
+def launch(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.Popen(torchrun_command(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=REPO_ROOT, start_new_session=True)
+
+
+def finish(process: subprocess.Popen, timeout: float = 300) -> str:
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"the run timed out after {timeout} s:\n{output[-6000:]}") from None
+    finally:
+        kill_group(process)
+    return output
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_ok(args: list[str]) -> str:
+    process = launch(args)
+    output = finish(process)
+    assert process.returncode == 0, f"exit {process.returncode}:\n{output[-8000:]}"
+    return output
+
+
+def read_metrics(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def export_weights(checkpoint: Path, out_dir: Path) -> dict:
+    subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "convert_megatron_to_hf.py"), "--megatron-dir",
+                    str(checkpoint), "--out", str(out_dir)], check=True, capture_output=True, cwd=REPO_ROOT,
+                   env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    tensors = {}
+    for shard in sorted(out_dir.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("warm_cache")
+
+
+def test_tp2_smoke_run_trains_syncs_and_writes_metrics(cache_dir, tmp_path):
+    output = run_ok([*SHORT, "--cache-dir", cache_dir, "--log-dir", tmp_path / "log", "--train-iters", 3,
+                     "--tensor-model-parallel-size", 2, "--save", tmp_path / "ckpt", "--eval-interval", 3])
+    summary = json.loads(output.strip().splitlines()[-1])
+    assert summary["steps"] == 3 and set(summary) >= {"heldout_accuracy_before", "heldout_accuracy_after"}
+    metrics = read_metrics(tmp_path / "log")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["weight_version"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        for key in ("pg_loss", "grad_norm", "reward_mean", "packing_density", "seconds_rollout", "seconds_update",
+                    "seconds_sync", "tokens_per_second_update", "kept_fraction_prompts", "kept_fraction_completions",
+                    "logprob_gap_train_vs_rollout"):
+            assert key in m and math.isfinite(m[key]), (key, m)
+    assert "heldout_accuracy" in metrics[-1]
+    assert list((tmp_path / "log" / "tensorboard").glob("events.out.tfevents.*"))
+    # the trained weights differ from the warm start they began from
+    warm = next(cache_dir.glob("embedded_*/warm_start"))
+    before = export_weights(warm, tmp_path / "warm_hf")
+    after = export_weights(tmp_path / "ckpt", tmp_path / "trained_hf")
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[name], after[name]) for name in before)
+
+
+def deterministic(metrics: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not any(t in k for t in TIMING_FIELDS)} for m in metrics]
+
+
+def test_resume_after_kill_is_bitwise_identical_and_corrupt_checkpoints_are_named(cache_dir, tmp_path):
+    common = [*SHORT, "--cache-dir", cache_dir, "--train-iters", 4, "--save-interval", 2,
+              "--keep-last-checkpoints", 3]
+    run_ok([*common, "--save", tmp_path / "straight", "--log-dir", tmp_path / "straight_log"])
+
+    process = launch([*common, "--save", tmp_path / "killed", "--log-dir", tmp_path / "killed_log"])
+    marker = tmp_path / "killed" / "latest"
+    deadline = time.monotonic() + 300
+    while not (marker.is_file() and marker.read_text().strip() == "iter_0000002"):
+        assert process.poll() is None, f"the run ended before its step-2 checkpoint:\n{process.stdout.read()[-6000:]}"
+        assert time.monotonic() < deadline, "no step-2 checkpoint within 300 s"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)  # kill -9 the whole torchrun group
+    process.communicate()
+    run_ok([*common, "--save", tmp_path / "killed", "--log-dir", tmp_path / "killed_log",
+            "--load", tmp_path / "killed"])
+
+    straight = export_weights(tmp_path / "straight" / "iter_0000004", tmp_path / "straight_hf")
+    resumed = export_weights(tmp_path / "killed" / "iter_0000004", tmp_path / "resumed_hf")
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), f"{name} differs after kill -9 and resume"
+    straight_metrics = deterministic(read_metrics(tmp_path / "straight_log"))
+    resumed_metrics = deterministic(read_metrics(tmp_path / "killed_log"))
+    assert [m["step"] for m in resumed_metrics] == [1, 2, 3, 4]
+    assert resumed_metrics[2:] == straight_metrics[2:]
+
+    # a partial checkpoint (its completion marker is gone) is refused, naming what is missing and the fallback
+    (tmp_path / "straight" / "iter_0000004" / "complete").unlink()
+    process = launch([*common, "--save", tmp_path / "again", "--log-dir", tmp_path / "again_log",
+                      "--load", tmp_path / "straight" / "iter_0000004"])
+    output = finish(process)
+    assert process.returncode != 0
+    assert "partial or corrupted: missing complete" in output and "iter_0000002" in output
+    # a damaged shard file is named as such
+    shard = next((tmp_path / "killed" / "iter_0000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    process = launch([*common, "--save", tmp_path / "again", "--log-dir", tmp_path / "again_log",
+                      "--load", tmp_path / "killed" / "iter_0000004"])
+    output = finish(process)
+    assert process.returncode != 0 and "could not be read" in output and "iter_0000004" in output
+    # ... and the previous checkpoint still loads and trains on
+    run_ok([*common, "--train-iters", 3, "--save", tmp_path / "again", "--log-dir", tmp_path / "again_log",
+            "--load", tmp_path / "killed" / "iter_0000002"])
