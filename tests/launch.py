@@ -21,28 +21,41 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_torchrun(script: Path, nproc: int, args: list[str] = (), timeout: float = 300, env: dict | None = None):
-    """Run `torchrun --nproc-per-node nproc script args`; return the CompletedProcess, raise on failure."""
+def start_torchrun(script: Path, nproc: int, args=(), env: dict | None = None) -> subprocess.Popen:
+    """`torchrun --nproc-per-node nproc script args` in a new process group (output captured)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *map(str, args),
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), **(env or {})}
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-        cwd=REPO_ROOT, start_new_session=True,
-    )
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                            cwd=REPO_ROOT, start_new_session=True)
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def finish(process: subprocess.Popen, timeout: float, what: str) -> str:
+    """Wait for the launch (killing its whole group at the end, or at the timeout); return its output."""
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_group(process)
         output, _ = process.communicate()
-        raise AssertionError(f"torchrun {script.name} timed out after {timeout} s:\n{output[-6000:]}") from None
+        raise AssertionError(f"{what} timed out after {timeout} s:\n{output[-6000:]}") from None
     finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(process)
+    return output
+
+
+def run_torchrun(script: Path, nproc: int, args=(), timeout: float = 300, env: dict | None = None) -> str:
+    """Run `torchrun --nproc-per-node nproc script args`; return its output, raise on failure or timeout."""
+    process = start_torchrun(script, nproc, args, env)
+    output = finish(process, timeout, f"torchrun {script.name}")
     if process.returncode != 0:
         raise AssertionError(f"torchrun {script.name} exited {process.returncode}:\n{output[-8000:]}")
     return output

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.launch import REPO_ROOT, free_port
+from tests.launch import REPO_ROOT, finish, start_torchrun
 
 ENTRY = REPO_ROOT / "examples" / "pretrain_dppo.py"
 SHORT = ["--warm-start-steps", "20", "--eval-size", "16", "--time-budget-s", "100000", "--rollout-batch-size", "8",
@@ -28,39 +28,13 @@ SHORT = ["--warm-start-steps", "20", "--eval-size", "16", "--time-budget-s", "10
 TIMING_FIELDS = ("seconds", "per_second", "gb_per_s")
 
 
-def torchrun_command(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-            "--master-port", str(free_port()), str(ENTRY), *map(str, args)]
-
-
-def launch(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.Popen(torchrun_command(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=REPO_ROOT, start_new_session=True)
-
-
-def finish(process: subprocess.Popen, timeout: float = 300) -> str:
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise AssertionError(f"the run timed out after {timeout} s:\n{output[-6000:]}") from None
-    finally:
-        kill_group(process)
-    return output
-
-
-def kill_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def launch(args: list) -> subprocess.Popen:
+    return start_torchrun(ENTRY, 2, args)
 
 
 def run_ok(args: list[str]) -> str:
     process = launch(args)
-    output = finish(process)
+    output = finish(process, 300, "the run")
     assert process.returncode == 0, f"exit {process.returncode}:\n{output[-8000:]}"
     return output
 
@@ -142,7 +116,7 @@ def test_resume_after_kill_is_bitwise_identical_and_corrupt_checkpoints_are_name
     (tmp_path / "straight" / "iter_0000004" / "complete").unlink()
     process = launch([*common, "--save", tmp_path / "again", "--log-dir", tmp_path / "again_log",
                       "--load", tmp_path / "straight" / "iter_0000004"])
-    output = finish(process)
+    output = finish(process, 300, "the run")
     assert process.returncode != 0
     assert "partial or corrupted: missing complete" in output and "iter_0000002" in output
     # a damaged shard file is named as such
@@ -150,8 +124,22 @@ def test_resume_after_kill_is_bitwise_identical_and_corrupt_checkpoints_are_name
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
     process = launch([*common, "--save", tmp_path / "again", "--log-dir", tmp_path / "again_log",
                       "--load", tmp_path / "killed" / "iter_0000004"])
-    output = finish(process)
+    output = finish(process, 300, "the run")
     assert process.returncode != 0 and "could not be read" in output and "iter_0000004" in output
     # ... and the previous checkpoint still loads and trains on
     run_ok([*common, "--train-iters", 3, "--save", tmp_path / "again", "--log-dir", tmp_path / "again_log",
             "--load", tmp_path / "killed" / "iter_0000002"])
+
+
+def test_async_d3s_with_reference_kl_and_two_epochs_runs(cache_dir, tmp_path):
+    """The other code paths of one step: --async (generation of step t+1 overlaps step t), a frozen reference model
+    for the KL term, two update epochs (a separate old-log-prob pass) and D3S's token selection."""
+    output = run_ok([*SHORT, "--cache-dir", cache_dir, "--log-dir", tmp_path / "log", "--train-iters", 3, "--async",
+                     "--algorithm", "d3s", "--kl-coef", "0.01", "--ppo-epochs", 2, "--entropy-coef", "0.001"])
+    assert json.loads(output.strip().splitlines()[-1])["steps"] == 3
+    metrics = read_metrics(tmp_path / "log")
+    assert [m["weight_version"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        if not m["skipped_update"]:
+            assert math.isfinite(m["kl"]) and math.isfinite(m["entropy"]) and math.isfinite(m["pg_loss"])
+            assert m["seconds_logprobs"] > 0

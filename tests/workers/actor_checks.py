@@ -4,12 +4,13 @@ Usage: torchrun --nproc-per-node 2 actor_checks.py --models DIR --tp T --pp P --
 Each passing check prints `CHECK <name> ok <details>` on the rank(s) that verified it; any failure raises.
 """
 
-import argparse
 import os
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+
+from tests.workers.common import log, run_checks
 
 ARCHS = ("qwen2", "qwen3", "llama")
 LOGITS_TOL = 1e-5  # fp32, same math in a different order (TP/PP splits, fused QKV): observed ~2e-7
@@ -19,9 +20,6 @@ GRAD_RTOL = 1e-5
 # the gradient, so clipping and the DP/TP/PP gradient sums show in the weights.
 LR, CLIP, ADAM_EPS = 1e-3, 0.05, 1e-3
 
-
-def log(message):
-    print(f"[rank {dist.get_rank()}] {message}", flush=True)
 
 
 def build(model_dir, tp, pp):
@@ -291,21 +289,7 @@ CHECKS = {
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--models", required=True)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--checks", required=True)
-    parser.add_argument("--save-ckpt")
-    parser.add_argument("--load-ckpt")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
-
-    init_parallel(args.tp, args.pp)
-    for name in args.checks.split(","):
-        CHECKS[name](args)
-    destroy_parallel()
+    run_checks(CHECKS, ("--save-ckpt", "--load-ckpt"))
 
 
 if __name__ == "__main__":

@@ -5,16 +5,14 @@ Usage: torchrun --nproc-per-node 2 convert_checks.py --models DIR --tp T --pp P 
 Each passing check prints `CHECK <name> ok <details>`; any failure raises.
 """
 
-import argparse
 
 import torch
 import torch.distributed as dist
 
+from tests.workers.common import log, run_checks
+
 LR, ADAM_EPS = 1e-2, 1e-3  # a step large enough to change every weight in fp32
 
-
-def log(message):
-    print(f"[rank {dist.get_rank()}] {message}", flush=True)
 
 
 def hf_state(model_dir):
@@ -99,21 +97,7 @@ CHECKS = {"trainer_loads_converted": check_trainer_loads_converted, "trainer_che
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--models", required=True)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--checks", required=True)
-    parser.add_argument("--converted")
-    parser.add_argument("--save-trainer")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
-
-    init_parallel(args.tp, args.pp)
-    for name in args.checks.split(","):
-        CHECKS[name](args)
-    destroy_parallel()
+    run_checks(CHECKS, ("--converted", "--save-trainer"))
 
 
 if __name__ == "__main__":
