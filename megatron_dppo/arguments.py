@@ -17,7 +17,7 @@ PROMPT_DATA = ("synthetic", "math", "gsm8k")
 # says otherwise: a tiny model answering in a few tokens, and a wall-time budget instead of a step count.
 EMBEDDED_DEFAULTS = dict(
     lr=1e-4, rollout_max_response_len=8, rollout_batch_size=16, n_samples_per_prompt=8, dapo_filter=True,
-    time_budget_s=330.0, max_tokens_per_gpu=4096, log_dir="runs/embedded",
+    time_budget_s=200.0, max_tokens_per_gpu=4096, log_dir="runs/embedded",
 )
 
 

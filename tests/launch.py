@@ -7,18 +7,13 @@ reaps the spawn Manager that megatron's checkpoint writer starts.
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from megatron_dppo.rollout.launcher import free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_torchrun(script: Path, nproc: int, args=(), env: dict | None = None) -> subprocess.Popen:

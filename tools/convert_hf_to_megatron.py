@@ -11,7 +11,7 @@ Example:
 import argparse
 import sys
 
-from megatron_dppo.convert.conversion import DTYPES, hf_to_megatron
+from megatron_dppo.convert.conversion import DTYPES, hf_to_megatron, run_tool
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -30,13 +30,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        out = hf_to_megatron(args.hf_dir, args.out, args.tp, args.pp, args.dtype)
-    except (FileNotFoundError, FileExistsError, KeyError, ValueError, RuntimeError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    print(f"wrote {out}")
-    return 0
+    return run_tool(lambda: hf_to_megatron(args.hf_dir, args.out, args.tp, args.pp, args.dtype))
 
 
 if __name__ == "__main__":

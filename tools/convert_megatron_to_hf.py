@@ -12,7 +12,7 @@ Example:
 import argparse
 import sys
 
-from megatron_dppo.convert.conversion import DTYPES, megatron_to_hf
+from megatron_dppo.convert.conversion import DTYPES, megatron_to_hf, run_tool
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -33,14 +33,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        out = megatron_to_hf(args.megatron_dir, args.out, args.dtype, args.tokenizer_dir,
-                             int(args.max_shard_size_mb * 1024**2))
-    except (FileNotFoundError, FileExistsError, KeyError, ValueError, RuntimeError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    print(f"wrote {out}")
-    return 0
+    return run_tool(lambda: megatron_to_hf(args.megatron_dir, args.out, args.dtype, args.tokenizer_dir,
+                                           int(args.max_shard_size_mb * 1024**2)))
 
 
 if __name__ == "__main__":

@@ -19,9 +19,9 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import struct
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +36,7 @@ from tqdm import tqdm
 from megatron_dppo.actor.model import DTYPES
 from megatron_dppo.convert.hf_checkpoint import INDEX_FILE, HFCheckpoint
 from megatron_dppo.convert.mapping import ModelShape, expected_hf_names, find_row, hf_names_of, model_shape
+from megatron_dppo.rollout.launcher import free_port
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -48,6 +49,17 @@ GENERATION_CONFIG = "generation_config.json"
 
 
 @contextlib.contextmanager
+def run_tool(convert: Callable[[], Path]) -> int:
+    """The tools' main: run the conversion, print where it wrote, or print the error and return 1."""
+    try:
+        out = convert()
+    except (FileNotFoundError, FileExistsError, KeyError, ValueError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
 def atomic_output_dir(out: str | Path, flag: str) -> Iterator[Path]:
     """Yield a hidden staging directory next to `out`; rename it to `out` on success, delete it on failure."""
     out = Path(out)
@@ -84,12 +96,6 @@ def check_hf_shapes(checkpoint: HFCheckpoint) -> None:
                 f"{checkpoint.dir}: tensor {name} has shape {found}, but config.json implies {expected[name]} "
                 "(e.g. vocab_size or hidden sizes do not match the weights): fix config.json or the weights"
             )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _convert_rank(rank: int, world: int, port: int, hf_dir: str, staging: str, tp: int, pp: int, dtype: str):
@@ -138,7 +144,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         try:
-            mp.start_processes(_convert_rank, args=(world, _free_port(), str(hf_dir), str(staging), tp, pp, dtype),
+            mp.start_processes(_convert_rank, args=(world, free_port(), str(hf_dir), str(staging), tp, pp, dtype),
                                nprocs=world, start_method="spawn")
         except mp.ProcessRaisedException as error:
             raise RuntimeError(f"converting {hf_dir} failed on a rank:\n{error}") from None

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Convert → train → export → evaluate, each stage a Slurm job step; run from the repository root on a login node.
+# Called by examples/configs/*.sh, which set the variables below and pass the trainer's flags as arguments.
+#
+#   HF_CHECKPOINT   the base model (HF directory)                         required
+#   WORK_DIR        where checkpoints, exports, evaluations and logs go    required
+#   TP, PP          trainer tensor / pipeline parallel sizes (default 1)
+#   TRAINER_NODES, ROLLOUT_NODES, GPUS_PER_NODE, SGLANG_TP, ...            passed on to examples/slurm/dppo.sbatch
+#   EVAL_ARGS       flags of tools/evaluate.py (default: the six benchmarks, greedy, 1024 new tokens)
+#   STAGES          which stages run (default "convert train export evaluate")
+#
+# A stage whose output is complete is skipped, so re-running after a failure resumes: training restarts from
+# WORK_DIR/checkpoints when it holds a checkpoint (see docs/multinode.md, "When something dies").
+set -euo pipefail
+
+: "${HF_CHECKPOINT:?set HF_CHECKPOINT to the base model directory (HF format)}"
+: "${WORK_DIR:?set WORK_DIR to a directory on a file system every node mounts}"
+TP=${TP:-1}
+PP=${PP:-1}
+PYTHON=${PYTHON:-python3}
+STAGES=${STAGES:-convert train export evaluate}
+INIT_DIR=$WORK_DIR/megatron-init-tp$TP-pp$PP
+SAVE_DIR=$WORK_DIR/checkpoints
+HF_OUT=$WORK_DIR/hf-final
+EVAL_DIR=$WORK_DIR/eval
+export LOG_DIR=${LOG_DIR:-$WORK_DIR/logs}
+export HF_CHECKPOINT PYTHON
+mkdir -p "$WORK_DIR" "$LOG_DIR"
+
+has_stage() {
+    [[ " $STAGES " == *" $1 "* ]]
+}
+
+if has_stage convert && [ ! -e "$INIT_DIR/latest" ]; then
+    echo "pipeline: HF -> Megatron (TP=$TP, PP=$PP) into $INIT_DIR"
+    srun --nodes=1 --ntasks=1 --job-name=dppo-convert --output="$LOG_DIR/convert.log" \
+        "$PYTHON" tools/convert_hf_to_megatron.py --hf-dir "$HF_CHECKPOINT" --out "$INIT_DIR" \
+        --tp "$TP" --pp "$PP" --dtype bf16
+fi
+
+if has_stage train; then
+    LOAD=$INIT_DIR
+    if [ -e "$SAVE_DIR/latest" ]; then
+        LOAD=$SAVE_DIR  # resume after a failure
+    fi
+    echo "pipeline: training from $LOAD, checkpoints in $SAVE_DIR"
+    sbatch --wait --nodes=$((${TRAINER_NODES:-1} + ${ROLLOUT_NODES:-1})) --gpus-per-node="${GPUS_PER_NODE:-8}" \
+        --job-name=dppo-train \
+        --output="$LOG_DIR/train-%j.out" examples/slurm/dppo.sbatch \
+        --hf-checkpoint "$HF_CHECKPOINT" --load "$LOAD" --save "$SAVE_DIR" \
+        --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
+        --log-dir "$WORK_DIR/metrics" "$@"
+fi
+
+if has_stage export && [ ! -e "$HF_OUT/config.json" ]; then
+    echo "pipeline: Megatron -> HF into $HF_OUT"
+    srun --nodes=1 --ntasks=1 --job-name=dppo-export --output="$LOG_DIR/export.log" \
+        "$PYTHON" tools/convert_megatron_to_hf.py --megatron-dir "$SAVE_DIR" --out "$HF_OUT" \
+        --tokenizer-dir "$HF_CHECKPOINT" --dtype bf16
+fi
+
+if has_stage evaluate; then
+    echo "pipeline: evaluating $HF_OUT into $EVAL_DIR"
+    read -r -a EXTRA_EVAL <<<"${EVAL_ARGS:-}"
+    srun --nodes=1 --ntasks=1 --job-name=dppo-eval --output="$LOG_DIR/evaluate.log" \
+        bash examples/slurm/evaluate_node.sh "$HF_OUT" "$EVAL_DIR" "${EXTRA_EVAL[@]}"
+    cat "$EVAL_DIR/results.md"
+fi

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One rollout node (started by dppo.sbatch through srun, one task per node): GPUS_PER_NODE / TP SGLang servers,
+# server i on GPUs [i*TP, (i+1)*TP) and port BASE_PORT + i, each with its own log. Exits when any server exits
+# (the trainer then fails on that URL: see docs/multinode.md) or when srun sends TERM.
+#
+#   rollout_node.sh MODEL GPUS_PER_NODE TP BASE_PORT LOG_DIR PYTHON [extra SGLang flags ...]
+set -euo pipefail
+
+if [ $# -lt 6 ]; then
+    echo "usage: rollout_node.sh MODEL GPUS_PER_NODE TP BASE_PORT LOG_DIR PYTHON [SGLang flags ...]" >&2
+    exit 2
+fi
+MODEL=$1 GPUS=$2 TP=$3 BASE_PORT=$4 LOG_DIR=$5 PYTHON=$6
+shift 6
+NODE=${SLURMD_NODENAME:-$(hostname)}
+mkdir -p "$LOG_DIR"
+
+PIDS=()
+stop_all() {
+    for pid in "${PIDS[@]}"; do
+        kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+    done
+    wait || true
+}
+trap 'stop_all; exit 143' TERM INT
+
+for ((i = 0; i < GPUS / TP; i++)); do
+    port=$((BASE_PORT + i))
+    devices=$(seq -s, $((i * TP)) $((i * TP + TP - 1)))
+    echo "rollout_node.sh: $NODE server $i on GPUs $devices, port $port, log $LOG_DIR/sglang-$NODE-$port.log"
+    CUDA_VISIBLE_DEVICES=$devices setsid "$PYTHON" -m sglang.launch_server --model-path "$MODEL" \
+        --host 0.0.0.0 --port "$port" --tp-size "$TP" "$@" >"$LOG_DIR/sglang-$NODE-$port.log" 2>&1 &
+    PIDS+=($!)
+done
+
+status=0
+wait -n "${PIDS[@]}" || status=$?
+echo "rollout_node.sh: a server on $NODE exited with code $status; stopping the others" >&2
+stop_all
+exit 1
