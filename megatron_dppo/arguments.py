@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--rollout-max-concurrency", type=int, default=64)
     rollout.add_argument("--rollout-timeout-s", type=float, default=600.0)
     rollout.add_argument("--rollout-weight-bucket-mb", type=int, default=512, help="weight-sync bucket size")
+    rollout.add_argument("--rollout-server-gpus", type=int, default=1,
+                         help="GPUs of one rollout server (SGLang tp x dp): its ranks in the weight-sync group")
+    rollout.add_argument("--weight-sync-master-address", default=None,
+                         help="address of trainer rank 0 that rollout servers reach for the weight-sync group "
+                              "(default: 127.0.0.1 for local servers, this host's address for external ones)")
     rollout.add_argument("--rollout-engine-threads", type=int, default=1, help="torch threads of the embedded engine")
     rollout.add_argument("--async", dest="async_rollout", action="store_true",
                          help="generate step t+1 while step t trains (one step off-policy, corrected by TIS)")

@@ -10,6 +10,7 @@ The last line on rank 0 is a JSON summary.
 
 import contextlib
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -68,8 +69,12 @@ def start_rollout(args, model_dir: Path):
     else:
         handles = external_servers(args.rollout_urls)
     urls = [handle.url for handle in handles]
-    syncer = WeightSyncer(urls, backend=distributed_backend(), bucket_bytes=args.rollout_weight_bucket_mb * 2**20,
-                          timeout_s=args.rollout_timeout_s, keep_host_copy=args.rollout_backend != "external")
+    master_address = args.weight_sync_master_address or (
+        "127.0.0.1" if args.rollout_backend != "external" else socket.gethostbyname(socket.gethostname()))
+    syncer = WeightSyncer(urls, master_address=master_address, backend=distributed_backend(),
+                          bucket_bytes=args.rollout_weight_bucket_mb * 2**20, timeout_s=args.rollout_timeout_s,
+                          engine_ranks=[args.rollout_server_gpus] * len(urls),
+                          keep_host_copy=args.rollout_backend != "external")
     pool = ServerPool(handles, weight_syncer=syncer, resync=syncer.resend)
     client = RolloutClient(urls, max_concurrency=args.rollout_max_concurrency, request_timeout_s=args.rollout_timeout_s,
                            supervisor=pool)
