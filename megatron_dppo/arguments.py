@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--cppo-refill", action="store_true", help="draw batch / (1 - P) prompts (CPPO's allocation)")
     algo.add_argument("--d3s-sample-fraction", type=float, nargs=2, default=(0.25, 0.75), metavar=("INIT", "FINAL"))
     algo.add_argument("--d3s-token-fraction", type=float, nargs=2, default=(0.5, 1.0), metavar=("INIT", "FINAL"))
-    algo.add_argument("--dapo-filter", action="store_true", help="drop groups whose rewards are all equal")
+    algo.add_argument("--dapo-filter", action=argparse.BooleanOptionalAction, default=False,
+                      help="drop groups whose rewards are all equal")
     algo.add_argument("--dapo-oversample", type=float, default=1.0, help="prompts drawn per step / kept (refill)")
     algo.add_argument("--advantage-estimator", choices=("grpo", "dr_grpo", "rloo"), default="grpo")
     algo.add_argument("--loss-agg-mode", default="token-mean",
@@ -122,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--data-prompts", default="synthetic", help="synthetic | math | gsm8k")
     data.add_argument("--data-train-size", type=int, default=4000,
                       help="synthetic: size of the recurring training pool (prompts recur, so history can prune)")
+    data.add_argument("--data-synthetic-cells", nargs="+", default=None, metavar="OxD",
+                      help="synthetic difficulty cells: O operators x D max digits (default: all seven)")
     data.add_argument("--data-skip-bad-rows", action="store_true")
     data.add_argument("--eval-size", type=int, default=500, help="held-out problems evaluated before and after")
     data.add_argument("--eval-interval", type=int, default=0, help="also evaluate every N steps (0: never)")

@@ -20,7 +20,7 @@ from megatron_dppo.actor.checkpoint import complete_checkpoints, save_checkpoint
 from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
 from megatron_dppo.convert.mapping import model_shape
-from megatron_dppo.data.synthetic import SyntheticArithmetic, format_target
+from megatron_dppo.data.synthetic import DEFAULT_CELLS, SyntheticArithmetic, format_target
 from megatron_dppo.data.tokenizer import CharTokenizer
 from megatron_dppo.packing import TrainingSample, build_thd_batch, pack
 
@@ -32,7 +32,7 @@ def _cache_key(args, tokenizer: CharTokenizer) -> str:
     settings = {"model": TINY_MODEL, "vocab": tokenizer.vocab_size, "steps": args.warm_start_steps,
                 "lr": args.warm_start_lr, "batch": args.warm_start_batch_size, "seed": args.seed,
                 "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
-                "world": dist.get_world_size(), "version": 1}
+                "world": dist.get_world_size(), "cells": args.data_synthetic_cells, "version": 1}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -65,7 +65,7 @@ def supervised_warm_start(args, model_dir: Path, tokenizer: CharTokenizer, out_d
     actor = Actor(model_shape(hf_config), args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   "fp32", OptimConfig(lr=args.warm_start_lr, lr_warmup_iters=100, clip_grad=1.0,
                                       lr_decay_iters=args.warm_start_steps), checkpoint)
-    problems = SyntheticArithmetic(args.seed)  # the same stream on every rank
+    problems = SyntheticArithmetic(args.seed, args.data_synthetic_cells or DEFAULT_CELLS)  # the same on every rank
     dp_size = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     vocab = tokenizer.vocab_size

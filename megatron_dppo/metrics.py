@@ -1,7 +1,8 @@
 """Per-step metrics: one JSON line per step (metrics.jsonl), TensorBoard events, and a progress bar (rank 0 only).
 
-The JSONL file is the record `tools/plot_metrics.py` and the benchmarks read. On resume the file is truncated to
-the steps before the resumed step, so a resumed run's file reads as if the run had never stopped.
+The JSONL file is the record `tools/plot_metrics.py` and the benchmarks read. On resume from the checkpoint of step
+s, the file keeps steps 1..s only (later lines came from work the checkpoint does not hold), so a resumed run's file
+reads as if the run had never stopped.
 """
 
 import json
@@ -28,7 +29,7 @@ class MetricsLogger:
         if not self.path.is_file():
             return
         kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", -1) < start_step]
+                if line.strip() and json.loads(line).get("step", -1) <= start_step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict) -> None:

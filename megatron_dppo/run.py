@@ -44,7 +44,7 @@ def load_tokenizer(model_dir: Path):
 
 def build_task(args, tokenizer):
     if args.data_prompts == "synthetic":
-        return synthetic_task(tokenizer, args.seed, args.data_train_size, args.eval_size)
+        return synthetic_task(tokenizer, args.seed, args.data_train_size, args.eval_size, args.data_synthetic_cells)
     train, heldout = DATASET_SPLITS.get(args.data_prompts, (args.data_prompts, "math500"))
     return dataset_task(train, tokenizer, args.seed, heldout, args.eval_size, args.data_skip_bad_rows,
                         args.reward_fn, timeout_s=args.reward_timeout_s)

@@ -44,13 +44,13 @@ class Task:
         self.sampler.load_state_dict(state["sampler"])
 
 
-def synthetic_task(tokenizer, seed: int, train_size: int, heldout_size: int) -> Task:
+def synthetic_task(tokenizer, seed: int, train_size: int, heldout_size: int, cells=None) -> Task:
     """A recurring pool of `train_size` synthetic problems (so prompts come back and history can prune them),
     and the fixed held-out split (seed 12345, never in training)."""
-    from megatron_dppo.data.synthetic import SyntheticArithmetic
+    from megatron_dppo.data.synthetic import DEFAULT_CELLS, SyntheticArithmetic
     from megatron_dppo.rewards.synthetic import compute_score
 
-    generator = SyntheticArithmetic(seed)
+    generator = SyntheticArithmetic(seed, cells or DEFAULT_CELLS)
 
     def as_prompt(index, problem):
         return Prompt(index, tokenizer.encode(problem.prompt), problem.answer, problem.prompt)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException
 
 LATEST = "latest"
 COMPLETE = "complete"
@@ -107,7 +108,9 @@ def load_sharded(checkpoint: str | Path, sharded_state: dict) -> dict:
     path = resolve_checkpoint(checkpoint)
     try:
         return dist_checkpointing.load(sharded_state, str(path))
-    except Exception as error:  # megatron raises several types for a damaged shard file
+    # A damaged shard surfaces as torch's CheckpointException (a BaseException, not an Exception) or as the
+    # reader's own error, depending on where the bytes run out.
+    except (Exception, CheckpointException) as error:
         raise RuntimeError(
             f"checkpoint {path} could not be read ({type(error).__name__}: {error}); its shard files are damaged or "
             "incomplete: load an earlier checkpoint"

@@ -16,6 +16,8 @@ Invariants:
 """
 
 import contextlib
+import dataclasses
+import inspect
 import json
 import os
 import shutil
@@ -26,16 +28,37 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync, _split_by_size_and_type
+from megatron.core.dist_checkpointing.strategies.state_dict_saver import (
+    save_state_dict_async_finalize,
+    save_state_dict_async_plan,
+)
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner,
+    TorchDistSaveShardedStrategy,
+    _replace_state_dict_keys_with_sharded_keys,
+    mcore_to_pyt_state_dict,
+)
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, SerializationFormat, _write_item
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner import LoadPlan, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from tqdm import tqdm
 
 from megatron_dppo.actor.model import DTYPES
 from megatron_dppo.convert.hf_checkpoint import INDEX_FILE, HFCheckpoint
-from megatron_dppo.convert.mapping import ModelShape, expected_hf_names, find_row, hf_names_of, model_shape
+from megatron_dppo.convert.mapping import (
+    COLUMN,
+    GATED,
+    ModelShape,
+    expected_hf_names,
+    find_row,
+    hf_names_of,
+    model_shape,
+    padded_vocab_size,
+)
 from megatron_dppo.rollout.launcher import free_port
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -48,7 +71,6 @@ LAYER_PREFIX = "decoder.layers."
 GENERATION_CONFIG = "generation_config.json"
 
 
-@contextlib.contextmanager
 def run_tool(convert: Callable[[], Path]) -> int:
     """The tools' main: run the conversion, print where it wrote, or print the error and return 1."""
     try:
@@ -60,6 +82,7 @@ def run_tool(convert: Callable[[], Path]) -> int:
     return 0
 
 
+@contextlib.contextmanager
 def atomic_output_dir(out: str | Path, flag: str) -> Iterator[Path]:
     """Yield a hidden staging directory next to `out`; rename it to `out` on success, delete it on failure."""
     out = Path(out)
@@ -98,34 +121,139 @@ def check_hf_shapes(checkpoint: HFCheckpoint) -> None:
             )
 
 
+class _StreamingWriter(FileSystemWriterAsync):
+    """Megatron's torch_dist file writer, minus its preloading: the same files (`__<rank>_<bucket>.distcp`, items
+    split over `thread_count` buckets by megatron's own rule, each item serialised by torch's `_write_item` exactly as
+    megatron does), but a tensor item is produced by `produce(item, meta)` only when its turn to be written comes and
+    is dropped right after, so one item is in memory at a time."""
+
+    def __init__(self, path: Path, produce: Callable, thread_count: int):
+        super().__init__(path, thread_count=thread_count)
+        self.produce = produce
+        self.results = None
+
+    def prepare_write_data(self, plan, planner) -> None:
+        self.write_buckets = []
+        for bucket in _split_by_size_and_type(self.thread_count, plan.items):
+            if bucket:
+                name = f"{plan.storage_data.prefix}{len(self.write_buckets)}{DEFAULT_SUFFIX}"
+                byte_items = [(item, planner.resolve_data(item)) for item in bucket
+                              if item.type == WriteItemType.BYTE_IO]
+                tensor_items = [(item, planner.lookup_object(item.index)) for item in bucket
+                                if item.type != WriteItemType.BYTE_IO]
+                self.write_buckets.append((os.path.join(self.checkpoint_dir, name), name, (byte_items, tensor_items)))
+
+    def write_streamed(self) -> None:
+        transforms = [self.transforms] if hasattr(self, "transforms") else []
+        serialization = ({"serialization_format": SerializationFormat.TORCH_SAVE}
+                         if "serialization_format" in inspect.signature(_write_item).parameters else {})
+        self.results = []
+        for path, storage_key, (byte_items, tensor_items) in self.write_buckets:
+            with open(path, "wb") as stream:
+                for item, data in byte_items:
+                    self.results.append(_write_item(*transforms, stream, data, item, storage_key, **serialization))
+                for item, meta in tensor_items:
+                    tensor = self.produce(item, meta)
+                    self.results.append(_write_item(*transforms, stream, tensor, item, storage_key, **serialization))
+                    del tensor
+                os.fsync(stream.fileno())
+
+    def retrieve_write_results(self):
+        return self.results
+
+
+class _StreamingSaveStrategy(TorchDistSaveShardedStrategy):
+    """The default torch_dist save strategy (same backend, version, replica handling, planner and global plan),
+    writing through `_StreamingWriter`; `dist_checkpointing.save` does everything else (common.pt, metadata.json)."""
+
+    def __init__(self, produce: Callable):
+        super().__init__("torch_dist", 1)
+        self.produce = produce
+
+    def save(self, sharded_state_dict, checkpoint_dir: Path) -> None:
+        sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict,
+                                                                             self.keep_only_main_replica)
+        writer = _StreamingWriter(checkpoint_dir, self.produce, self.thread_count)
+        planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False)
+        planned, *_ = save_state_dict_async_plan(mcore_to_pyt_state_dict(sharded_state_dict, False), writer, None, 0,
+                                                 planner=planner)
+        writer.write_streamed()
+        save_state_dict_async_finalize(*planned)
+
+
+class _HFChunks:
+    """Produces one stored chunk of the checkpoint (a key and its offsets in the global tensor) from the HF
+    slices it is made of, with the convert/ table, in the model's dtype; counts chunks on a progress bar."""
+
+    def __init__(self, checkpoint: HFCheckpoint, tp_rank: int, tp_size: int, progress: tqdm):
+        self.checkpoint, self.tp_rank, self.tp_size, self.progress = checkpoint, tp_rank, tp_size, progress
+        self.padded_vocab = padded_vocab_size(checkpoint.shape.vocab_size, tp_size)
+
+    def __call__(self, item, meta: torch.Tensor) -> torch.Tensor:
+        key, offsets = item.index.fqn, item.index.offset
+        # layer parameters are stored stacked: the leading offset is the global layer index
+        name = f"{LAYER_PREFIX}{offsets[0]}.{key[len(LAYER_PREFIX):]}" if key.startswith(LAYER_PREFIX) else key
+        shape = self.checkpoint.shape
+        row, layer = find_row(name, shape)
+        hf_names, layout = hf_names_of(row, layer), row.layout
+        if layout is GATED:
+            # megatron stores a rank's [gate; up] as two chunks: gate rows at [0, ffn), up rows at [ffn, 2 ffn)
+            hf_names, layout = (hf_names[offsets[1] // shape.ffn_hidden_size],), COLUMN
+        chunk = layout.shard(hf_names, self.checkpoint.read, shape, self.tp_rank, self.tp_size, self.padded_vocab,
+                             self.checkpoint.tensor_shape)
+        self.checkpoint.close()  # drop the file mappings: their pages would otherwise stay in this process's memory
+        if chunk.numel() != meta.numel():
+            raise ValueError(f"{self.checkpoint.dir}: the HF tensors {hf_names} give {name} the shape "
+                             f"{tuple(chunk.shape)}, but the model expects {tuple(meta.shape)}: config.json does not "
+                             "match the weights")
+        chunk = chunk.to(meta.dtype).reshape(meta.shape)
+        if not chunk.is_contiguous() or chunk.untyped_storage().nbytes() != chunk.numel() * chunk.itemsize:
+            chunk = chunk.contiguous().clone()  # torch.save writes a view's whole storage
+        self.progress.update()
+        return chunk
+
+
 def _convert_rank(rank: int, world: int, port: int, hf_dir: str, staging: str, tp: int, pp: int, dtype: str):
-    """One TP/PP rank: build its stage and shard, read its HF slices, and join the collective save."""
+    """One TP/PP rank: declare its stage on the meta device (shapes and sharding, no weights), then write its part of
+    the checkpoint chunk by chunk, each read from its HF slices just before it is written."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    from megatron_dppo.actor.checkpoint import save_checkpoint
-    from megatron_dppo.actor.model import build_gpt_model, build_transformer_config, load_hf_weights
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from megatron_dppo.actor.checkpoint import COMPLETE, HF_CONFIG, LATEST, iteration_dir
+    from megatron_dppo.actor.model import build_gpt_model, build_transformer_config
     from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
 
     init_parallel(tp, pp)
-    steps = tqdm(total=3, desc=f"HF → Megatron tp={tp} pp={pp}", unit="step", disable=rank != 0)
     checkpoint = HFCheckpoint(hf_dir)
-    steps.set_postfix_str("build model")
-    model = build_gpt_model(checkpoint.shape, build_transformer_config(checkpoint.shape, tp, pp, dtype=dtype))
-    steps.update()
-    steps.set_postfix_str("load HF weights")
-    load_hf_weights(model, checkpoint)
-    steps.update()
-    steps.set_postfix_str("save")
-    save_checkpoint(staging, 0, {"model": model.sharded_state_dict()}, checkpoint.config)
-    steps.update()
-    steps.close()
+    config = build_transformer_config(checkpoint.shape, tp, pp, dtype=dtype)
+    config.perform_initialization = False  # meta tensors: nothing to initialise
+    with torch.device("meta"):
+        # RoPE frequencies are not part of the checkpoint; llama3 scaling computes them with host-side values
+        model = build_gpt_model(dataclasses.replace(checkpoint.shape, rope_scaling=None), config)
+    final = iteration_dir(staging, 0)
+    if rank == 0:
+        final.mkdir()
+    torch.distributed.barrier()
+    with tqdm(desc=f"HF → Megatron tp={tp} pp={pp} (rank 0)", unit="tensor", disable=rank != 0) as progress:
+        chunks = _HFChunks(checkpoint, parallel_state.get_tensor_model_parallel_rank(), tp, progress)
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, str(final),
+                                sharded_strategy=_StreamingSaveStrategy(chunks))
+    torch.distributed.barrier()
+    if rank == 0:  # the trainer's layout (actor/checkpoint.py): config, completion marker, then `latest`
+        (final / HF_CONFIG).write_text(json.dumps(checkpoint.config, indent=2))
+        (final / COMPLETE).write_text("0")
+        (Path(staging) / LATEST).write_text(final.name)
     destroy_parallel()
 
 
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, dtype: str | None = None) -> Path:
     """Convert an HF safetensors directory into a Megatron dist checkpoint save directory for `tp` x `pp`
-    (`out/iter_0000000` and `out/latest`, loadable by the trainer's --load). `dtype` defaults to the HF weights'."""
+    (`out/iter_0000000` and `out/latest`, loadable by the trainer's --load). `dtype` defaults to the HF weights'.
+
+    Streams: each of the tp x pp ranks (CPU processes) holds one stored chunk (a layer's slice of one parameter, or
+    its shard of the embedding) at a time."""
     import torch.multiprocessing as mp
 
     checkpoint = HFCheckpoint(hf_dir)
@@ -138,6 +266,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         dtype = DTYPE_NAMES.get(checkpoint.dtype(), "fp32")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    checkpoint.close()
     world = tp * pp
     with atomic_output_dir(out, "--out") as staging:
         # The converter is a CPU tool: hide GPUs from the ranks so they take megatron_dppo's gloo CPU mode.

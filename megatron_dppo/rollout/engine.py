@@ -168,6 +168,8 @@ class EmbeddedEngine:
         self.weight_version = "default"
         self.load_format = None
         self.groups: dict[str, object] = {}
+        # flattened bucket layout (names, dtypes, shapes) -> the buffer its parameters are views into
+        self.bucket_buffers: dict[tuple, torch.Tensor] = {}
         self.waiting: list[Sequence] = []
         self.running = False
         self.paused = False
@@ -379,8 +381,14 @@ class EmbeddedEngine:
             raise RequestError(f"no weight update group {name!r}")
         destroy_weight_update_group(self.groups.pop(name))
 
-    def receive(self, body: dict) -> list[tuple[str, torch.Tensor]]:
-        """Receive one bucket (flattened_bucket: one broadcast; default: one per tensor) from group rank 0."""
+    def update_from_distributed(self, body: dict) -> None:
+        """Receive one bucket from group rank 0 and load it (flattened_bucket: one broadcast; null: one per tensor).
+
+        Zero-copy: a flattened bucket is received into a new buffer and the parameters it names become views into
+        it; the next sync with the same bucket layout broadcasts straight into that buffer, i.e. into the
+        parameters. Per-tensor broadcasts go straight into the parameters. A tensor whose dtype differs from its
+        parameter's, or that names a buffer, is copied (and converted) instead. Names and shapes are checked
+        before anything is loaded; a refused bucket is still received, so the group stays in step."""
         name = body.get("group_name", "weight_update_group")
         if name not in self.groups:
             raise RequestError(f"weight update group {name!r} does not exist; call /init_weights_update_group")
@@ -388,31 +396,80 @@ class EmbeddedEngine:
         names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
         load_format = body.get("load_format")
         if load_format == "flattened_bucket":
+            layout = tuple(zip(names, dtypes, map(tuple, shapes), strict=True))
+            buffer = self.bucket_buffers.get(layout)
+            if buffer is not None and self._parameters_live_in(buffer, layout):
+                group.broadcast(buffer, 0).wait()
+                return
             nbytes = sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize
                          for dtype, shape in zip(dtypes, shapes))
             flat = torch.empty(nbytes, dtype=torch.uint8)
             group.broadcast(flat, 0).wait()
-            return unpack_bucket(flat, names, dtypes, shapes)
+            if self.load_named_tensors(unpack_bucket(flat, names, dtypes, shapes), adopt=True):
+                self.bucket_buffers = {key: value for key, value in self.bucket_buffers.items()
+                                       if not set(names) & {entry[0] for entry in key}}
+                self.bucket_buffers[layout] = flat
+            return
         if load_format is None:
+            targets = self._parameters_by_name()
             received = []
             for tensor_name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-                group.broadcast(tensor, 0).wait()
+                target = targets.get(tensor_name)
+                direct = (target is not None and target.dtype == getattr(torch, dtype)
+                          and list(target.shape) == list(shape) and target.is_contiguous())
+                tensor = target.data if direct else torch.empty(shape, dtype=getattr(torch, dtype))
                 received.append((tensor_name, tensor))
-            return received
+            try:
+                self._check_fit(received, targets)  # before receiving: a refused update changes nothing
+                refused = None
+            except RequestError as error:
+                refused = error
+                received = [(n, torch.empty(shape, dtype=getattr(torch, dtype)))
+                            for n, dtype, shape in zip(names, dtypes, shapes)]
+            for _, tensor in received:
+                group.broadcast(tensor, 0).wait()
+            if refused is not None:
+                raise refused
+            self.load_named_tensors([(n, t) for n, t in received if t.data_ptr() != targets[n].data_ptr()])
+            return
         raise RequestError(f"load_format {load_format!r} is not supported; use null or 'flattened_bucket'")
 
-    @torch.no_grad()
-    def load_named_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def _parameters_live_in(self, buffer: torch.Tensor, layout: tuple) -> bool:
+        """Whether every tensor of `layout` is still a parameter stored at its offset in `buffer`."""
         targets = self._parameters_by_name()
+        offset = 0
+        for name, dtype, shape in layout:
+            target = targets.get(name)
+            if target is None or target.data_ptr() != buffer.data_ptr() + offset or list(target.shape) != list(shape):
+                return False
+            offset += torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+        return True
+
+    @staticmethod
+    def _check_fit(named_tensors: list[tuple[str, torch.Tensor]], targets: dict[str, torch.Tensor]) -> None:
         unknown = [name for name, _ in named_tensors if name not in targets]
         mismatched = [f"{name} {list(t.shape)} vs {list(targets[name].shape)}" for name, t in named_tensors
                       if name in targets and t.shape != targets[name].shape]
         if unknown or mismatched:
             raise RequestError(f"weights do not fit the model: unknown names {unknown[:8]}, "
                                f"shape mismatches {mismatched[:8]}")
+
+    @torch.no_grad()
+    def load_named_tensors(self, named_tensors: list[tuple[str, torch.Tensor]], adopt: bool = False) -> bool:
+        """Load by HF name. adopt=True makes a parameter of the same dtype a view of the given tensor instead of
+        copying into it (the caller hands its buffer over). Returns whether every tensor was adopted."""
+        targets = self._parameters_by_name()
+        self._check_fit(named_tensors, targets)
+        parameters = dict(self.model.named_parameters(remove_duplicate=False))
+        adopted_all = True
         for name, tensor in named_tensors:
-            targets[name].copy_(tensor)  # tied embeddings share storage, so either name updates both
+            target = targets[name]
+            if adopt and name in parameters and target.dtype == tensor.dtype:
+                parameters[name].data = tensor  # tied embeddings are one Parameter: both names follow
+            else:
+                target.copy_(tensor)
+                adopted_all = False
+        return adopted_all
 
     def load_from_disk(self, body: dict) -> None:
         from safetensors.torch import load_file
@@ -510,8 +567,7 @@ def build_app(engine: EmbeddedEngine, api_key: str | None = None):
         body = await json_body(request)
         async with engine.model_lock:  # generation never sees a half-loaded bucket
             loop = asyncio.get_running_loop()
-            received = await loop.run_in_executor(None, engine.receive, body)
-            await loop.run_in_executor(None, engine.load_named_tensors, received)
+            await loop.run_in_executor(None, engine.update_from_distributed, body)
         if body.get("weight_version") is not None:
             engine.weight_version = str(body["weight_version"])
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})

@@ -10,7 +10,9 @@ Invariants:
   torch's process-group helper), so the same code talks to SGLang (NCCL) and the embedded engine (gloo);
 - a bucket holds whole tensors, at most `bucket_bytes` (a larger tensor travels alone), each starting at a
   byte offset aligned to its dtype (SGLang's FlattenedTensorBucket refuses unaligned offsets);
-- while bucket k is broadcast, a producer thread gathers and flattens bucket k+1 (two buckets in memory);
+- bucket limits ramp up from first_bucket_bytes to bucket_bytes, so the broadcast starts after a small pack;
+- while bucket k is broadcast, a producer thread gathers and flattens bucket k+1 into one of two reusable
+  staging buffers (at most two packed buckets in memory; a one-tensor bucket is sent without a copy);
 - after a sync every engine reports the new weight version, or the sync raises.
 """
 
@@ -29,6 +31,10 @@ import torch
 from megatron_dppo.rollout.client import RolloutServerError, control_request
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
+DEFAULT_FIRST_BUCKET_BYTES = 32 * 1024**2
+# Growth of the bucket limit from first_bucket_bytes: packing a byte costs about 0.6 of broadcasting it over gloo
+# on this CPU host, so bucket k+1 (RAMP x larger) is packed before bucket k has been sent.
+RAMP = 1.5
 DEFAULT_GROUP_NAME = "megatron_dppo_weight_sync"
 
 
@@ -63,6 +69,7 @@ class Bucket:
     dtypes: list[str]  # torch dtype names without "torch.", as SGLang parses them with getattr(torch, dtype)
     shapes: list[list[int]]
     flat: torch.Tensor  # [sum of tensor bytes] uint8, tensors back to back in `names` order
+    staging: torch.Tensor | None = None  # the reusable buffer `flat` lies in, if any (see StagingBuffers)
 
     @property
     def nbytes(self) -> int:
@@ -73,17 +80,28 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def pack_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> Bucket:
-    """Flatten whole tensors into one contiguous byte buffer (SGLang's flattened_bucket layout)."""
-    total = sum(tensor.numel() * tensor.element_size() for _, tensor in named_tensors)
-    flat = torch.empty(total, dtype=torch.uint8, device=named_tensors[0][1].device)
+def bucket_nbytes(named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(tensor.numel() * tensor.element_size() for _, tensor in named_tensors)
+
+
+def pack_bucket(named_tensors: list[tuple[str, torch.Tensor]], staging: torch.Tensor | None = None) -> Bucket:
+    """Flatten whole tensors into one contiguous byte buffer (SGLang's flattened_bucket layout).
+
+    A bucket of one contiguous tensor is sent as that tensor's own bytes (no copy). Otherwise the tensors are
+    written with one `torch.cat` into `staging[:nbytes]` when a large enough staging buffer (uint8, same device)
+    is given, else into a new buffer."""
     offset = 0
     for name, tensor in named_tensors:
-        size = tensor.numel() * tensor.element_size()
         if offset % tensor.element_size():
             raise ValueError(f"tensor {name} would start at unaligned byte offset {offset} in its bucket")
-        flat[offset:offset + size].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-        offset += size
+        offset += tensor.numel() * tensor.element_size()
+    first = named_tensors[0][1]
+    if len(named_tensors) == 1 and first.is_contiguous():
+        flat = first.detach().reshape(-1).view(torch.uint8)
+    else:
+        fits = staging is not None and staging.numel() >= offset and staging.device == first.device
+        flat = staging[:offset] if fits else torch.empty(offset, dtype=torch.uint8, device=first.device)
+        torch.cat([tensor.detach().reshape(-1).view(torch.uint8) for _, tensor in named_tensors], out=flat)
     return Bucket(names=[name for name, _ in named_tensors],
                   dtypes=[dtype_name(tensor.dtype) for _, tensor in named_tensors],
                   shapes=[list(tensor.shape) for _, tensor in named_tensors], flat=flat)
@@ -105,60 +123,138 @@ def unpack_bucket(flat: torch.Tensor, names: list[str], dtypes: list[str],
     return tensors
 
 
-def group_into_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Whole tensors, in order, at most bucket_bytes per bucket, each aligned to its dtype."""
+def group_into_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                       first_bucket_bytes: int | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Whole tensors, in order, at most bucket_bytes per bucket, each aligned to its dtype.
+
+    first_bucket_bytes < bucket_bytes ramps the limit up: the first bucket holds at most first_bucket_bytes, each
+    next one RAMP times more, until bucket_bytes. Nothing can be sent before the first bucket is packed; a small
+    one starts the broadcast early, and each next bucket is packed while the smaller one before it is sent."""
+    limit = min(first_bucket_bytes or bucket_bytes, bucket_bytes)
     bucket, used = [], 0
     for name, tensor in named_tensors:
         size = tensor.numel() * tensor.element_size()
-        if bucket and (used + size > bucket_bytes or used % tensor.element_size()):
+        if bucket and (used + size > limit or used % tensor.element_size()):
             yield bucket
             bucket, used = [], 0
+            limit = min(int(limit * RAMP), bucket_bytes)
         bucket.append((name, tensor))
         used += size
     if bucket:
         yield bucket
 
 
-def prefetch_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                     timeout_s: float) -> Iterator[Bucket]:
-    """Packed buckets, the next one prepared in a thread while the caller sends the current one."""
-    ready: queue.Queue = queue.Queue(maxsize=1)
-    done = object()
-    stop = threading.Event()
+class StagingBuffers:
+    """Two reusable byte buffers to pack buckets into: a bucket takes a free one and gives it back once sent, so at
+    most two packed buckets exist, and a buffer kept across syncs skips fresh-page costs on the host."""
 
-    def produce():
-        try:
-            for group in group_into_buckets(named_tensors, bucket_bytes):
-                bucket = pack_bucket(group)
-                while not stop.is_set():
-                    try:
-                        ready.put(bucket, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            ready.put(done)
-        except BaseException as error:  # re-raised in the consumer
-            ready.put(error)
+    def __init__(self, count: int = 2):
+        self.free: queue.Queue = queue.Queue()
+        for _ in range(count):
+            self.free.put(None)  # not allocated yet: the first bucket that needs it sizes it
 
-    producer = threading.Thread(target=produce, name="weight-sync-pack", daemon=True)
-    producer.start()
-    try:
-        while True:
+    def take(self, nbytes: int, device: torch.device, stop: threading.Event) -> torch.Tensor | None:
+        """A buffer of at least nbytes on device (None if `stop` is set while waiting for one)."""
+        while not stop.is_set():
             try:
-                item = ready.get(timeout=timeout_s)
+                buffer = self.free.get(timeout=0.1)
             except queue.Empty:
-                raise TimeoutError(f"preparing the next weight bucket took longer than {timeout_s} s") from None
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        producer.join(timeout=timeout_s)
+                continue
+            if buffer is None or buffer.numel() < nbytes or buffer.device != device:
+                buffer = None  # drop the old one before allocating its replacement
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            return buffer
+        return None
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self.free.put(buffer)
+
+    def release_device_memory(self) -> None:
+        """Keep host buffers for the next sync; free accelerator ones (their allocator caches memory anyway)."""
+        kept = [self.free.get_nowait() for _ in range(self.free.qsize())]
+        for buffer in kept:
+            self.free.put(buffer if buffer is not None and buffer.device.type == "cpu" else None)
+
+
+class BucketPrefetcher:
+    """Packed buckets, the next one prepared in a thread while the caller sends the current one.
+
+    The thread starts at construction, so the first bucket is packed while the caller does other work (pause,
+    flush). A multi-tensor bucket is packed into a buffer of `staging` (new ones if not given), which goes back to
+    the pool when the caller asks for the following bucket; the caller must be done with a bucket by then.
+    Iterate once; `close()` (or leaving the `with` block, or the end of iteration) stops the thread."""
+
+    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, timeout_s: float,
+                 staging: StagingBuffers | None = None, first_bucket_bytes: int | None = None):
+        self.staging = staging or StagingBuffers()
+        self.timeout_s = timeout_s
+        self.ready: queue.Queue = queue.Queue(maxsize=1)
+        self.done = object()
+        self.stop = threading.Event()
+        self.producer = threading.Thread(target=self._produce, args=(named_tensors, bucket_bytes, first_bucket_bytes),
+                                         name="weight-sync-pack", daemon=True)
+        self.producer.start()
+
+    def _produce(self, named_tensors, bucket_bytes: int, first_bucket_bytes: int | None) -> None:
+        try:
+            for group in group_into_buckets(named_tensors, bucket_bytes, first_bucket_bytes):
+                first = group[0][1]
+                buffer = None
+                if len(group) > 1 or not first.is_contiguous():
+                    buffer = self.staging.take(bucket_nbytes(group), first.device, self.stop)
+                    if buffer is None:
+                        return
+                bucket = pack_bucket(group, buffer)
+                bucket.staging = buffer
+                if not self._put(bucket):
+                    return
+            self._put(self.done)
+        except BaseException as error:  # re-raised in the consumer
+            self._put(error)
+
+    def _put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> Iterator[Bucket]:
+        try:
+            while True:
+                try:
+                    item = self.ready.get(timeout=self.timeout_s)
+                except queue.Empty:
+                    raise TimeoutError(f"preparing the next weight bucket took longer than {self.timeout_s} s") \
+                        from None
+                if item is self.done:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.staging is not None:
+                    self.staging.give(item.staging)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.producer.join(timeout=self.timeout_s)
+
+    def __enter__(self) -> BucketPrefetcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def prefetch_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, timeout_s: float,
+                     staging: StagingBuffers | None = None, first_bucket_bytes: int | None = None,
+                     ) -> BucketPrefetcher:
+    """Iterable of packed buckets, packing ahead in a thread (see BucketPrefetcher and group_into_buckets)."""
+    return BucketPrefetcher(named_tensors, bucket_bytes, timeout_s, staging, first_bucket_bytes)
 
 
 @dataclass
@@ -181,15 +277,17 @@ class WeightSyncer:
                  backend: str = "gloo", group_name: str = DEFAULT_GROUP_NAME,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0, api_key: str | None = None,
                  pause_mode: str = "retract", engine_ranks: list[int] | None = None,
-                 keep_host_copy: bool = False):
-        """keep_host_copy: remember the last synced tensors (host memory, one model copy) so that `resend()` can
+                 keep_host_copy: bool = False, first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES):
+        """first_bucket_bytes: the first bucket's limit, growing to bucket_bytes (see group_into_buckets).
+        keep_host_copy: remember the last synced tensors (host memory, one model copy) so that `resend()` can
         restore a restarted engine without the trainer ranks' help (they may be busy in a collective)."""
         if not urls:
             raise ValueError("WeightSyncer needs at least one rollout server URL")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"weight sync backend {backend!r} must be 'gloo' (CPU) or 'nccl' (GPU)")
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes={bucket_bytes} must be positive (default {DEFAULT_BUCKET_BYTES})")
+        if bucket_bytes < 1 or first_bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes={bucket_bytes} and first_bucket_bytes={first_bucket_bytes} must be "
+                             f"positive (defaults {DEFAULT_BUCKET_BYTES}, {DEFAULT_FIRST_BUCKET_BYTES})")
         if pause_mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause_mode={pause_mode!r} must be one of SGLang's: abort, retract, in_place")
         self.urls = [url.rstrip("/") for url in urls]
@@ -202,6 +300,7 @@ class WeightSyncer:
         self.backend = backend
         self.group_name = group_name
         self.bucket_bytes = bucket_bytes
+        self.first_bucket_bytes = first_bucket_bytes
         self.timeout_s = timeout_s
         self.api_key = api_key
         self.pause_mode = pause_mode
@@ -209,6 +308,7 @@ class WeightSyncer:
         self.last_version: str | None = None
         self.keep_host_copy = keep_host_copy
         self.host_copy: list[tuple[str, torch.Tensor]] = []
+        self.staging = StagingBuffers()
 
     # Request bodies, one builder per SGLang request dataclass (checked by tests/test_rollout_contract.py).
     def init_group_payload(self, master_port: int, rank_offset: int, world_size: int) -> dict:
@@ -307,17 +407,25 @@ class WeightSyncer:
             kept: list[tuple[str, torch.Tensor]] = []
             named_tensors = ((name, kept.append((name, t.detach().to("cpu", copy=True))) or t)
                              for name, t in named_tensors)
-        self._call_all("/pause_generation", self.pause_payload())
+        prefetcher = prefetch_buckets(named_tensors, self.bucket_bytes, self.timeout_s, self.staging,
+                                      self.first_bucket_bytes)
         try:
-            self._flush_all()
-            total_bytes = buckets = tensors = 0
-            for bucket in prefetch_buckets(named_tensors, self.bucket_bytes, self.timeout_s):
-                self._send_bucket(bucket, version)
-                total_bytes += bucket.nbytes
-                buckets += 1
-                tensors += len(bucket.names)
-        finally:
-            self._call_all("/continue_generation", {})
+            with prefetcher:  # the first bucket is packed while the engines pause and flush
+                self._call_all("/pause_generation", self.pause_payload())
+                try:
+                    self._flush_all()
+                    total_bytes = buckets = tensors = 0
+                    for bucket in prefetcher:
+                        self._send_bucket(bucket, version)
+                        total_bytes += bucket.nbytes
+                        buckets += 1
+                        tensors += len(bucket.names)
+                finally:
+                    self._call_all("/continue_generation", {})
+            self.staging.release_device_memory()
+        except BaseException:
+            self.staging = StagingBuffers()  # a bucket may not have come back to the pool
+            raise
         seconds = time.perf_counter() - start
         reported = [info.get("weight_version") for info in self._call_all("/model_info", None, "GET")]
         stale = [f"{url} reports {got!r}" for url, got in zip(self.urls, reported) if got != version]
