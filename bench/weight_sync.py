@@ -1,11 +1,15 @@
 """Weight sync throughput: WeightSyncer into the embedded engine vs a raw broadcast of the same bytes (gloo).
 
-Both run in this process against separate receivers on this host:
+Both run from this process against separate receivers on this host, repeats interleaved (sync, raw, sync, raw, ...)
+so that both see the same load on a shared machine:
   sync: pause → flush → bucketed broadcast (+ engine loads by name) → continue → version check
   raw:  one ProcessGroup.broadcast of one flat uint8 buffer of the same size, to a bare receiver process
-Prints a table (median of repeats) and, last, `weight_sync_vs_raw_broadcast: X` (raw seconds / sync seconds).
+One unmeasured warm-up round of each comes first (the engine's first sync allocates the buffers its parameters
+then live in; the raw receiver's first broadcast touches its buffer's pages). Prints a table (median of repeats),
+the median of the per-round ratios, and, last, `weight_sync_vs_raw_broadcast: X` (median raw seconds / median sync
+seconds).
 
-python bench/weight_sync.py [--params 0.5e9] [--repeats 3] [--bucket-mb 512]
+python bench/weight_sync.py [--params 0.5e9] [--repeats 7] [--bucket-mb 512] [--first-bucket-mb 32]
 """
 
 import argparse
@@ -35,9 +39,9 @@ def save_model(directory: str, target_params: float) -> None:
     """A Qwen2-shaped model with about target_params fp32 parameters, saved without a costly init."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    hidden, layers = 1024, max(1, round((target_params - 32000 * 1024) / 12.6e6))
+    hidden, layers = 1024, max(1, round((target_params - 2 * 32000 * 1024) / 12.6e6))
     config = Qwen2Config(vocab_size=32000, hidden_size=hidden, intermediate_size=2816, num_hidden_layers=layers,
-                         num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=True)
+                         num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.to_empty(device="cpu")
@@ -50,8 +54,9 @@ def save_model(directory: str, target_params: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=0.5e9, help="approximate parameter count (fp32)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--first-bucket-mb", type=int, default=32, help="first bucket limit, ramping to --bucket-mb")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -60,30 +65,29 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        named = [(name, tensor) for name, tensor in trainer.state_dict().items() if name != "lm_head.weight"]
+        named = list(trainer.state_dict().items())
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         print(f"model: {sum(t.numel() for _, t in named) / 1e9:.3f} B params, {nbytes / 1e9:.3f} GB fp32, "
               f"{len(named)} tensors, bucket {args.bucket_mb} MiB")
 
-        with launch_embedded_engine(model_dir, startup_timeout_s=300, threads=1) as engine:
-            syncer = WeightSyncer([engine.url], bucket_bytes=args.bucket_mb * 1024**2, timeout_s=300)
-            syncer.init_group()
-            sync_seconds = []
-            for version in range(1, args.repeats + 1):
-                stats = syncer.sync(named, version)
-                sync_seconds.append(stats.seconds)
-            syncer.destroy_group()
-
         port = free_port()
-        receiver = subprocess.Popen([sys.executable, "-c", RAW_RECEIVER, str(port), str(nbytes), str(args.repeats)],
+        receiver = subprocess.Popen([sys.executable, "-c", RAW_RECEIVER, str(port), str(nbytes), str(args.repeats + 1)],
                                     env=python_env())
-        group = init_weight_update_group("gloo", "127.0.0.1", port, 0, 2, "raw_bench", 300)
-        flat = torch.empty(nbytes, dtype=torch.uint8)
-        raw_seconds = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            broadcast_from_trainer(group, flat)
-            raw_seconds.append(time.perf_counter() - start)
+        raw_group = init_weight_update_group("gloo", "127.0.0.1", port, 0, 2, "raw_bench", 300)
+        flat = torch.zeros(nbytes, dtype=torch.uint8)
+        sync_seconds, raw_seconds = [], []
+        with launch_embedded_engine(model_dir, startup_timeout_s=300, threads=1) as engine:
+            syncer = WeightSyncer([engine.url], bucket_bytes=args.bucket_mb * 1024**2,
+                                  first_bucket_bytes=args.first_bucket_mb * 1024**2, timeout_s=300)
+            syncer.init_group()
+            for version in range(args.repeats + 1):  # version 0: warm-up, not measured
+                seconds = syncer.sync(named, version).seconds
+                start = time.perf_counter()
+                broadcast_from_trainer(raw_group, flat)
+                if version:
+                    sync_seconds.append(seconds)
+                    raw_seconds.append(time.perf_counter() - start)
+            syncer.destroy_group()
         receiver.wait(timeout=300)
 
     gigabytes = nbytes / 1e9
@@ -93,6 +97,8 @@ def main() -> None:
     for name, seconds in rows:
         print(f"{name:40s} {seconds:10.3f} {gigabytes / seconds:8.3f} {seconds / gigabytes:8.3f}")
     print(f"sync repeats: {[round(s, 3) for s in sync_seconds]}; raw repeats: {[round(s, 3) for s in raw_seconds]}")
+    print(f"median of per-round ratios (raw / sync): "
+          f"{statistics.median(r / s for r, s in zip(raw_seconds, sync_seconds)):.3f}")
     print(f"weight_sync_vs_raw_broadcast: {rows[1][1] / rows[0][1]:.3f}")
 
 

@@ -1,7 +1,9 @@
 """Megatron actor (torchrun, 2 ranks) → embedded rollout engine in another process, end to end.
 
-Usage: torchrun --nproc-per-node 2 weight_sync_checks.py --model HF_DIR --layouts 2x1,1x2
-Rank 0 starts the embedded engine from the ORIGINAL HF directory once. For each TP x PP layout, in order:
+Usage: torchrun --nproc-per-node 2 weight_sync_checks.py --models DIR --tp 2 --pp 1 --checks engine_sync
+       [--layouts 2x1,1x2]
+The model is DIR/qwen3 (tied embeddings, q/k norm, head_dim != hidden / heads). Rank 0 starts the embedded engine
+from the ORIGINAL HF directory once. For each TP x PP layout of --layouts (default: --tp x --pp), in order:
   build the Actor from HF_DIR, take one optimizer step (every weight moves away from the engine's),
   every rank iterates actor.hf_tensors() while rank 0 runs WeightSyncer.sync(version = layout index),
   then the engine's probe log-probs, its greedy and sampled generations and its weight version are checked
@@ -9,11 +11,12 @@ Rank 0 starts the embedded engine from the ORIGINAL HF directory once. For each 
 Each passing check prints `CHECK <name> ok <details>` on rank 0; any failure raises.
 """
 
-import argparse
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+
+from tests.workers.common import log, run_checks
 
 LOGPROB_TOL = 1e-5  # fp32, the same model computed by Megatron (TP/PP) and transformers: observed ~1e-7
 LR = 1e-2  # one Adam step moves every weight by ~LR, far above the tolerance in the log-probs
@@ -21,10 +24,6 @@ PROBES = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49
 GENERATE_PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
 NEW_TOKENS = 6
 BUCKET_BYTES = 64 * 1024  # the tiny model then needs several buckets
-
-
-def log(message):
-    print(f"[rank {dist.get_rank()}] {message}", flush=True)
 
 
 def packed_batch(sequences):
@@ -91,7 +90,7 @@ def train_one_step(actor, vocab, seed):
     actor.train_step([packed_batch(sequences)], loss_fn)
 
 
-def check_layout(args, tp, pp, version, engine, syncer, hf_tensor_count):
+def check_layout(model_dir, tp, pp, version, engine, syncer, hf_tensor_count):
     """One layout: train, sync, and compare the engine with the Megatron actor (see the module docstring)."""
     from megatron.core import parallel_state
 
@@ -102,7 +101,7 @@ def check_layout(args, tp, pp, version, engine, syncer, hf_tensor_count):
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    checkpoint = HFCheckpoint(args.model)
+    checkpoint = HFCheckpoint(model_dir)
     vocab = checkpoint.shape.vocab_size
     actor = Actor(checkpoint.shape, tp, pp, "fp32", OptimConfig(lr=LR), hf_checkpoint=checkpoint)
     train_one_step(actor, vocab, seed=version)
@@ -154,35 +153,32 @@ def check_layout(args, tp, pp, version, engine, syncer, hf_tensor_count):
     del actor
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True, help="HF model directory (the engine starts from it)")
-    parser.add_argument("--layouts", default="2x1,1x2", help="comma-separated TPxPP layouts, synced in order")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+def check_engine_sync(args):
+    """Every layout's trained weights reach the engine, which then scores and generates as the actor does."""
     from safetensors import safe_open
 
-    from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
     from megatron_dppo.rollout.launcher import launch_embedded_engine
     from megatron_dppo.rollout.weight_sync import WeightSyncer
 
-    layouts = [tuple(map(int, layout.split("x"))) for layout in args.layouts.split(",")]
-    init_parallel(*layouts[0])
+    model_dir = f"{args.models}/qwen3"
+    layouts = [tuple(map(int, layout.split("x"))) for layout in (args.layouts or f"{args.tp}x{args.pp}").split(",")]
     engine = syncer = None
     if dist.get_rank() == 0:
-        engine = launch_embedded_engine(args.model, startup_timeout_s=120, threads=1)
+        engine = launch_embedded_engine(model_dir, startup_timeout_s=120, threads=1)
         syncer = WeightSyncer([engine.url], bucket_bytes=BUCKET_BYTES, timeout_s=120)
-    with safe_open(f"{args.model}/model.safetensors", "pt") as f:
+    with safe_open(f"{model_dir}/model.safetensors", "pt") as f:
         hf_tensor_count = len(list(f.keys()))
     try:
         for version, (tp, pp) in enumerate(layouts, start=1):
-            check_layout(args, tp, pp, version, engine, syncer, hf_tensor_count)
+            check_layout(model_dir, tp, pp, version, engine, syncer, hf_tensor_count)
     finally:
         if engine is not None:
             syncer.destroy_group()
             engine.stop()
-    destroy_parallel()
+
+
+CHECKS = {"engine_sync": check_engine_sync}
 
 
 if __name__ == "__main__":
-    main()
+    run_checks(CHECKS, ("--layouts",))
