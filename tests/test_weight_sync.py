@@ -1,13 +1,39 @@
-"""Weights broadcast by the trainer-side syncer land in the engine by HF name, bit for bit, in buckets."""
+"""Weights broadcast by the trainer-side syncer land in the engine by HF name, bit for bit, in buckets.
 
+The fast-path tests run the engine (EmbeddedEngine + its aiohttp app, exactly what `python -m
+megatron_dppo.rollout.engine` serves) inside the test process, so they can read its parameters, and drive a separate
+sender process step by step over stdin (one process per test: importing transformers costs seconds).
+"""
+
+import asyncio
+import json
+import queue
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
+import pytest
 import torch
 
-from megatron_dppo.rollout.client import RolloutClient, SamplingParams, control_request
-from megatron_dppo.rollout.launcher import launch_embedded_engine, python_env
-from megatron_dppo.rollout.weight_sync import WeightSyncer, group_into_buckets, pack_bucket, unpack_bucket
+from megatron_dppo.rollout.client import RolloutClient, RolloutServerError, SamplingParams, control_request
+from megatron_dppo.rollout.engine import EmbeddedEngine, build_app
+from megatron_dppo.rollout.launcher import free_port, launch_embedded_engine, python_env
+from megatron_dppo.rollout.weight_sync import (
+    DEFAULT_FIRST_BUCKET_BYTES,
+    RAMP,
+    Bucket,
+    StagingBuffers,
+    WeightSyncer,
+    broadcast_from_trainer,
+    group_into_buckets,
+    init_weight_update_group,
+    pack_bucket,
+    prefetch_buckets,
+    unpack_bucket,
+)
 from tests.test_rollout_engine import save_tiny_model, sequence_logprobs
 
 PROBES = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [40, 41, 42, 43, 44, 45, 46, 47]]
@@ -83,3 +109,264 @@ def test_sender_process_syncs_perturbed_weights_into_engine_logprobs_match_and_v
             torch.testing.assert_close(torch.tensor(completion.output_logprobs),
                                        sequence_logprobs(trainer, [1, 2, 3], completion.output_ids),
                                        atol=1e-5, rtol=0)
+
+
+def test_bucket_limits_ramp_by_1_5_from_first_bucket_bytes_whole_tensors_and_an_oversized_tensor_travels_alone():
+    assert DEFAULT_FIRST_BUCKET_BYTES == 32 * 1024**2 and RAMP == 1.5
+    kib = 1024
+    tensors = [(f"t{i}", torch.randn(kib // 4)) for i in range(60)]  # 1 KiB each
+    tensors.insert(19, ("big", torch.randn(8 * kib)))  # 32 KiB, over the 20 KiB limit
+    groups = list(group_into_buckets(tensors, bucket_bytes=20 * kib, first_bucket_bytes=4 * kib))
+    # limits 4, 6, 9, 13.5, 20, 20 ... KiB; "big" arrives when the 13.5 KiB bucket is empty, so it is that bucket
+    assert [sum(t.numel() * t.element_size() for _, t in group) // kib for group in groups] == [4, 6, 9, 32, 20, 20, 1]
+    assert [name for group in groups for name, _ in group] == [name for name, _ in tensors]  # whole, in order, once
+    assert [name for name, _ in groups[3]] == ["big"]
+
+    # The prefetcher yields the same buckets, packed; it starts packing before anyone iterates. Run twice with one
+    # StagingBuffers: the second sync packs every multi-tensor bucket into one of the two buffers the first left.
+    staging = StagingBuffers()
+    pooled: list[torch.Tensor] = []
+    for sync in range(2):
+        prefetcher = prefetch_buckets(tensors, bucket_bytes=20 * kib, timeout_s=30, staging=staging,
+                                      first_bucket_bytes=4 * kib)
+        deadline = time.monotonic() + 30
+        while prefetcher.ready.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not prefetcher.ready.empty(), "the first bucket must be packed before iteration starts"
+        with prefetcher:
+            buckets = 0
+            for bucket, group in zip(prefetcher, groups, strict=True):
+                assert bucket.names == [name for name, _ in group]
+                for (_, want), (_, got) in zip(group, unpack_bucket(bucket.flat, bucket.names, bucket.dtypes,
+                                                                    bucket.shapes)):
+                    assert torch.equal(got, want)
+                if len(group) == 1:  # one contiguous tensor: sent as its own bytes, no staging buffer
+                    assert bucket.staging is None and bucket.flat.data_ptr() == group[0][1].data_ptr()
+                else:  # one torch.cat into a staging buffer
+                    assert bucket.flat.data_ptr() == bucket.staging.data_ptr()
+                    assert sync == 0 or any(bucket.staging is buffer for buffer in pooled)
+                buckets += 1
+        assert buckets == len(groups)
+        pooled = [staging.free.get_nowait() for _ in range(staging.free.qsize())]
+        assert len(pooled) == 2 and all(buffer.numel() >= 20 * kib for buffer in pooled)
+        for buffer in pooled:
+            staging.give(buffer)
+
+
+class ScriptedSyncer(WeightSyncer):
+    """The trainer side, plus slime's older per-tensor format (load_format=null: one broadcast per tensor)."""
+
+    per_tensor = False
+
+    def update_payload(self, bucket: Bucket, version: str) -> dict:
+        payload = super().update_payload(bucket, version)
+        return {**payload, "load_format": None} if self.per_tensor else payload
+
+    def _send_bucket(self, bucket: Bucket, version: str) -> None:
+        if not self.per_tensor:
+            return super()._send_bucket(bucket, version)
+        payload = self.update_payload(bucket, version)
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            futures = [pool.submit(control_request, url, "/update_weights_from_distributed", payload, "POST",
+                                   self.timeout_s) for url in self.urls]
+            for _, tensor in unpack_bucket(bucket.flat, bucket.names, bucket.dtypes, bucket.shapes):
+                broadcast_from_trainer(self.group, tensor)
+            for future in futures:
+                future.result()
+
+
+def run_scripted_sender(model_dir: str, url: str) -> None:
+    """A trainer process that runs one JSON step per stdin line and answers each with a `RESULT {...}` line.
+
+    {"op": "sync", "seed", "version", "bucket_bytes", "per_tensor"}: sync perturbed_model(seed);
+    {"op": "send", "names", "shapes", "per_tensor"}: send one fp32 bucket of zeros described by names/shapes;
+    {"op": "stop"}: leave the group and exit."""
+    syncer = ScriptedSyncer([url], timeout_s=60)
+    for line in sys.stdin:
+        step = json.loads(line)
+        if step["op"] == "stop":
+            break
+        syncer.per_tensor = step.get("per_tensor", False)
+        try:
+            if step["op"] == "sync":
+                syncer.bucket_bytes = step["bucket_bytes"]
+                stats = syncer.sync(perturbed_model(model_dir, step["seed"]).state_dict().items(), step["version"])
+                result = {"ok": True, "buckets": stats.buckets}
+            else:
+                if syncer.group is None:
+                    syncer.init_group()
+                nbytes = sum(torch.Size(shape).numel() * 4 for shape in step["shapes"])
+                bucket = Bucket(names=step["names"], dtypes=["float32"] * len(step["names"]), shapes=step["shapes"],
+                                flat=torch.zeros(nbytes, dtype=torch.uint8))
+                syncer._send_bucket(bucket, "refused")
+                result = {"ok": True}
+        except RolloutServerError as error:
+            result = {"ok": False, "error": str(error)}
+        print("RESULT " + json.dumps(result), flush=True)
+    syncer.destroy_group()
+
+
+@contextmanager
+def scripted_sender(model_dir: str, url: str, log_path):
+    """Start run_scripted_sender; yields `step(**fields) -> result dict`."""
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from tests.test_weight_sync import run_scripted_sender; "
+             "run_scripted_sender(sys.argv[1], sys.argv[2])", model_dir, url],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=python_env())
+        lines: queue.Queue = queue.Queue()
+
+        def read_stdout() -> None:
+            for line in process.stdout:
+                lines.put(line)
+            lines.put(None)  # the sender exited
+
+        threading.Thread(target=read_stdout, name="sender-stdout", daemon=True).start()
+
+        def step(**fields) -> dict:
+            process.stdin.write(json.dumps(fields) + "\n")
+            process.stdin.flush()
+            while True:
+                try:
+                    line = lines.get(timeout=120)
+                except queue.Empty:
+                    line = None
+                if line is None:
+                    raise AssertionError(f"sender gave no answer to {fields}:\n{log_path.read_text()[-3000:]}")
+                if line.startswith("RESULT "):
+                    return json.loads(line.removeprefix("RESULT "))
+
+        try:
+            yield step
+            process.stdin.write(json.dumps({"op": "stop"}) + "\n")
+            process.stdin.close()
+            assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+@contextmanager
+def served_engine(model_dir: str, dtype: str = "float32"):
+    """The embedded engine's app served from a thread of this process; yields (engine, url)."""
+    from aiohttp import web
+
+    engine = EmbeddedEngine(model_dir, dtype=dtype)
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(build_app(engine))
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, name="engine-app", daemon=True)
+    thread.start()
+    try:
+        yield engine, f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        loop.close()
+
+
+TIED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def assert_engine_holds(engine: EmbeddedEngine, model_dir: str, seed: int) -> None:
+    """Every tensor of the engine equals the trainer's perturbed_model(seed) converted to the engine's dtype."""
+    got = engine.model.state_dict()
+    want = perturbed_model(model_dir, seed).state_dict()
+    assert set(got) == set(want) and set(TIED) <= set(got)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor.to(got[name].dtype)), f"{name} differs after syncing seed {seed}"
+    assert torch.equal(got[TIED[0]], got[TIED[1]])  # tied embeddings: both names hold the synced tensor
+
+
+def assert_generation_matches_trainer(url: str, model_dir: str, seed: int, version: str) -> None:
+    completions = RolloutClient([url]).generate([[1, 2, 3]], SamplingParams(max_new_tokens=6), n=2)
+    trainer = perturbed_model(model_dir, seed)
+    for completion in completions:
+        assert len(completion.output_ids) == 6 and completion.weight_version == version
+        torch.testing.assert_close(torch.tensor(completion.output_logprobs),
+                                   sequence_logprobs(trainer, [1, 2, 3], completion.output_ids), atol=1e-5, rtol=0)
+
+
+def test_zero_copy_resync_layout_change_per_tensor_format_and_refused_buckets_keep_the_group_in_step(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "model")
+    with served_engine(model_dir) as (engine, url), scripted_sender(model_dir, url, tmp_path / "sender.log") as step:
+        # first sync: buckets become the parameters' storage; tied names equal; generation follows the new weights
+        first = step(op="sync", seed=1, version="1", bucket_bytes=64 * 1024)
+        assert first["ok"] and first["buckets"] > 1, first
+        assert_engine_holds(engine, model_dir, 1)
+        assert_generation_matches_trainer(url, model_dir, 1, "1")
+        parameters = dict(engine.model.named_parameters(remove_duplicate=False))
+        zero_copy = [name for layout, buffer in engine.bucket_buffers.items() if engine._parameters_live_in(
+            buffer, layout) for name, _, _ in layout]
+        assert len(zero_copy) > len(parameters) // 2, "most parameters must live in received bucket buffers"
+        # A bucket holding a tied name is re-received each sync (the shared Parameter follows the other tied name's
+        # bucket, so its own layout never matches); every other bucket keeps its storage.
+        untied = [name for layout in engine.bucket_buffers for name, _, _ in layout
+                  if not {entry[0] for entry in layout} & set(TIED)]
+        assert untied and set(untied) <= set(zero_copy)
+        storage = {name: parameters[name].data_ptr() for name in untied}
+
+        # same layout again: received straight into the parameters (their storage does not move), exact
+        assert step(op="sync", seed=2, version="2", bucket_bytes=64 * 1024)["ok"]
+        assert_engine_holds(engine, model_dir, 2)
+        assert {name: p.data_ptr() for name, p in engine.model.named_parameters(remove_duplicate=False)
+                if name in storage} == storage
+
+        # refused buckets (flattened and per-tensor): HTTP 400 naming the offender, nothing loaded, group in step
+        refusals = [dict(names=["model.norm.weight", "model.no_such.weight"], shapes=[[64], [8]]),
+                    dict(names=["model.norm.weight"], shapes=[[65]]),
+                    dict(names=["model.no_such.weight"], shapes=[[8]], per_tensor=True),
+                    dict(names=["model.norm.weight"], shapes=[[2, 32]], per_tensor=True)]
+        for refusal in refusals:
+            result = step(op="send", **refusal)
+            assert not result["ok"] and "HTTP 400" in result["error"], result
+            assert ("unknown names ['model.no_such.weight']" in result["error"]
+                    or "shape mismatches ['model.norm.weight" in result["error"]), result
+        assert_engine_holds(engine, model_dir, 2)
+        assert control_request(url, "/model_info", None, "GET")["weight_version"] == "2"
+
+        # new layout (smaller buckets), then the per-tensor format, then the new layout again (zero-copy again)
+        assert step(op="sync", seed=3, version="3", bucket_bytes=24 * 1024)["buckets"] > first["buckets"]
+        assert_engine_holds(engine, model_dir, 3)
+        assert step(op="sync", seed=4, version="4", bucket_bytes=24 * 1024, per_tensor=True)["ok"]
+        assert_engine_holds(engine, model_dir, 4)
+        assert step(op="sync", seed=5, version="5", bucket_bytes=24 * 1024)["ok"]
+        assert_engine_holds(engine, model_dir, 5)
+        assert_generation_matches_trainer(url, model_dir, 5, "5")
+
+
+def test_bfloat16_engine_receives_fp32_and_holds_exactly_the_bfloat16_conversion_in_both_formats(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "model")
+    with served_engine(model_dir, dtype="bfloat16") as (engine, url), \
+            scripted_sender(model_dir, url, tmp_path / "sender.log") as step:
+        for seed, per_tensor in ((1, False), (2, True), (3, False)):
+            assert step(op="sync", seed=seed, version=str(seed), bucket_bytes=64 * 1024, per_tensor=per_tensor)["ok"]
+            assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters())
+            assert_engine_holds(engine, model_dir, seed)  # == fp32 tensor.to(bfloat16), tied names equal
+        completions = RolloutClient([url]).generate([[1, 2, 3]], SamplingParams(max_new_tokens=6), n=2)
+        assert all(len(c.output_ids) == 6 and c.weight_version == "3" for c in completions)
+
+
+def test_malformed_update_metadata_leaves_the_group_with_a_clear_error_instead_of_hanging(tmp_path):
+    """Names, dtypes and shapes that disagree (or an unknown dtype) leave the broadcast's size unknowable: the engine
+    must answer a clear error and leave the group (so the trainer re-initialises it), never wait or load garbage."""
+    from megatron_dppo.rollout.engine import RequestError
+
+    engine = EmbeddedEngine(save_tiny_model(tmp_path / "model"))
+    before = {name: tensor.clone() for name, tensor in engine.model.state_dict().items()}
+    bad_bodies = [
+        {"names": ["model.norm.weight"], "dtypes": ["float32", "float32"], "shapes": [[64]]},
+        {"names": ["model.norm.weight"], "dtypes": ["float99"], "shapes": [[64]]},
+        {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "load_format": "bogus"},
+    ]
+    for body in bad_bodies:
+        engine.groups["g"] = init_weight_update_group("gloo", "127.0.0.1", free_port(), 0, 1, "g")
+        with pytest.raises(RequestError, match="malformed weight update.*destroyed.*init_weights_update_group"):
+            engine.update_from_distributed({**body, "group_name": "g", "load_format": body.get("load_format")})
+        assert "g" not in engine.groups
+    for name, tensor in engine.model.state_dict().items():
+        assert torch.equal(tensor, before[name])

@@ -395,6 +395,13 @@ class EmbeddedEngine:
         group = self.groups[name]
         names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
         load_format = body.get("load_format")
+        problem = self._metadata_problem(names, dtypes, shapes, load_format)
+        if problem:
+            # The size of the trainer's broadcast cannot be known from malformed metadata, so this engine cannot
+            # stay in step with the group: leave it, and say how to recover, rather than hang or load garbage.
+            destroy_weight_update_group(self.groups.pop(name))
+            raise RequestError(f"malformed weight update ({problem}); the weight update group {name!r} was "
+                               "destroyed: call /init_weights_update_group again and resend the weights")
         if load_format == "flattened_bucket":
             layout = tuple(zip(names, dtypes, map(tuple, shapes), strict=True))
             buffer = self.bucket_buffers.get(layout)
@@ -432,7 +439,21 @@ class EmbeddedEngine:
                 raise refused
             self.load_named_tensors([(n, t) for n, t in received if t.data_ptr() != targets[n].data_ptr()])
             return
-        raise RequestError(f"load_format {load_format!r} is not supported; use null or 'flattened_bucket'")
+
+    @staticmethod
+    def _metadata_problem(names, dtypes, shapes, load_format) -> str | None:
+        if load_format not in (None, "flattened_bucket"):
+            return f"load_format {load_format!r} is not supported; use null or 'flattened_bucket'"
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+            return "names, dtypes and shapes must be lists"
+        if not len(names) == len(dtypes) == len(shapes):
+            return f"{len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes"
+        unknown = sorted({d for d in dtypes if not isinstance(getattr(torch, str(d), None), torch.dtype)})
+        if unknown:
+            return f"unknown dtypes {unknown}"
+        if any(not isinstance(shape, list) or any(not isinstance(n, int) or n < 0 for n in shape) for shape in shapes):
+            return "every shape must be a list of non-negative integers"
+        return None
 
     def _parameters_live_in(self, buffer: torch.Tensor, layout: tuple) -> bool:
         """Whether every tensor of `layout` is still a parameter stored at its offset in `buffer`."""
