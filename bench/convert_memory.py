@@ -1,13 +1,15 @@
 """Peak memory of the checkpoint converters on a randomly initialised ~1B-parameter model (Llama-3.2-1B shape).
 
-    random HF dir (bf16, written tensor by tensor) ──► HF → Megatron (tp=1 rank, spawned) ──► Megatron → HF, timed
-    and measured `--repeats` times, each in a fresh child process
+    random HF dir (bf16, written tensor by tensor) ──► HF → Megatron (tp=1) ──► Megatron → HF
+    each conversion timed and measured `--repeats` times, each in a fresh child process
 
-Peak memory is the child's ru_maxrss minus its RSS after imports (the baseline run in the same process). The last
-line measures Megatron → HF, the direction that streams: it is compared with the largest unit it holds at once (the
-embedding, or one decoder layer) plus one output shard. HF → Megatron builds the rank's whole shard of the model
-(see docs/conversion.md) and is reported against the model size instead.
-Prints a table and, last, `convert_peak_over_layer_plus_shard: X` (target <= 1.5).
+Peak memory is the child's ru_maxrss minus its RSS after imports (the baseline run in the same process). HF →
+Megatron runs the converter's rank function (`_convert_rank`, what the tool spawns per rank) in the child itself, so
+its peak is that rank's. Each direction is compared with the largest unit it handles (the embedding, or one decoder
+layer: all its parameters) plus one output shard: for Megatron → HF the safetensors shard size (`--shard-mb`), for
+HF → Megatron the largest `.distcp` file the rank wrote (megatron's writer splits a rank's items over 2 files).
+Prints a table and, last, `convert_peak_over_layer_plus_shard: X`, the larger ratio of the two directions
+(target <= 1.5).
 
 python bench/convert_memory.py [--layers 16] [--repeats 3] [--shard-mb 2048] [--work-dir DIR]
 """
@@ -15,6 +17,7 @@ python bench/convert_memory.py [--layers 16] [--repeats 3] [--shard-mb 2048] [--
 import argparse
 import json
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,30 +64,65 @@ def write_random_hf_model(out_dir: Path, config: dict) -> int:
     return sum(torch.Size(s).numel() for _, s in planned)
 
 
-def export_child(megatron_dir: str, out: str, shard_mb: float) -> None:
-    """Runs in a fresh process: baseline RSS after imports, then one export; prints a JSON line."""
+def largest_unit_bytes(megatron_dir: Path) -> int:
+    """The largest unit of the checkpoint in bytes (in bf16): the embedding, or all the parameters of one layer."""
     from megatron_dppo.actor.checkpoint import read_hf_config, resolve_checkpoint
-    from megatron_dppo.convert.conversion import DistCheckpointReader, _nbytes, _plan_parameters, megatron_to_hf
+    from megatron_dppo.convert.conversion import DistCheckpointReader, _nbytes, _plan_parameters
     from megatron_dppo.convert.mapping import model_shape
 
     path = resolve_checkpoint(megatron_dir)
-    reader = DistCheckpointReader(path)
-    units = _plan_parameters(reader, model_shape(read_hf_config(path)))
-    largest_unit = max(sum(_nbytes(s, torch.bfloat16) for p in unit for _, s in p.hf_tensors) for unit in units)
-    del reader, units
+    units = _plan_parameters(DistCheckpointReader(path), model_shape(read_hf_config(path)))
+    return max(sum(_nbytes(s, torch.bfloat16) for p in unit for _, s in p.hf_tensors) for unit in units)
+
+
+def import_child(hf_dir: str, out: str) -> None:
+    """Runs in a fresh process: baseline RSS after imports, then the converter's single rank (tp=1, pp=1) writing
+    into `out`; prints a JSON line."""
+    import os
+
+    import megatron.core.dist_checkpointing  # noqa: F401  (imports before the baseline)
+    import megatron.core.models.gpt  # noqa: F401
+
+    import megatron_dppo.actor.model  # noqa: F401
+    import megatron_dppo.actor.parallel  # noqa: F401
+    from megatron_dppo.convert.conversion import _convert_rank
+    from megatron_dppo.rollout.launcher import free_port
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    Path(out).mkdir()
+    baseline = rss_bytes()
+    start = time.perf_counter()
+    _convert_rank(0, 1, free_port(), hf_dir, out, 1, 1, "bf16")
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    shard = max(p.stat().st_size for p in Path(out).glob("iter_0000000/*.distcp"))
+    print(json.dumps({"baseline": baseline, "peak": peak, "seconds": seconds, "shard": shard}))
+
+
+def export_child(megatron_dir: str, out: str, shard_mb: float) -> None:
+    """Runs in a fresh process: baseline RSS after imports, then one export; prints a JSON line."""
+    from transformers import GenerationConfig  # noqa: F401  (imports before the baseline)
+
+    import megatron_dppo.actor.checkpoint  # noqa: F401
+    from megatron_dppo.convert.conversion import megatron_to_hf
+
     baseline = rss_bytes()
     start = time.perf_counter()
     megatron_to_hf(megatron_dir, out, max_shard_bytes=int(shard_mb * 1024**2))
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"baseline": baseline, "peak": peak, "seconds": seconds, "largest_unit": largest_unit}))
+    print(json.dumps({"baseline": baseline, "peak": peak, "seconds": seconds, "shard": shard_mb * 1024**2}))
 
 
-def run_export(megatron_dir: Path, out: Path, shard_mb: float) -> dict:
-    command = [sys.executable, __file__, "--export-child", str(megatron_dir), str(out), str(shard_mb)]
+def run_child(*argv, keep: bool = False) -> dict:
+    """One measured conversion in a fresh process; its output (the last argument naming a directory) is deleted
+    unless `keep`, so the repeats need the disk of one copy."""
+    command = [sys.executable, __file__, *map(str, argv)]
     result = subprocess.run(command, capture_output=True, text=True, env=python_env(), check=False)
     if result.returncode:
-        raise RuntimeError(f"export child failed:\n{result.stderr[-4000:]}")
+        raise RuntimeError(f"{argv[0]} failed:\n{result.stderr[-4000:]}")
+    if not keep:
+        shutil.rmtree(argv[2])
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -95,12 +133,14 @@ def main() -> None:
     parser.add_argument("--shard-mb", type=float, default=2048.0)
     parser.add_argument("--work-dir", default=None, help="scratch directory (default: a temporary one)")
     parser.add_argument("--export-child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--import-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.export_child:
         export_child(args.export_child[0], args.export_child[1], float(args.export_child[2]))
         return
-
-    from megatron_dppo.convert.conversion import hf_to_megatron
+    if args.import_child:
+        import_child(*args.import_child)
+        return
 
     gib = 1024**3
     with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
@@ -108,25 +148,25 @@ def main() -> None:
         start = time.perf_counter()
         params = write_random_hf_model(work / "hf", bench_config(args.layers))
         print(f"random model: {params / 1e9:.2f}B parameters, bf16, written in {time.perf_counter() - start:.0f} s")
-        start = time.perf_counter()
-        hf_to_megatron(work / "hf", work / "megatron", tp=1, pp=1)
-        to_megatron_s = time.perf_counter() - start
-        to_megatron_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-        runs = [run_export(work / "megatron", work / f"export_{i}", args.shard_mb) for i in range(args.repeats)]
+        runs = {"HF → Megatron": [run_child("--import-child", work / "hf", work / f"megatron_{i}", keep=i == 0)
+                                  for i in range(args.repeats)]}
+        largest_unit = largest_unit_bytes(work / "megatron_0")
+        runs["Megatron → HF"] = [run_child("--export-child", work / "megatron_0", work / f"export_{i}", args.shard_mb)
+                                 for i in range(args.repeats)]
 
-    over_baseline = statistics.median(r["peak"] - r["baseline"] for r in runs)
-    seconds = statistics.median(r["seconds"] for r in runs)
-    largest_unit, shard = runs[0]["largest_unit"], args.shard_mb * 1024**2
-    model_bytes = params * 2
-    print(f"{'direction':<16}{'seconds':>10}{'peak GiB':>10}{'reference':>40}{'ratio':>8}")
-    print(f"{'HF → Megatron':<16}{to_megatron_s:>10.1f}{to_megatron_peak / gib:>10.2f}"
-          f"{f'model {model_bytes / gib:.2f} GiB':>40}{to_megatron_peak / model_bytes:>8.2f}")
-    print(f"{'Megatron → HF':<16}{seconds:>10.1f}{over_baseline / gib:>10.2f}"
-          f"{f'largest unit {largest_unit / gib:.2f} + shard {shard / gib:.2f} GiB':>40}"
-          f"{over_baseline / (largest_unit + shard):>8.2f}")
-    print(f"Megatron → HF peak over the largest unit alone: {over_baseline / largest_unit:.2f} "
-          f"(median of {args.repeats} exports, each in a fresh process; HF → Megatron peak is the spawned rank's)")
-    print(f"convert_peak_over_layer_plus_shard: {over_baseline / (largest_unit + shard):.3f}")
+    print(f"{'direction':<16}{'seconds':>10}{'peak GiB':>10}{'reference':>40}{'ratio':>8}{'peak/unit':>11}")
+    ratios = []
+    for direction, measured in runs.items():
+        peak = statistics.median(r["peak"] - r["baseline"] for r in measured)
+        seconds = statistics.median(r["seconds"] for r in measured)
+        shard = max(r["shard"] for r in measured)
+        ratios.append(peak / (largest_unit + shard))
+        print(f"{direction:<16}{seconds:>10.1f}{peak / gib:>10.2f}"
+              f"{f'largest unit {largest_unit / gib:.2f} + shard {shard / gib:.2f} GiB':>40}"
+              f"{ratios[-1]:>8.2f}{peak / largest_unit:>11.2f}")
+    print(f"{params * 2 / gib:.2f} GiB of weights; peaks are medians of {args.repeats} runs, each in a fresh process, "
+          "over the RSS after imports")
+    print(f"convert_peak_over_layer_plus_shard: {max(ratios):.3f}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The checkpoint conversion tools (tools/convert_*.py): round trips, trainer checkpoints, and bad input.
 
-Everything runs on the CPU. HF → Megatron spawns tp x pp gloo ranks; Megatron → HF runs in this process.
+Everything runs on the CPU. HF → Megatron spawns tp x pp gloo ranks that stream the weights into Megatron's file
+format (compared byte for byte with Megatron's own save); Megatron → HF runs in this process.
 Round trips are compared bit for bit (torch.equal), never with a tolerance.
 """
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_dppo.convert.conversion import hf_to_megatron, megatron_to_hf
 from megatron_dppo.convert.hf_checkpoint import INDEX_FILE, HFCheckpoint
@@ -88,16 +90,40 @@ def test_megatron_to_hf_reads_an_iter_dir_and_casts_to_the_requested_dtype(megat
 @pytest.fixture(scope="module")
 def trainer_run(hf_inputs, megatron_checkpoint, tmp_path_factory):
     """One torchrun launch (TP=2): load the converter's PP=2 Qwen3 checkpoint through the trainer's load_sharded,
-    and save a trainer checkpoint of Qwen2 after one optimizer step of the Actor."""
-    save = tmp_path_factory.mktemp("trainer") / "save"
+    save a trainer checkpoint of Qwen2 after one optimizer step of the Actor, and save the Qwen2 HF weights with
+    Megatron's own dist_checkpointing.save (the reference for the streaming converter's files)."""
+    root = tmp_path_factory.mktemp("trainer")
+    save, megatron_save = root / "save", root / "megatron_save"
     output = run_torchrun(WORKER, 2, ["--models", hf_inputs, "--tp", 2, "--pp", 1,
-                                      "--checks", "trainer_loads_converted,trainer_checkpoint",
-                                      "--converted", megatron_checkpoint("qwen3", "pp2"), "--save-trainer", save])
-    return save, output
+                                      "--checks", "trainer_loads_converted,trainer_checkpoint,megatron_save",
+                                      "--converted", megatron_checkpoint("qwen3", "pp2"), "--save-trainer", save,
+                                      "--megatron-save", megatron_save])
+    return save, output, megatron_save
+
+
+def test_streaming_converter_writes_the_files_megatron_save_writes(trainer_run, megatron_checkpoint):
+    """HF → Megatron never builds the weights, yet at TP=2 it writes byte for byte the .distcp files, common.pt and
+    metadata.json that Megatron's dist_checkpointing.save writes for a real TP=2 model holding the same HF weights,
+    and a .metadata with the same tensors, chunks, file offsets and per-rank plans (only the storage_meta, which
+    names the directory and a random save id, differs)."""
+    _, output, reference = trainer_run
+    assert "CHECK megatron_save ok tp=2 pp=1" in output, output[-6000:]
+    converted = megatron_checkpoint("qwen2", "tp2") / "iter_0000000"
+    files = sorted(p.name for p in reference.iterdir())
+    assert sorted(p.name for p in converted.iterdir()) == sorted([*files, "complete", "hf_config.json"])
+    assert {"__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp", "common.pt", "metadata.json"} < set(files)
+    for name in files:
+        if name != ".metadata":
+            assert (converted / name).read_bytes() == (reference / name).read_bytes(), name
+    ours, theirs = (FileSystemReader(str(path)).read_metadata() for path in (converted, reference))
+    assert set(vars(ours)) == set(vars(theirs)) and "all_local_plans" in vars(theirs)
+    for field in vars(theirs):
+        if field != "storage_meta":
+            assert getattr(ours, field) == getattr(theirs, field), field
 
 
 def test_converted_checkpoint_loads_through_trainer_load_under_another_layout(trainer_run):
-    _, output = trainer_run
+    _, output, _ = trainer_run
     assert "CHECK trainer_loads_converted ok tp=2 pp=1" in output, output[-6000:]
 
 
@@ -108,7 +134,7 @@ def test_trainer_checkpoint_exports_and_transformers_greedy_equals_embedded_engi
     from megatron_dppo.rollout.client import RolloutClient, SamplingParams
     from megatron_dppo.rollout.launcher import launch_embedded_engine
 
-    save, output = trainer_run
+    save, output, _ = trainer_run
     assert "CHECK trainer_checkpoint ok" in output, output[-6000:]
     tokenizer_dir = tmp_path / "tokenizer"
     CharTokenizer(SYNTHETIC_ALPHABET).save_pretrained(tokenizer_dir)

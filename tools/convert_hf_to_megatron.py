@@ -3,7 +3,8 @@
     --hf-dir (config.json + model.safetensors or shards with an index)
         ──► megatron_dppo.convert.conversion.hf_to_megatron ──► --out/iter_0000000 + --out/latest
 
-The result is what the trainer's --load reads (any TP/PP can load it: dist checkpoints reshard on load).
+The result is what the trainer's --load reads (any TP/PP can load it: dist checkpoints reshard on load). It streams:
+each of the tp x pp CPU ranks holds one layer's slice of one parameter (or its embedding shard) at a time.
 Example:
     python tools/convert_hf_to_megatron.py --hf-dir Qwen2.5-0.5B --out ckpt/qwen --tp 2 --pp 1 --dtype bf16
 """

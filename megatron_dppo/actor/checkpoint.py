@@ -43,11 +43,12 @@ def _barrier():
 
 
 def save_checkpoint(save_dir: str | Path, step: int, sharded_state: dict, hf_config: dict,
-                    trainer_state: dict | None = None, keep_last: int | None = None) -> Path:
+                    trainer_state: dict | None = None, keep_last: int | None = None, sharded_strategy=None) -> Path:
     """Save `sharded_state` (values from `.sharded_state_dict()`) atomically as checkpoint `step`; every rank calls.
 
     `trainer_state` is a picklable dict saved by rank 0 (per-rank parts, e.g. RNG states, are gathered by the
-    caller). Keeps the newest `keep_last` complete checkpoints when given."""
+    caller). Keeps the newest `keep_last` complete checkpoints when given. `sharded_strategy` replaces megatron's
+    default torch_dist writer (the streaming converter passes one that reads each chunk just before writing it)."""
     save_dir = Path(save_dir)
     final = iteration_dir(save_dir, step)
     staging = save_dir / f".tmp_{final.name}"
@@ -55,7 +56,7 @@ def save_checkpoint(save_dir: str | Path, step: int, sharded_state: dict, hf_con
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     _barrier()
-    dist_checkpointing.save(sharded_state, str(staging))
+    dist_checkpointing.save(sharded_state, str(staging), sharded_strategy=sharded_strategy)
     _barrier()
     if _rank0():
         (staging / HF_CONFIG).write_text(json.dumps(hf_config, indent=2))

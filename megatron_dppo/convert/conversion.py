@@ -1,8 +1,9 @@
 """Offline checkpoint conversion between HF safetensors directories and the trainer's Megatron dist checkpoints.
 
     HF → Megatron:  validate the HF dir (architecture, shapes against config.json, TP/PP divisibility)
-                    → spawn tp x pp gloo ranks on the CPU → build_gpt_model + load_hf_weights (each rank reads only
-                    its slices) → save_checkpoint (the trainer's format, step 0, "model" only)
+                    → spawn tp x pp gloo ranks on the CPU → each builds its stage on the meta device (shapes and
+                    sharding only) → megatron's dist_checkpointing.save with the torch_dist strategy's planning and
+                    file layout, whose writer produces each chunk from its HF slices only when it is written
     Megatron → HF:  read the dist checkpoint's metadata → plan every HF tensor and its output shard from meta shapes
                     → per layer: read that layer's slice of each stacked global tensor (torch.distributed.checkpoint,
                     no process group, no model) → merge with the convert/ table → write into the pre-planned shard
@@ -11,8 +12,11 @@ Invariants:
 - one name/layout table (convert/mapping.py) serves both directions, as it serves load_hf_weights and weight sync;
 - the output appears under its final name only when complete: everything is written to a hidden sibling directory
   that is renamed at the end, and removed on any failure;
-- Megatron → HF holds about one layer in memory: tensors are written straight into their place in a shard file
-  whose header was written first, so no shard is ever buffered whole.
+- both directions stream: HF → Megatron holds one stored chunk (one layer's slice of a parameter, or the
+  embedding shard) per rank; Megatron → HF holds about one layer, written straight into its place in a shard file
+  whose header was written first, so no shard is ever buffered whole;
+- HF → Megatron writes what Megatron's own dist_checkpointing.save writes for a real model of that TP/PP (same
+  .distcp bytes, common.pt, metadata.json and .metadata plans; tested), so the trainer loads and reshards it.
 """
 
 import contextlib
@@ -125,11 +129,11 @@ class _StreamingWriter(FileSystemWriterAsync):
     """Megatron's torch_dist file writer, minus its preloading: the same files (`__<rank>_<bucket>.distcp`, items
     split over `thread_count` buckets by megatron's own rule, each item serialised by torch's `_write_item` exactly as
     megatron does), but a tensor item is produced by `produce(item, meta)` only when its turn to be written comes and
-    is dropped right after, so one item is in memory at a time."""
+    is dropped right after, so one item is in memory at a time. `progress` counts the tensors written."""
 
-    def __init__(self, path: Path, produce: Callable, thread_count: int):
+    def __init__(self, path: Path, produce: Callable, thread_count: int, progress: tqdm):
         super().__init__(path, thread_count=thread_count)
-        self.produce = produce
+        self.produce, self.progress = produce, progress
         self.results = None
 
     def prepare_write_data(self, plan, planner) -> None:
@@ -142,6 +146,7 @@ class _StreamingWriter(FileSystemWriterAsync):
                 tensor_items = [(item, planner.lookup_object(item.index)) for item in bucket
                                 if item.type != WriteItemType.BYTE_IO]
                 self.write_buckets.append((os.path.join(self.checkpoint_dir, name), name, (byte_items, tensor_items)))
+        self.progress.reset(total=sum(len(tensor_items) for *_, (_, tensor_items) in self.write_buckets))
 
     def write_streamed(self) -> None:
         transforms = [self.transforms] if hasattr(self, "transforms") else []
@@ -156,6 +161,7 @@ class _StreamingWriter(FileSystemWriterAsync):
                     tensor = self.produce(item, meta)
                     self.results.append(_write_item(*transforms, stream, tensor, item, storage_key, **serialization))
                     del tensor
+                    self.progress.update()
                 os.fsync(stream.fileno())
 
     def retrieve_write_results(self):
@@ -166,14 +172,14 @@ class _StreamingSaveStrategy(TorchDistSaveShardedStrategy):
     """The default torch_dist save strategy (same backend, version, replica handling, planner and global plan),
     writing through `_StreamingWriter`; `dist_checkpointing.save` does everything else (common.pt, metadata.json)."""
 
-    def __init__(self, produce: Callable):
+    def __init__(self, produce: Callable, progress: tqdm):
         super().__init__("torch_dist", 1)
-        self.produce = produce
+        self.produce, self.progress = produce, progress
 
     def save(self, sharded_state_dict, checkpoint_dir: Path) -> None:
         sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict,
                                                                              self.keep_only_main_replica)
-        writer = _StreamingWriter(checkpoint_dir, self.produce, self.thread_count)
+        writer = _StreamingWriter(checkpoint_dir, self.produce, self.thread_count, self.progress)
         planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False)
         planned, *_ = save_state_dict_async_plan(mcore_to_pyt_state_dict(sharded_state_dict, False), writer, None, 0,
                                                  planner=planner)
@@ -183,10 +189,10 @@ class _StreamingSaveStrategy(TorchDistSaveShardedStrategy):
 
 class _HFChunks:
     """Produces one stored chunk of the checkpoint (a key and its offsets in the global tensor) from the HF
-    slices it is made of, with the convert/ table, in the model's dtype; counts chunks on a progress bar."""
+    slices it is made of, with the convert/ table, in the model's dtype."""
 
-    def __init__(self, checkpoint: HFCheckpoint, tp_rank: int, tp_size: int, progress: tqdm):
-        self.checkpoint, self.tp_rank, self.tp_size, self.progress = checkpoint, tp_rank, tp_size, progress
+    def __init__(self, checkpoint: HFCheckpoint, tp_rank: int, tp_size: int):
+        self.checkpoint, self.tp_rank, self.tp_size = checkpoint, tp_rank, tp_size
         self.padded_vocab = padded_vocab_size(checkpoint.shape.vocab_size, tp_size)
 
     def __call__(self, item, meta: torch.Tensor) -> torch.Tensor:
@@ -209,7 +215,6 @@ class _HFChunks:
         chunk = chunk.to(meta.dtype).reshape(meta.shape)
         if not chunk.is_contiguous() or chunk.untyped_storage().nbytes() != chunk.numel() * chunk.itemsize:
             chunk = chunk.contiguous().clone()  # torch.save writes a view's whole storage
-        self.progress.update()
         return chunk
 
 
@@ -219,9 +224,9 @@ def _convert_rank(rank: int, world: int, port: int, hf_dir: str, staging: str, t
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
 
-    from megatron_dppo.actor.checkpoint import COMPLETE, HF_CONFIG, LATEST, iteration_dir
+    from megatron_dppo.actor.checkpoint import save_checkpoint
     from megatron_dppo.actor.model import build_gpt_model, build_transformer_config
     from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
 
@@ -232,19 +237,10 @@ def _convert_rank(rank: int, world: int, port: int, hf_dir: str, staging: str, t
     with torch.device("meta"):
         # RoPE frequencies are not part of the checkpoint; llama3 scaling computes them with host-side values
         model = build_gpt_model(dataclasses.replace(checkpoint.shape, rope_scaling=None), config)
-    final = iteration_dir(staging, 0)
-    if rank == 0:
-        final.mkdir()
-    torch.distributed.barrier()
+    chunks = _HFChunks(checkpoint, parallel_state.get_tensor_model_parallel_rank(), tp)
     with tqdm(desc=f"HF → Megatron tp={tp} pp={pp} (rank 0)", unit="tensor", disable=rank != 0) as progress:
-        chunks = _HFChunks(checkpoint, parallel_state.get_tensor_model_parallel_rank(), tp, progress)
-        dist_checkpointing.save({"model": model.sharded_state_dict()}, str(final),
-                                sharded_strategy=_StreamingSaveStrategy(chunks))
-    torch.distributed.barrier()
-    if rank == 0:  # the trainer's layout (actor/checkpoint.py): config, completion marker, then `latest`
-        (final / HF_CONFIG).write_text(json.dumps(checkpoint.config, indent=2))
-        (final / COMPLETE).write_text("0")
-        (Path(staging) / LATEST).write_text(final.name)
+        save_checkpoint(staging, 0, {"model": model.sharded_state_dict()}, checkpoint.config,
+                        sharded_strategy=_StreamingSaveStrategy(chunks, progress))
     destroy_parallel()
 
 
@@ -273,8 +269,11 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         try:
+            # Ranks fork from a server process that imported this module once (no threads, no CUDA state), so a
+            # conversion does not pay megatron's import per rank.
+            mp.get_context("forkserver").set_forkserver_preload([__name__])
             mp.start_processes(_convert_rank, args=(world, free_port(), str(hf_dir), str(staging), tp, pp, dtype),
-                               nprocs=world, start_method="spawn")
+                               nprocs=world, start_method="forkserver")
         except mp.ProcessRaisedException as error:
             raise RuntimeError(f"converting {hf_dir} failed on a rank:\n{error}") from None
         finally:

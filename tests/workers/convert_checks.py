@@ -1,7 +1,7 @@
 """Multi-process checks of the conversion tools: the trainer's side of a checkpoint, run under torchrun.
 
 Usage: torchrun --nproc-per-node 2 convert_checks.py --models DIR --tp T --pp P --checks a,b
-    [--converted DIR (a converter save dir of the qwen3 model)] [--save-trainer DIR]
+    [--converted DIR (a converter save dir of the qwen3 model)] [--save-trainer DIR] [--megatron-save DIR]
 Each passing check prints `CHECK <name> ok <details>`; any failure raises.
 """
 
@@ -93,11 +93,27 @@ def check_trainer_checkpoint(args):
     dist.barrier()
 
 
-CHECKS = {"trainer_loads_converted": check_trainer_loads_converted, "trainer_checkpoint": check_trainer_checkpoint}
+def check_megatron_save(args):
+    """Megatron's own `dist_checkpointing.save` of the qwen2 model (HF weights loaded into a real model of this
+    layout), the reference the streaming converter's files are compared with."""
+    from pathlib import Path
+
+    from megatron.core import dist_checkpointing
+
+    model, _ = build(f"{args.models}/qwen2", args.tp, args.pp)
+    if dist.get_rank() == 0:
+        Path(args.megatron_save).mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict()}, args.megatron_save)
+    log(f"CHECK megatron_save ok tp={args.tp} pp={args.pp}")
+
+
+CHECKS = {"trainer_loads_converted": check_trainer_loads_converted, "trainer_checkpoint": check_trainer_checkpoint,
+          "megatron_save": check_megatron_save}
 
 
 def main():
-    run_checks(CHECKS, ("--converted", "--save-trainer"))
+    run_checks(CHECKS, ("--converted", "--save-trainer", "--megatron-save"))
 
 
 if __name__ == "__main__":
