@@ -73,6 +73,9 @@ def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) ->
     return -(-vocab_size // multiple) * multiple
 
 
+VOCAB_READ_ROWS = 8192  # rows of a padded embedding slice read at a time
+
+
 def _split(total: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     size = total // tp_size
     return tp_rank * size, (tp_rank + 1) * size
@@ -96,10 +99,13 @@ class Layout:
         if self.kind == "vocab":
             start, stop = _split(padded_vocab, tp_rank, tp_size)
             real_stop = min(stop, shape.vocab_size)
-            rows = read(hf_names[0], 0, start, real_stop) if real_stop > start else None
-            out = torch.zeros(stop - start, shape.hidden_size, dtype=rows.dtype if rows is not None else torch.float32)
-            if rows is not None:
-                out[: real_stop - start] = rows
+            if real_stop == stop:  # no padding in this rank's slice: the rows as read, no second copy
+                return read(hf_names[0], 0, start, stop)
+            dtype = read(hf_names[0], 0, 0, 0).dtype  # an empty slice: the dtype, no data
+            out = torch.zeros(stop - start, shape.hidden_size, dtype=dtype)
+            for block in range(start, real_stop, VOCAB_READ_ROWS):  # fill in blocks: peak ~ one slice, not two
+                block_stop = min(block + VOCAB_READ_ROWS, real_stop)
+                out[block - start: block_stop - start] = read(hf_names[0], 0, block, block_stop)
             return out
         if self.kind == "gated":
             start, stop = _split(shape.ffn_hidden_size, tp_rank, tp_size)
