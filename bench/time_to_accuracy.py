@@ -1,0 +1,547 @@
+"""Time to accuracy: GRPO vs DPPO (three modes), CPPO and D3S from one warm start, plus a supervised control.
+
+    1. warm start: one supervised warm start of the embedded tiny model (cached), timed twice (built, then cached)
+       to measure its supervised steps per second
+    2. RL: every method x seed starts from that checkpoint (--load) with the same flags and time budget;
+       --seed varies the RL randomness (training pool order, sampling, pruning draws), never the start
+    3. control: a longer supervised warm start that spends the RL budget on more supervised steps instead
+    4. analysis: accuracy curves against RL wall time (sum of step times, evaluations excluded) and cost proxies
+       ─► tables, figures (tools/plot_metrics.py), the generated part of docs/results.md
+    5. optional: the same methods on MATH train prompts (tiny random model, character tokenizer, fixed budget)
+
+Runs are resumable: a run whose directory holds summary.json is read, not re-run; --methods/--seeds/--budget-s
+restrict a run. Definitions (also on the results page):
+- final accuracy: mean of the last 3 held-out evaluations (the trainer's --eval-interval ones and the final one)
+- target: GRPO's final accuracy, averaged over seeds
+- time to target: first RL second at which the mean of the last 3 evaluations (warm-start evaluation at 0
+  included) reaches the target; a GRPO seed that never reaches it counts its whole budget (a conservative speed-up)
+- speed-up of a method: per seed, GRPO's time to target over the method's; median [min, max] over seeds
+- FLOPs: forward 2·P per token plus attention 4·L·d·(context / 2), backward twice the forward; training counts
+  forward+backward over every trained token (plus one forward when an old-log-prob pass runs), rollout counts a
+  forward over every generated token (decode; prompt prefill not counted); P counts the tied embedding once.
+
+Examples:
+    python bench/time_to_accuracy.py --quick                                   # smoke check, < 10 min
+    python bench/time_to_accuracy.py --write-page docs/results.md              # the full benchmark and the page
+    python bench/time_to_accuracy.py --methods grpo dppo-proportional --seeds 1 2 --budget-s 120
+Last line: dppo_speedup_vs_grpo: X (stochastic-proportional DPPO, the default mode; median over seeds).
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tools.plot_metrics import Run, load_run, plot_runs  # noqa: E402
+
+METHODS = {
+    "grpo": ["--algorithm", "grpo"],
+    "dppo-uniform": ["--algorithm", "dppo", "--dppo-mode", "stochastic", "--dppo-keep-policy", "uniform"],
+    "dppo-proportional": ["--algorithm", "dppo", "--dppo-mode", "stochastic", "--dppo-keep-policy", "proportional"],
+    "dppo-deterministic": ["--algorithm", "dppo", "--dppo-mode", "deterministic"],
+    "cppo": ["--algorithm", "cppo"],
+    "d3s": ["--algorithm", "d3s"],
+}
+HEADLINE_METHOD = "dppo-proportional"
+CONTROL = "sft-control"
+# Every method runs with these flags, so the page records them (the embedded defaults may change under us).
+# A pool of 800 training problems comes back every 50 steps, so DPPO's prompt level (which needs a prompt's
+# history) acts within the budget, as it does over the many epochs of a real run; with 4000 it would not act at all.
+# --dapo-filter (drop zero-variance groups, exact) is the embedded default, kept for every method: GRPO is the
+# strong baseline that already skips them. The MATH runs go without it: there each pruner meets them itself.
+RL_FLAGS = ["--lr", "1e-4", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
+            "--rollout-max-response-len", "8", "--rollout-temperature", "1.0", "--max-tokens-per-gpu", "4096",
+            "--loss-agg-mode", "token-mean", "--eps-clip", "0.2", "--eps-clip-high", "0.28", "--kl-coef", "0",
+            "--ppo-epochs", "1", "--data-train-size", "800", "--dapo-filter"]
+WARM_START_FLAGS = ["--warm-start-lr", "3e-3", "--warm-start-batch-size", "128"]
+MATH_FLAGS = ["--data-prompts", "math", "--reward-fn", "math", "--lr", "1e-4", "--rollout-batch-size", "8",
+              "--n-samples-per-prompt", "8", "--rollout-max-response-len", "32", "--rollout-temperature", "1.0",
+              "--max-tokens-per-gpu", "8192", "--eval-size", "16", "--data-skip-bad-rows"]
+MATH_MODEL = dict(architecture="qwen2", hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=4,
+                  ffn_hidden_size=512, tie_word_embeddings=True, max_position_embeddings=4096)
+FINAL_WINDOW = 3  # evaluations averaged for "final accuracy" and for reaching the target
+PHASES = ("seconds_rollout", "seconds_reward", "seconds_logprobs", "seconds_update", "seconds_sync")
+
+
+@dataclass
+class Settings:
+    out_dir: Path
+    methods: list[str]
+    seeds: list[int]
+    budget_s: float
+    warm_start_steps: int
+    eval_interval: int
+    eval_size: int
+    control: bool
+    math_budget_s: float
+    processes: int
+    quick: bool
+    page: Path | None
+    figures_dir: Path
+
+
+@dataclass
+class ModelSize:
+    parameters: int
+    layers: int
+    hidden: int
+
+
+# ------------------------------------------------------------------------------------------------ running
+def command_for(flags: list[str], log_dir: Path, processes: int) -> list[str]:
+    # --standalone: a free rendezvous port, so runs of other people on the machine do not collide with ours
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+            str(REPO / "examples" / "pretrain_dppo.py"), *flags, "--log-dir", str(log_dir)]
+
+
+def launch(flags: list[str], log_dir: Path, processes: int) -> float:
+    """One training run through the real entry point; returns its wall seconds. Output goes to log_dir/stdout.log."""
+    shutil.rmtree(log_dir, ignore_errors=True)  # a run cut short cannot be resumed by budget: start it again
+    log_dir.mkdir(parents=True)
+    command = command_for(flags, log_dir, processes)
+    (log_dir / "command.txt").write_text(" ".join(command[1:]) + "\n")
+    start = time.perf_counter()
+    with open(log_dir / "stdout.log", "w") as log:
+        result = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - start
+    if result.returncode != 0:
+        raise RuntimeError(f"training run failed (exit {result.returncode}); its output is in {log_dir / 'stdout.log'}"
+                           f" and its command in {log_dir / 'command.txt'}")
+    return seconds
+
+
+def finished(run_dir: Path, flags: list[str] | None = None, processes: int = 0) -> bool:
+    """The run completed (summary.json) and, when flags are given, with exactly this command (else it re-runs)."""
+    if not (run_dir / "summary.json").is_file():
+        return False
+    if flags is None:
+        return True
+    recorded = (run_dir / "command.txt").read_text().strip() if (run_dir / "command.txt").is_file() else ""
+    return recorded == " ".join(command_for(flags, run_dir, processes)[1:])
+
+
+def launch_unless_finished(flags: list[str], run_dir: Path, processes: int) -> Path:
+    """Run unless finished; a failed run is tried once more (its first log kept as failed_attempt.log), because the
+    trainer's --time-budget-s stop is decided by each rank on its own clock and can desynchronise the ranks' last
+    collective (a known trainer issue, reported); a second failure is raised."""
+    if finished(run_dir, flags, processes):
+        return run_dir
+    try:
+        launch(flags, run_dir, processes)
+    except RuntimeError as error:
+        failed_log = (run_dir / "stdout.log").read_text()
+        print(f"retrying once: {error}", flush=True)
+        launch(flags, run_dir, processes)
+        (run_dir / "failed_attempt.log").write_text(failed_log)
+    return run_dir
+
+
+def prepare_warm_start(settings: Settings) -> tuple[Path, float]:
+    """The shared warm-start checkpoint and the measured supervised steps per second of building it."""
+    root, cache = settings.out_dir / "warm_start", settings.out_dir / "cache" / "warm"
+    flags = ["--seed", str(settings.seeds[0]), "--cache-dir", str(cache), "--warm-start-steps",
+             str(settings.warm_start_steps), *WARM_START_FLAGS, "--train-iters", "0", "--eval-size",
+             str(settings.eval_size), *RL_FLAGS]
+    # Both runs time themselves the same way (the trainer's summary "seconds"); the difference is the supervised part.
+    timing = {"steps": settings.warm_start_steps}
+    for name in ("build", "cached"):
+        run_dir = launch_unless_finished(flags, root / name, settings.processes)
+        timing[f"seconds_{name}"] = json.loads((run_dir / "summary.json").read_text())["seconds"]
+    found = sorted(cache.glob("embedded_*/warm_start"))
+    if len(found) != 1:
+        raise RuntimeError(f"expected one warm start under {cache}, found {len(found)} (a changed warm-start "
+                           f"setting or cache key): delete {cache} and {root} and run again")
+    seconds = timing["seconds_build"] - timing["seconds_cached"]
+    if seconds <= 0:
+        raise RuntimeError(f"the warm start built faster than it loaded from cache ({timing}): the machine was too "
+                           f"noisy to time it, or the build found a cache; delete {root} and {cache} and run again")
+    return found[0], timing["steps"] / seconds
+
+
+def run_rl(settings: Settings, method: str, seed: int, warm_start: Path) -> Path:
+    # --load pins the start to the shared warm start; the per-seed embedded init (zero supervised steps) is only
+    # the rollout engine's starting file and is overwritten by the first weight sync.
+    return launch_unless_finished(
+        [*RL_FLAGS, *METHODS[method], "--seed", str(seed), "--load", str(warm_start),
+         "--cache-dir", str(settings.out_dir / "cache" / "init"), "--warm-start-steps", "0",
+         "--time-budget-s", str(settings.budget_s), "--eval-interval", str(settings.eval_interval),
+         "--eval-size", str(settings.eval_size)], settings.out_dir / "runs" / method / f"seed_{seed}",
+        settings.processes)
+
+
+def run_control(settings: Settings, steps_per_second: float) -> tuple[Path, int]:
+    """More supervised steps in place of RL: the warm start lengthened by the RL budget's worth of steps."""
+    extra_steps = round(settings.budget_s * steps_per_second)
+    run_dir = launch_unless_finished(
+        ["--seed", str(settings.seeds[0]), "--cache-dir", str(settings.out_dir / "cache" / "control"),
+         "--warm-start-steps", str(settings.warm_start_steps + extra_steps), *WARM_START_FLAGS, "--train-iters", "0",
+         "--eval-size", str(settings.eval_size), *RL_FLAGS], settings.out_dir / "runs" / CONTROL /
+        f"seed_{settings.seeds[0]}", settings.processes)
+    return run_dir, extra_steps
+
+
+def prepare_math_model(out_dir: Path) -> Path:
+    """A tiny random Qwen2-style model whose tokenizer is the character tokenizer for text."""
+    from megatron_dppo.convert.tiny import save_random_hf_model, tiny_hf_config
+    from megatron_dppo.data.tokenizer import CharTokenizer
+
+    model_dir = out_dir / "math_model"
+    if not (model_dir / "config.json").is_file():
+        tokenizer = CharTokenizer.for_text()
+        config = tiny_hf_config(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_token_id,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                **MATH_MODEL)
+        save_random_hf_model(config, model_dir, seed=0)
+        tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
+def run_math(settings: Settings, method: str, seed: int, model_dir: Path) -> Path:
+    return launch_unless_finished(
+        [*MATH_FLAGS, *METHODS[method], "--hf-checkpoint", str(model_dir), "--seed", str(seed),
+         "--time-budget-s", str(settings.math_budget_s)], settings.out_dir / "math" / method / f"seed_{seed}",
+        settings.processes)
+
+
+# ------------------------------------------------------------------------------------------------ analysis
+def model_size(model_dir: Path) -> ModelSize:
+    """Parameter count (tied embedding once), layers and hidden size of an HF model directory."""
+    from safetensors import safe_open
+
+    config = json.loads((model_dir / "config.json").read_text())
+    parameters = 0
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as tensors:
+            for name in tensors.keys():
+                parameters += math.prod(tensors.get_slice(name).get_shape())
+    if parameters == 0:
+        raise RuntimeError(f"no safetensors weights in {model_dir}: the model directory is incomplete")
+    return ModelSize(parameters, config["num_hidden_layers"], config["hidden_size"])
+
+
+def step_flops(record: dict, size: ModelSize, old_logprob_pass: bool) -> tuple[float, float]:
+    """(training, rollout) FLOPs of one step from its logged token counts (formula in the module docstring)."""
+    trained = float(record.get("tokens_trained", 0))
+    generated = float(record.get("tokens_generated", 0))
+    # kept_fraction counts kept samples over drawn prompts x G; rollouts are the prompt level's survivors x G
+    rollouts = generated / max(record.get("response_length_mean", 0.0), 1e-9)
+    kept_sequences = record.get("kept_fraction", 0.0) / max(record.get("kept_fraction_prompts", 1.0), 1e-9) * rollouts
+    context = trained / kept_sequences if kept_sequences > 0 else 0.0
+    forward_per_token = 2 * size.parameters + 4 * size.layers * size.hidden * context / 2
+    passes = 3 + (1 if old_logprob_pass else 0)  # forward + backward (2x forward) [+ old-log-prob forward]
+    rollout_context = record.get("response_length_mean", 0.0) / 2
+    return (trained * forward_per_token * passes,
+            generated * (2 * size.parameters + 4 * size.layers * size.hidden * rollout_context))
+
+
+def with_costs(run: Run, size: ModelSize, old_logprob_pass: bool) -> Run:
+    """The run with cumulative cost columns added to every record: seconds_steps (RL wall time without
+    evaluations), tokens_generated_total, tokens_trained_total, flops_total (training + rollout)."""
+    totals = {"seconds_steps": 0.0, "tokens_generated_total": 0.0, "tokens_trained_total": 0.0, "flops_total": 0.0}
+    records = []
+    for record in run.records:
+        train, rollout = step_flops(record, size, old_logprob_pass)
+        totals["seconds_steps"] += float(record.get("seconds_step", 0.0))
+        totals["tokens_generated_total"] += float(record.get("tokens_generated", 0))
+        totals["tokens_trained_total"] += float(record.get("tokens_trained", 0))
+        totals["flops_total"] += train + rollout
+        records.append({**record, **totals})
+    return Run(run.label, records, run.summary)
+
+
+def accuracy_points(run: Run, x_key: str) -> list[tuple[float, float]]:
+    """(x, held-out accuracy): the warm start at 0, every logged evaluation, the final evaluation at the end."""
+    xs, accuracies = run.series("heldout_accuracy", x_key)
+    if not xs:
+        raise ValueError(f"run {run.label!r} has no held-out accuracy: it needs summary.json or --eval-interval")
+    return list(zip(xs, accuracies))
+
+
+def final_accuracy(points: list[tuple[float, float]], window: int = FINAL_WINDOW) -> float:
+    return statistics.fmean(accuracy for _, accuracy in points[-window:])
+
+
+def time_to_reach(points: list[tuple[float, float]], target: float, window: int = FINAL_WINDOW) -> float | None:
+    """First x at which the trailing mean of `window` evaluations reaches `target`; None if it never does."""
+    for index, (x, _) in enumerate(points):
+        recent = [accuracy for _, accuracy in points[max(0, index - window + 1):index + 1]]
+        if statistics.fmean(recent) >= target - 1e-12:
+            return x
+    return None
+
+
+def median_spread(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def compare_to_baseline(curves: dict[str, dict[int, list]], baseline: str = "grpo") -> dict[str, dict]:
+    """Per method: final accuracy (mean, std over seeds), time to the baseline's final accuracy per seed, and the
+    speed-up per seed (baseline time over method time) where both seeds exist."""
+    if baseline not in curves or not curves[baseline]:
+        raise ValueError(f"no {baseline} runs to compare against: include {baseline} in --methods")
+    target = statistics.fmean(final_accuracy(points) for points in curves[baseline].values())
+    baseline_times = {}
+    for seed, points in curves[baseline].items():
+        reached = time_to_reach(points, target)
+        baseline_times[seed] = reached if reached is not None else points[-1][0]
+    results = {}
+    for method, by_seed in curves.items():
+        finals = [final_accuracy(points) for points in by_seed.values()]
+        times = {seed: time_to_reach(points, target) for seed, points in by_seed.items()}
+        speedups = [baseline_times[seed] / times[seed] for seed in sorted(times)
+                    if times[seed] and seed in baseline_times]
+        results[method] = {
+            "target": target, "seeds": len(by_seed),
+            "final_mean": statistics.fmean(finals), "final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "times": times, "reached": sum(t is not None for t in times.values()),
+            "speedup": median_spread(speedups) if speedups else None,
+        }
+    return results
+
+
+def value_at(run: Run, key: str, x_key: str, x: float | None) -> float | None:
+    """The cumulative `key` at the first record whose `x_key` reaches x (x = 0: nothing spent yet)."""
+    if x is None:
+        return None
+    if x <= 0:
+        return 0.0
+    for record in run.records:
+        if record[x_key] >= x - 1e-12:
+            return float(record[key])
+    return float(run.records[-1][key])
+
+
+def phase_breakdown(runs: list[Run]) -> dict[str, float]:
+    """Mean seconds per step of each phase over every step of the runs, the rest as 'other', and rates."""
+    records = [r for run in runs for r in run.records]
+    if not records:
+        raise ValueError("no step records to break down")
+    mean = {phase: statistics.fmean(float(r.get(phase, 0.0)) for r in records) for phase in PHASES}
+    step = statistics.fmean(float(r.get("seconds_step", 0.0)) for r in records)
+    mean["other"] = step - sum(mean.values())
+    mean["seconds_step"] = step
+    for key in ("kept_fraction", "packing_density", "reward_mean", "tokens_generated", "tokens_trained"):
+        mean[key] = statistics.fmean(float(r.get(key, 0.0)) for r in records)
+    return mean
+
+
+# ------------------------------------------------------------------------------------------------ report
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def fmt_speedup(speedup) -> str:
+    if speedup is None:
+        return "not reached"
+    median, low, high = speedup
+    return f"{median:.2f}x [{low:.2f}, {high:.2f}]"
+
+
+def fmt_count(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return f"{value:.0f}"
+
+
+def accuracy_table(runs: dict[str, dict[int, Run]]) -> tuple[str, dict]:
+    curves = {method: {seed: accuracy_points(run, "seconds_steps") for seed, run in by_seed.items()}
+              for method, by_seed in runs.items()}
+    results = compare_to_baseline(curves)
+    baseline_costs = {}
+    rows = []
+    for method, result in results.items():
+        costs = {}
+        for key in ("tokens_generated_total", "tokens_trained_total", "flops_total"):
+            values = [value_at(runs[method][s], key, "seconds_steps", t) for s, t in result["times"].items()]
+            values = [v for v in values if v is not None]
+            costs[key] = statistics.median(values) if values else None
+        if method == "grpo":
+            baseline_costs = costs
+        times = [t for t in result["times"].values() if t is not None]
+        rows.append([method, f"{result['final_mean']:.3f} ± {result['final_std']:.3f}",
+                     f"{statistics.median(times):.0f}" if times else "-", f"{result['reached']}/{result['seeds']}",
+                     fmt_speedup(result["speedup"]), *[fmt_count(costs[k]) for k in costs], costs])
+    for row in rows:
+        costs = row.pop()
+        ratios = [costs[k] / baseline_costs[k] if costs[k] and baseline_costs.get(k) else None for k in costs]
+        row.append(" / ".join("-" if r is None else f"{r:.2f}" for r in ratios))
+    header = ["method", "final accuracy (mean ± std)", "s to target (median)", "seeds reaching",
+              "speed-up vs GRPO, median [min, max]", "tokens generated to target", "tokens trained to target",
+              "FLOPs to target", "cost vs GRPO (gen / trained / FLOPs)"]
+    return markdown(header, rows), results
+
+
+def phase_table(groups: dict[str, list[Run]]) -> str:
+    rows = []
+    for method, runs in groups.items():
+        phases = phase_breakdown(runs)
+        step = phases["seconds_step"]
+        shares = [f"{1000 * phases[p]:.0f} ({100 * phases[p] / step:.0f}%)" for p in (*PHASES, "other")]
+        rows.append([method, f"{1000 * step:.0f}", *shares, f"{phases['kept_fraction']:.2f}",
+                     f"{phases['packing_density']:.2f}", f"{phases['reward_mean']:.3f}",
+                     fmt_count(phases["tokens_generated"]), fmt_count(phases["tokens_trained"])])
+    header = ["method", "ms/step", "rollout", "reward", "old logprobs", "update", "sync", "other", "kept fraction",
+              "packing density", "mean reward", "tokens gen/step", "tokens trained/step"]
+    return markdown(header, rows)
+
+
+def math_table(groups: dict[str, list[Run]], size: ModelSize) -> str:
+    rows = []
+    base = None
+    for method, runs in groups.items():
+        phases = phase_breakdown(runs)
+        steps = statistics.fmean(len(run.records) for run in runs)
+        flops = statistics.fmean(run.records[-1]["flops_total"] / max(len(run.records), 1) for run in runs)
+        base = base or (phases["tokens_generated"], phases["tokens_trained"], flops, phases["seconds_step"])
+        rows.append([method, f"{steps:.0f}", f"{phases['reward_mean']:.3f}", f"{1000 * phases['seconds_step']:.0f}",
+                     f"{phases['kept_fraction']:.2f}", fmt_count(phases["tokens_generated"]),
+                     fmt_count(phases["tokens_trained"]), fmt_count(flops),
+                     f"{phases['seconds_step'] / base[3]:.2f} / {phases['tokens_trained'] / max(base[1], 1):.2f} / "
+                     f"{flops / max(base[2], 1):.2f}"])
+    header = ["method", "steps", "mean reward", "ms/step", "kept fraction", "tokens gen/step", "tokens trained/step",
+              "FLOPs/step", "vs GRPO (s / trained / FLOPs per step)"]
+    return markdown(header, rows) + f"\n\nModel: {size.parameters} parameters, {size.layers} layers, d={size.hidden}."
+
+
+def load_groups(root: Path, methods: list[str], seeds: list[int], size: ModelSize) -> dict[str, dict[int, Run]]:
+    groups = {}
+    for method in methods:
+        by_seed = {}
+        for seed in seeds:
+            run_dir = root / method / f"seed_{seed}"
+            if finished(run_dir):
+                old_pass = method == "d3s"  # the trainer's only old-log-prob pass with one on-policy epoch
+                by_seed[seed] = with_costs(load_run(run_dir, method), size, old_pass)
+        if by_seed:
+            groups[method] = by_seed
+    return groups
+
+
+def write_page(page: Path, block: str, generated: str) -> None:
+    """Replace the page's generated block named `block` (between its markers), keeping the text around it."""
+    begin, end = f"<!-- BEGIN GENERATED {block} by bench/time_to_accuracy.py -->", f"<!-- END GENERATED {block} -->"
+    text = page.read_text() if page.is_file() else "# Results\n"
+    if begin not in text:
+        text = f"{text.rstrip()}\n\n{begin}\n{end}\n"
+    if end not in text:
+        raise ValueError(f"{page} has {begin!r} but not {end!r}: restore the end marker after the generated block")
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    page.write_text(f"{head}{begin}\n{generated}\n{end}{tail}")
+
+
+def parse_args(argv: list[str] | None) -> Settings:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke check: 1 seed, 25 s budget, 200-step warm start, 128 evaluation problems")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="RL seeds (default 1 2 3; quick: 1)")
+    parser.add_argument("--budget-s", type=float, default=None, help="RL wall time per run (default 300; quick 25)")
+    parser.add_argument("--warm-start-steps", type=int, default=None, help="default 900; quick 200")
+    parser.add_argument("--eval-interval", type=int, default=None, help="steps between evaluations (default 25)")
+    parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 256; quick 128)")
+    parser.add_argument("--no-control", action="store_true", help="skip the supervised control")
+    parser.add_argument("--math-budget-s", type=float, default=None,
+                        help="RL seconds per MATH run (default 120; quick 0); 0 skips the MATH table")
+    parser.add_argument("--processes", type=int, default=2, help="torchrun --nproc-per-node")
+    parser.add_argument("--out-dir", default=None, help="runs and caches (default runs/time_to_accuracy[_quick])")
+    parser.add_argument("--write-page", default=None, help="rewrite the generated block of this markdown page")
+    parser.add_argument("--figures-dir", default=None, help="default: <page dir>/figures, else <out-dir>/figures")
+    args = parser.parse_args(argv)
+    quick = args.quick
+
+    def pick(value, full, smoke):
+        return value if value is not None else (smoke if quick else full)
+
+    out_dir = Path(args.out_dir or ("runs/time_to_accuracy_quick" if quick else "runs/time_to_accuracy"))
+    page = Path(args.write_page) if args.write_page else None
+    settings = Settings(
+        out_dir=out_dir, methods=["grpo", *[m for m in args.methods if m != "grpo"]],
+        seeds=pick(args.seeds, [1, 2, 3], [1]), budget_s=pick(args.budget_s, 300.0, 25.0),
+        warm_start_steps=pick(args.warm_start_steps, 900, 200), eval_interval=pick(args.eval_interval, 25, 25),
+        eval_size=pick(args.eval_size, 256, 128), control=not args.no_control,
+        math_budget_s=pick(args.math_budget_s, 120.0, 0.0), processes=args.processes, quick=quick, page=page,
+        figures_dir=Path(args.figures_dir) if args.figures_dir else (
+            (page.parent if page else out_dir) / "figures" / ("quick" if quick else "full")))
+    for name, value in (("--budget-s", settings.budget_s), ("--warm-start-steps", settings.warm_start_steps),
+                        ("--eval-interval", settings.eval_interval), ("--eval-size", settings.eval_size)):
+        if value <= 0:
+            parser.error(f"{name} {value} must be > 0")
+    if settings.math_budget_s < 0:
+        parser.error(f"--math-budget-s {settings.math_budget_s} must be >= 0 (0 skips the MATH table)")
+    return settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_args(argv)
+    started = time.perf_counter()
+    warm_start, sft_steps_per_second = prepare_warm_start(settings)
+    for seed in settings.seeds:
+        for method in settings.methods:
+            run_rl(settings, method, seed, warm_start)
+            print(f"finished {method} seed {seed} ({time.perf_counter() - started:.0f} s so far)", flush=True)
+    size = model_size(next((settings.out_dir / "cache" / "init").glob("embedded_*/init")))
+    groups = load_groups(settings.out_dir / "runs", settings.methods, settings.seeds, size)
+    table, results = accuracy_table(groups)
+    flat = {method: list(by_seed.values()) for method, by_seed in groups.items()}
+    sections = [
+        f"Settings: {len(settings.seeds)} seed(s) {settings.seeds}, RL budget {settings.budget_s:.0f} s per run, "
+        f"warm start {settings.warm_start_steps} supervised steps, {settings.eval_size} held-out problems every "
+        f"{settings.eval_interval} steps, {settings.processes} processes. Model: {size.parameters} parameters.\n"
+        f"Common RL flags: `{' '.join(RL_FLAGS)}`; per method: "
+        + "; ".join(f"{m}: `{' '.join(METHODS[m])}`" for m in settings.methods) + ".",
+        f"### Time to GRPO's final accuracy ({results['grpo']['target']:.3f}) on the synthetic task\n\n{table}",
+        f"### Where the time goes (mean per step, ms and share of the step)\n\n{phase_table(flat)}",
+    ]
+    if settings.control:
+        control_dir, extra_steps = run_control(settings, sft_steps_per_second)
+        control = json.loads((control_dir / "summary.json").read_text())
+        rl_finals = {m: r["final_mean"] for m, r in results.items()}
+        sections.append(
+            f"### Supervised control (seed {settings.seeds[0]})\n\n"
+            f"The warm start measured {sft_steps_per_second:.2f} supervised steps/s, so the RL budget of "
+            f"{settings.budget_s:.0f} s buys {extra_steps} more supervised steps: a warm start of "
+            f"{settings.warm_start_steps + extra_steps} steps reaches held-out accuracy "
+            f"**{control['heldout_accuracy_before']:.3f}**, against "
+            + ", ".join(f"{m} {a:.3f}" for m, a in rl_finals.items()) + " (final accuracy of RL, mean over seeds).")
+    figures = plot_runs([run for runs in flat.values() for run in runs], settings.figures_dir,
+                        ("heldout_accuracy", "reward_mean"), ("seconds_steps",), smooth=10,
+                        title="synthetic task: all methods, all seeds")
+    link_root = settings.page.parent if settings.page else settings.out_dir
+    sections.append("\n".join(f"![{path.stem}]({os.path.relpath(path, link_root)})" for path in figures))
+    if settings.math_budget_s > 0:
+        model_dir = prepare_math_model(settings.out_dir)
+        math_size = model_size(model_dir)
+        for method in settings.methods:
+            run_math(settings, method, settings.seeds[0], model_dir)
+        math_groups = load_groups(settings.out_dir / "math", settings.methods, settings.seeds[:1], math_size)
+        sections.append(f"### MATH train prompts, tiny random model, {settings.math_budget_s:.0f} s per method "
+                        f"(seed {settings.seeds[0]})\n\n"
+                        f"{math_table({m: list(r.values()) for m, r in math_groups.items()}, math_size)}")
+    headline = results.get(HEADLINE_METHOD, {}).get("speedup")
+    last_line = f"dppo_speedup_vs_grpo: {headline[0]:.2f}" if headline else "dppo_speedup_vs_grpo: nan"
+    sections.append(f"Bench wall time (runs not already finished + analysis): {time.perf_counter() - started:.0f} s. "
+                    f"Last line: `{last_line}`")
+    report = "\n\n".join(sections)
+    print(report)
+    if settings.page:
+        write_page(settings.page, "quick" if settings.quick else "full", report)
+    print(last_line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The analysis of bench/time_to_accuracy.py on synthetic metric files (no training is run)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tools.plot_metrics import Run
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "time_to_accuracy.py"
+spec = importlib.util.spec_from_file_location("time_to_accuracy", BENCH)
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def write_run(directory: Path, accuracies: list[float], seconds_step: float, before: float = 0.2,
+              eval_every: int = 1, tokens: tuple[int, int] = (100, 150)) -> Path:
+    """A finished run: one step per accuracy entry, an evaluation every `eval_every` steps, the last one final."""
+    directory.mkdir(parents=True)
+    lines = []
+    for step, accuracy in enumerate(accuracies[:-1], start=1):
+        record = {"step": step, "seconds_step": seconds_step, "seconds_wall": step * seconds_step * 1.1,
+                  "seconds_rollout": 0.4 * seconds_step, "seconds_update": 0.5 * seconds_step,
+                  "tokens_generated": tokens[0], "tokens_trained": tokens[1], "kept_fraction_prompts": 1.0,
+                  "response_length_mean": 5.0, "kept_fraction": 0.5, "reward_mean": accuracy}
+        if step % eval_every == 0:
+            record["heldout_accuracy"] = accuracy
+        lines.append(json.dumps(record))
+    (directory / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (directory / "summary.json").write_text(json.dumps({"heldout_accuracy_before": before,
+                                                        "heldout_accuracy_after": accuracies[-1],
+                                                        "steps": len(accuracies) - 1}))
+    return directory
+
+
+def curve(points):
+    return [(float(x), float(y)) for x, y in points]
+
+
+def test_final_accuracy_is_the_mean_of_the_last_three_evaluations():
+    assert bench.final_accuracy(curve([(0, 0.1), (1, 0.3), (2, 0.4), (3, 0.5)])) == pytest.approx(0.4)
+    assert bench.final_accuracy(curve([(0, 0.1), (1, 0.3)])) == pytest.approx(0.2)
+
+
+def test_time_to_reach_needs_the_trailing_mean_not_one_lucky_evaluation():
+    points = curve([(0, 0.2), (10, 0.5), (20, 0.3), (30, 0.35), (40, 0.46), (50, 0.47)])
+    # the spike at 10 s averages (0.2 + 0.5) / 2 = 0.35 < 0.4 with the start; the first trailing mean of three
+    # evaluations at or above 0.4 is (0.35 + 0.46 + 0.47) / 3 at 50 s
+    assert bench.time_to_reach(points, 0.4) == 50.0
+    assert bench.time_to_reach(points, 0.2) == 0.0
+    assert bench.time_to_reach(points, 0.9) is None
+
+
+def test_speedup_is_baseline_time_over_method_time_per_seed():
+    grpo = {1: curve([(0, 0.2), (50, 0.3), (100, 0.4), (150, 0.4), (200, 0.4)]),
+            2: curve([(0, 0.2), (60, 0.4), (120, 0.4), (180, 0.4), (240, 0.4)])}
+    fast = {1: curve([(0, 0.2), (10, 0.6), (20, 0.6), (30, 0.6)]),
+            2: curve([(0, 0.2), (20, 0.5), (40, 0.5), (60, 0.5)])}
+    slow = {1: curve([(0, 0.2), (100, 0.25), (200, 0.3)])}
+    results = bench.compare_to_baseline({"grpo": grpo, "fast": fast, "slow": slow})
+    assert results["grpo"]["target"] == pytest.approx(0.4)
+    # GRPO seed 1 reaches a trailing mean of 0.4 at 200 s, seed 2 at 180 s; fast at 10 s and 40 s
+    assert results["grpo"]["times"] == {1: 200.0, 2: 180.0}
+    assert results["fast"]["times"] == {1: 10.0, 2: 40.0}
+    assert results["fast"]["speedup"] == pytest.approx((12.25, 4.5, 20.0))
+    assert results["grpo"]["speedup"] == pytest.approx((1.0, 1.0, 1.0))
+    assert results["slow"]["speedup"] is None and results["slow"]["reached"] == 0
+    assert results["fast"]["final_mean"] == pytest.approx(0.55)
+    assert results["fast"]["final_std"] == pytest.approx(0.0707107)
+
+
+def test_baseline_seed_that_never_reaches_the_target_counts_its_whole_budget():
+    grpo = {1: curve([(0, 0.2), (100, 0.6), (200, 0.6), (300, 0.6)]), 2: curve([(0, 0.2), (100, 0.2), (250, 0.2)])}
+    method = {1: curve([(0, 0.2), (50, 0.5), (100, 0.5)]), 2: curve([(0, 0.2), (50, 0.5), (100, 0.5)])}
+    results = bench.compare_to_baseline({"grpo": grpo, "m": method})
+    assert results["grpo"]["target"] == pytest.approx(0.4)
+    # GRPO seed 1 reaches 0.4 at 100 s; seed 2 never does, so its 250 s budget stands in; the method reaches
+    # 0.4 at 100 s on both seeds
+    assert results["m"]["speedup"] == pytest.approx((1.75, 1.0, 2.5))
+
+
+def test_missing_baseline_is_a_clear_error():
+    with pytest.raises(ValueError, match="no grpo runs to compare against"):
+        bench.compare_to_baseline({"cppo": {1: curve([(0, 0.2)])}})
+
+
+def test_flops_follow_the_documented_formula():
+    size = bench.ModelSize(parameters=1000, layers=2, hidden=8)
+    record = {"tokens_trained": 60, "tokens_generated": 40, "kept_fraction": 0.25, "kept_fraction_prompts": 0.5,
+              "response_length_mean": 4.0}
+    train, rollout = bench.step_flops(record, size, old_logprob_pass=False)
+    # 40 tokens / 4 per response = 10 rollouts of the half of the drawn prompts the prompt level kept, so 20
+    # drawn x G; a quarter of those kept = 5 sequences of 60 / 5 = 12 tokens
+    forward = 2 * 1000 + 4 * 2 * 8 * 12 / 2
+    assert train == pytest.approx(60 * 3 * forward)
+    assert rollout == pytest.approx(40 * (2 * 1000 + 4 * 2 * 8 * 2))
+    train_with_pass, _ = bench.step_flops(record, size, old_logprob_pass=True)
+    assert train_with_pass == pytest.approx(60 * 4 * forward)
+
+
+def test_cost_columns_accumulate_over_steps_and_read_at_the_time_to_target(tmp_path):
+    from tools.plot_metrics import load_run
+
+    run = load_run(write_run(tmp_path / "run", [0.3, 0.35, 0.4, 0.45], seconds_step=2.0))
+    costed = bench.with_costs(run, bench.ModelSize(1000, 2, 8), old_logprob_pass=False)
+    assert [r["seconds_steps"] for r in costed.records] == [2.0, 4.0, 6.0]
+    assert [r["tokens_generated_total"] for r in costed.records] == [100, 200, 300]
+    assert costed.records[-1]["flops_total"] == pytest.approx(3 * costed.records[0]["flops_total"])
+    assert bench.value_at(costed, "tokens_trained_total", "seconds_steps", 3.0) == 300
+    assert bench.value_at(costed, "tokens_trained_total", "seconds_steps", 0.0) == 0.0
+    assert bench.value_at(costed, "tokens_trained_total", "seconds_steps", None) is None
+    assert bench.accuracy_points(costed, "seconds_steps") == [(0.0, 0.2), (2.0, 0.3), (4.0, 0.35), (6.0, 0.4),
+                                                              (6.0, 0.45)]
+
+
+def test_phase_breakdown_puts_the_unaccounted_time_in_other():
+    records = [{"step": 1, "seconds_step": 1.0, "seconds_rollout": 0.3, "seconds_update": 0.5},
+               {"step": 2, "seconds_step": 3.0, "seconds_rollout": 0.7, "seconds_update": 1.5, "seconds_sync": 0.2}]
+    phases = bench.phase_breakdown([Run("m", records)])
+    assert phases["seconds_step"] == pytest.approx(2.0)
+    assert phases["seconds_rollout"] == pytest.approx(0.5) and phases["seconds_update"] == pytest.approx(1.0)
+    assert phases["other"] == pytest.approx(2.0 - 0.5 - 1.0 - 0.1)
+
+
+def test_tables_from_metric_files_on_disk(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    save_file({"embed": torch.zeros(10, 8), "layer": torch.zeros(8, 8)}, str(model_dir / "model.safetensors"))
+    (model_dir / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 8}))
+    size = bench.model_size(model_dir)
+    assert (size.parameters, size.layers, size.hidden) == (144, 2, 8)
+    for seed in (1, 2):
+        write_run(tmp_path / "runs" / "grpo" / f"seed_{seed}", [0.25, 0.3, 0.35, 0.4, 0.4, 0.4], 1.0)
+        write_run(tmp_path / "runs" / "dppo-proportional" / f"seed_{seed}", [0.4, 0.4, 0.42, 0.42], 0.5,
+                  tokens=(100, 60))
+    groups = bench.load_groups(tmp_path / "runs", ["grpo", "dppo-proportional", "cppo"], [1, 2, 3], size)
+    assert sorted(groups) == ["dppo-proportional", "grpo"] and sorted(groups["grpo"]) == [1, 2]
+    table, results = bench.accuracy_table(groups)
+    # GRPO's target is 0.4, reached (trailing mean of 3) at 5 s; DPPO's trailing mean reaches 0.4 at 1.5 s
+    assert results["grpo"]["target"] == pytest.approx(0.4)
+    assert results["dppo-proportional"]["speedup"] == pytest.approx((5 / 1.5, 5 / 1.5, 5 / 1.5))
+    dppo_row = next(line for line in table.splitlines() if line.startswith("| dppo-proportional"))
+    assert "3.33x" in dppo_row and "2/2" in dppo_row
+    assert "| ms/step |" in bench.phase_table({m: list(r.values()) for m, r in groups.items()})
+
+
+def test_write_page_replaces_only_its_own_generated_block(tmp_path):
+    page = tmp_path / "results.md"
+    bench.write_page(page, "quick", "first")
+    page.write_text(page.read_text() + "\nHand-written analysis.\n")
+    bench.write_page(page, "full", "full tables")
+    bench.write_page(page, "quick", "second")
+    text = page.read_text()
+    assert "second" in text and "first" not in text and "full tables" in text
+    assert "Hand-written analysis." in text
+    page.write_text("<!-- BEGIN GENERATED quick by bench/time_to_accuracy.py -->\nno end marker\n")
+    with pytest.raises(ValueError, match="restore the end marker"):
+        bench.write_page(page, "quick", "x")
+
+
+def test_bad_command_line_values_are_rejected_with_the_flag_name(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--budget-s", "0"])
+    assert "--budget-s 0.0 must be > 0" in capsys.readouterr().err
+    settings = bench.parse_args(["--quick", "--methods", "cppo"])
+    assert settings.methods == ["grpo", "cppo"] and settings.seeds == [1] and settings.budget_s == 25.0
