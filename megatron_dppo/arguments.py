@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     megatron.add_argument("--adam-beta2", type=float, default=0.999)
     megatron.add_argument("--adam-eps", type=float, default=1e-8)
     megatron.add_argument("--seed", type=int, default=1234)
+    megatron.add_argument("--rl-seed", type=int, default=None,
+                          help="seed of the RL phase (prompt order, sampling, pruning draws); default: --seed. Vary "
+                               "it to repeat RL from one warm start (the warm start is keyed by --seed)")
     megatron.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="token budget of one micro-batch")
     megatron.add_argument("--packing-window", type=int, default=256, help="Dense Prompt Packing window W")
     megatron.add_argument("--log-dir", default="runs/dppo", help="metrics.jsonl and TensorBoard events")
@@ -214,6 +217,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         errors.append(f"--data-prompts {args.data_prompts!r} is neither one of {PROMPT_DATA} nor a JSONL file")
     if errors:
         parser.error("\n  ".join(["invalid arguments:", *errors]))
+    if args.rl_seed is None:
+        args.rl_seed = args.seed
     if args.reward_fn is None:
         args.reward_fn = args.data_prompts if args.data_prompts in ("math", "gsm8k") else (
             "synthetic" if args.data_prompts == "synthetic" else "math")

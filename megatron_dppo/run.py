@@ -44,9 +44,9 @@ def load_tokenizer(model_dir: Path):
 
 def build_task(args, tokenizer):
     if args.data_prompts == "synthetic":
-        return synthetic_task(tokenizer, args.seed, args.data_train_size, args.eval_size, args.data_synthetic_cells)
+        return synthetic_task(tokenizer, args.rl_seed, args.data_train_size, args.eval_size, args.data_synthetic_cells)
     train, heldout = DATASET_SPLITS.get(args.data_prompts, (args.data_prompts, "math500"))
-    return dataset_task(train, tokenizer, args.seed, heldout, args.eval_size, args.data_skip_bad_rows,
+    return dataset_task(train, tokenizer, args.rl_seed, heldout, args.eval_size, args.data_skip_bad_rows,
                         args.reward_fn, timeout_s=args.reward_timeout_s)
 
 
@@ -79,6 +79,15 @@ def start_rollout(args, model_dir: Path):
     client = RolloutClient(urls, max_concurrency=args.rollout_max_concurrency, request_timeout_s=args.rollout_timeout_s,
                            supervisor=pool)
     return pool, client, syncer
+
+
+def budget_spent(budget_s: float | None, elapsed_s: float) -> bool:
+    """Rank 0's clock decides for every rank: ranks that stopped at different steps would deadlock."""
+    if budget_s is None:
+        return False
+    decision = [elapsed_s > budget_s]
+    dist.broadcast_object_list(decision, src=0)
+    return decision[0]
 
 
 def run(args) -> dict:
@@ -126,7 +135,7 @@ def run(args) -> dict:
         metrics = MetricsLogger(args.log_dir, rank0, args.train_iters, trainer.step)
         rl_start = time.perf_counter()
         while trainer.step < trainer.total_steps():
-            if args.time_budget_s is not None and elapsed_before + time.perf_counter() - rl_start > args.time_budget_s:
+            if budget_spent(args.time_budget_s, elapsed_before + time.perf_counter() - rl_start):
                 break
             step_metrics = trainer.train_one_step()
             step_metrics["seconds_wall"] = elapsed_before + time.perf_counter() - rl_start

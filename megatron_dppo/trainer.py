@@ -62,7 +62,7 @@ def pruner_options(args) -> tuple[str, dict]:
         return "dppo", dict(
             prompt_prune_rate=args.dppo_prompt_prune_rate, completion_prune_rate=args.dppo_completion_prune_rate,
             mode=args.dppo_mode, keep_policy=args.dppo_keep_policy, prompt_p_min=args.dppo_prompt_p_min,
-            completion_p_min=args.dppo_completion_p_min, candidates=args.dppo_candidates, seed=args.seed)
+            completion_p_min=args.dppo_completion_p_min, candidates=args.dppo_candidates, seed=args.rl_seed)
     if args.algorithm == "cppo":
         return "cppo", dict(prune_rate=args.cppo_prune_rate, scope=args.cppo_scope, refill=args.cppo_refill)
     if args.algorithm == "d3s":
@@ -133,7 +133,7 @@ class Trainer:
 
     def sampling_for_step(self, step: int) -> SamplingParams:
         """Sampling parameters with a seed fixed by (seed, step), so a resumed run draws the same samples."""
-        return SamplingParams(**{**self.sampling.__dict__, "seed": self.args.seed * 1_000_003 + step})
+        return SamplingParams(**{**self.sampling.__dict__, "seed": self.args.rl_seed * 1_000_003 + step})
 
     def next_rollouts(self) -> Rollouts | None:
         if not self.rank0:
@@ -195,7 +195,8 @@ class Trainer:
         samples = [s for s in samples if len(s.response_ids) > 0]
         normalizer = loss_normalizer(self.loss_config, completion.full_batch) if samples else 0.0
         num_rollouts = max(rewards.numel(), 1)
-        stats = {
+        stats = {  # the pruner's own stats first: ours, over the whole step, take precedence on shared names
+            **{k: float(v) for k, v in {**decision.stats, **completion.stats}.items()},
             "reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
             "accuracy": float((rewards == 1).double().mean()) if rewards.numel() else 0.0,
             "zero_variance_group_fraction": float((rewards.std(dim=1) == 0).double().mean()) if len(rewards) else 0.0,
@@ -207,7 +208,7 @@ class Trainer:
             "seconds_rollout": rollouts.seconds,
             "seconds_reward": reward_seconds,
             "response_length_mean": float(lengths.mean()) if lengths.numel() else 0.0,
-            **{k: float(v) for k, v in {**decision.stats, **completion.stats}.items()},
+            "sequences_trained": len(samples),
         }
         return Experience(samples, normalizer, stats)
 

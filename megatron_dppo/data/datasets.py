@@ -176,7 +176,8 @@ def load_jsonl(
             except (json.JSONDecodeError, DataFormatError) as error:
                 message = f"{path}:{line_number}: {error}"
                 if not skip_bad_rows:
-                    fix = "fix the row, or pass --skip-bad-rows to leave it out"
+                    fix = ("fix the row, or leave it out: --skip-bad-rows (tools/evaluate.py) or "
+                           "--data-skip-bad-rows (examples/pretrain_dppo.py)")
                     raise DataFormatError(f"{message} ({fix})") from error
                 skipped.append(message)
     if skipped:
