@@ -246,19 +246,20 @@ class Trainer:
         start = time.perf_counter()
         if micro_batches and self.needs_old_logprob_pass():
             outputs = self.actor.forward(micro_batches, self._logprob_fn(self.args.algorithm == "d3s"))
-            for batch, output in zip(micro_batches, self._to_all_stages(outputs, micro_batches)):
+            for batch, output in zip(micro_batches, self._per_micro_batch(outputs, micro_batches)):
                 batch.old_logprobs = output["logprobs"]
                 batch.old_entropy = output.get("entropy")
             if self.args.algorithm == "d3s":
                 self._select_d3s_tokens(micro_batches)
         if micro_batches and self.reference is not None:
             outputs = self.reference.forward(micro_batches, self._logprob_fn(False))
-            for batch, output in zip(micro_batches, self._to_all_stages(outputs, micro_batches)):
+            for batch, output in zip(micro_batches, self._per_micro_batch(outputs, micro_batches)):
                 batch.ref_logprobs = output["logprobs"]
         return time.perf_counter() - start
 
-    def _to_all_stages(self, outputs: list[dict], micro_batches) -> list[dict]:
-        """Forward outputs live on the last pipeline stage; the loss runs there too, so other stages need none."""
+    def _per_micro_batch(self, outputs: list[dict], micro_batches) -> list[dict]:
+        """One output dict per micro-batch: the forward's on the last pipeline stage, where the loss runs;
+        placeholders on the other stages, which never read them."""
         return outputs if outputs else [{"logprobs": None} for _ in micro_batches]
 
     def _select_d3s_tokens(self, micro_batches) -> None:
