@@ -215,6 +215,9 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                       f"--advantage-estimator {args.advantage_estimator} advantage: use G >= 2")
     if args.data_prompts not in PROMPT_DATA and not os.path.isfile(args.data_prompts):
         errors.append(f"--data-prompts {args.data_prompts!r} is neither one of {PROMPT_DATA} nor a JSONL file")
+    if (args.reward_fn == "synthetic") != (args.data_prompts == "synthetic") and args.reward_fn is not None:
+        errors.append(f"--reward-fn {args.reward_fn} does not score --data-prompts {args.data_prompts}: the synthetic "
+                      "reward goes with the synthetic prompts, math/gsm8k with MATH/GSM8K-style prompts")
     if errors:
         parser.error("\n  ".join(["invalid arguments:", *errors]))
     if args.rl_seed is None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron_dppo.actor.actor import Actor, OptimConfig
 from megatron_dppo.actor.checkpoint import complete_checkpoints, save_checkpoint
 from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
+from megatron_dppo.actor.step import next_token_targets
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
 from megatron_dppo.convert.mapping import model_shape
 from megatron_dppo.data.synthetic import DEFAULT_CELLS, SyntheticArithmetic, format_target
@@ -82,7 +83,7 @@ def supervised_warm_start(args, model_dir: Path, tokenizer: CharTokenizer, out_d
         batches = [build_thd_batch(samples, b, pad_token_id=tokenizer.pad_token_id) for b in bins]
 
         def loss_fn(batch, logits, total_tokens=total_tokens):
-            logprobs, _ = tensor_parallel_logprobs(logits, batch.labels[0], vocab)
+            logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(batch), vocab)
             return -(logprobs * batch.loss_mask).sum() / total_tokens, {}
 
         actor.train_step(batches, loss_fn)

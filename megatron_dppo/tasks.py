@@ -48,7 +48,6 @@ def synthetic_task(tokenizer, seed: int, train_size: int, heldout_size: int, cel
     """A recurring pool of `train_size` synthetic problems (so prompts come back and history can prune them),
     and the fixed held-out split (seed 12345, never in training)."""
     from megatron_dppo.data.synthetic import DEFAULT_CELLS, SyntheticArithmetic
-    from megatron_dppo.rewards.synthetic import compute_score
 
     generator = SyntheticArithmetic(seed, cells or DEFAULT_CELLS)
 
@@ -57,33 +56,43 @@ def synthetic_task(tokenizer, seed: int, train_size: int, heldout_size: int, cel
 
     train = [as_prompt(i, p) for i, p in enumerate(generator.sample(train_size))]
     heldout = [as_prompt(-1 - i, p) for i, p in enumerate(generator.heldout(heldout_size))]
-    return Task(train, heldout, lambda responses, refs: [compute_score(r, a) for r, a in zip(responses, refs)], seed)
+    return Task(train, heldout, reward_scorer("synthetic"), seed)
 
 
 def dataset_task(name: str, tokenizer, seed: int, heldout_name: str, heldout_size: int, skip_bad_rows: bool,
                  reward_fn: str, template: str = "auto", timeout_s: float = 5.0) -> Task:
-    """MATH / GSM8K training prompts (or a JSONL file in either layout), scored by the math or gsm8k reward."""
-    from megatron_dppo.data.datasets import load_dataset
+    """MATH / GSM8K training prompts, or a JSONL file in the layout of `reward_fn`'s training set (MATH: problem +
+    solution with a boxed answer; GSM8K: question + answer after ####), scored by that reward."""
+    from pathlib import Path
+
+    from megatron_dppo.data.datasets import DATASETS, load_dataset, load_jsonl
     from megatron_dppo.data.templates import encode_prompt
 
     def as_prompts(examples, offset=0, sign=1):
         return [Prompt(sign * (offset + i), encode_prompt(e.problem, template, tokenizer), e.answer, e.problem)
                 for i, e in enumerate(examples)]
 
-    train = as_prompts(load_dataset(name, skip_bad_rows=skip_bad_rows))
+    if name in DATASETS:
+        train = as_prompts(load_dataset(name, skip_bad_rows=skip_bad_rows))
+    else:
+        layout = DATASETS[f"{reward_fn}_train"].parse_row
+        train = as_prompts(load_jsonl(Path(name), layout, name, skip_bad_rows=skip_bad_rows))
     heldout = as_prompts(load_dataset(heldout_name, skip_bad_rows=skip_bad_rows, limit=heldout_size), 1, -1)
     return Task(train, heldout, reward_scorer(reward_fn, timeout_s), seed)
 
 
-def reward_scorer(reward_fn: str, timeout_s: float):
-    if reward_fn == "gsm8k":
-        from megatron_dppo.rewards.gsm8k import compute_score
+def reward_scorer(reward_fn: str, timeout_s: float = 5.0):
+    """`scorer(responses, references) -> [float]` for a name of REWARD_FUNCTIONS; math checks go to one verifier
+    pool per batch (with its per-check timeout) instead of one call at a time."""
+    from megatron_dppo.rewards import REWARD_FUNCTIONS
 
-        return lambda responses, refs: [compute_score(r, str(a)) for r, a in zip(responses, refs)]
+    if reward_fn not in REWARD_FUNCTIONS:
+        raise ValueError(f"unknown reward function {reward_fn!r}: choose one of {sorted(REWARD_FUNCTIONS)}")
     if reward_fn == "math":
         from megatron_dppo.rewards.math import VerifierPool, score_batch
 
         pool = VerifierPool(timeout_s=timeout_s)
         return lambda responses, refs: [result.score for result in score_batch(responses, [str(a) for a in refs],
                                                                                 pool=pool)]
-    raise ValueError(f"unknown reward function {reward_fn!r}: choose synthetic, math or gsm8k")
+    compute_score = REWARD_FUNCTIONS[reward_fn]
+    return lambda responses, refs: [compute_score(r, str(a)) for r, a in zip(responses, refs)]

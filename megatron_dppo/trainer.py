@@ -27,6 +27,7 @@ from megatron.core import parallel_state
 
 from megatron_dppo.actor.checkpoint import load_trainer_state, resolve_checkpoint, save_checkpoint
 from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
+from megatron_dppo.actor.step import logprob_loss_fn, next_token_targets
 from megatron_dppo.algo.advantages import compute_advantages
 from megatron_dppo.algo.history import PromptHistory, score_prompts
 from megatron_dppo.algo.losses import LossConfig, loss_normalizer, policy_loss
@@ -226,33 +227,22 @@ class Trainer:
         density = packing_density(rank_bins, lengths, self.args.max_tokens_per_gpu)
         return micro_batches, {"packing_density": density, "micro_batches": len(mine)}
 
-    def _logprob_fn(self, with_entropy: bool):
-        vocab = self.actor.shape.vocab_size
-
-        def loss_fn(micro_batch, logits):
-            logprobs, entropy = tensor_parallel_logprobs(logits, micro_batch.labels[0], vocab)
-            outputs = {"logprobs": logprobs.detach()}
-            if with_entropy:
-                outputs["entropy"] = entropy.detach()
-            return logprobs.sum() * 0.0, outputs
-
-        return loss_fn
-
     def needs_old_logprob_pass(self) -> bool:
         return self.args.ppo_epochs > 1 or self.args.async_rollout or self.args.algorithm == "d3s"
 
     def compute_old_logprobs(self, micro_batches) -> float:
         """Forward-only passes: old log-probs (and entropy for D3S) and reference log-probs, into the batches."""
         start = time.perf_counter()
+        vocab, d3s = self.actor.shape.vocab_size, self.args.algorithm == "d3s"
         if micro_batches and self.needs_old_logprob_pass():
-            outputs = self.actor.forward(micro_batches, self._logprob_fn(self.args.algorithm == "d3s"))
+            outputs = self.actor.forward(micro_batches, logprob_loss_fn(vocab, with_entropy=d3s))
             for batch, output in zip(micro_batches, self._per_micro_batch(outputs, micro_batches)):
                 batch.old_logprobs = output["logprobs"]
                 batch.old_entropy = output.get("entropy")
-            if self.args.algorithm == "d3s":
+            if d3s:
                 self._select_d3s_tokens(micro_batches)
         if micro_batches and self.reference is not None:
-            outputs = self.reference.forward(micro_batches, self._logprob_fn(False))
+            outputs = self.reference.forward(micro_batches, logprob_loss_fn(vocab))
             for batch, output in zip(micro_batches, self._per_micro_batch(outputs, micro_batches)):
                 batch.ref_logprobs = output["logprobs"]
         return time.perf_counter() - start
@@ -300,7 +290,7 @@ class Trainer:
         vocab, config = self.actor.shape.vocab_size, self.loss_config
 
         def loss_fn(micro_batch, logits):
-            logprobs, entropy = tensor_parallel_logprobs(logits, micro_batch.labels[0], vocab)
+            logprobs, entropy = tensor_parallel_logprobs(logits, next_token_targets(micro_batch), vocab)
             old = micro_batch.old_logprobs if micro_batch.old_logprobs is not None else logprobs.detach()
             loss, metrics = policy_loss(
                 config, logprobs=logprobs, old_logprobs=old, advantages=micro_batch.advantages,

@@ -37,9 +37,11 @@ def packed_seq_params(micro_batch) -> PackedSeqParams:
     )
 
 
-def next_token_targets(tokens: torch.Tensor) -> torch.Tensor:
-    """[1, T] -> [T]: the token each position predicts (wraps at the end; that position is always masked)."""
-    return torch.roll(tokens[0], shifts=-1)
+def next_token_targets(micro_batch) -> torch.Tensor:
+    """[T]: the token each position predicts. A THDBatch carries them (`labels`); otherwise the stream shifted by
+    one (wrapping at sequence ends and at the end, positions every loss mask excludes)."""
+    labels = getattr(micro_batch, "labels", None)
+    return labels[0] if labels is not None else torch.roll(micro_batch.tokens[0], shifts=-1)
 
 
 def _forward_step(loss_fn: LossFn, data_iterator, model):
@@ -90,7 +92,7 @@ def logprob_loss_fn(vocab_size: int, chunk_size: int = 1024, with_entropy: bool 
     """A forward-only loss_fn that returns each micro-batch's per-token log-probs (and entropy) of the next token."""
 
     def loss_fn(micro_batch, logits):
-        targets = next_token_targets(micro_batch.tokens).to(logits.device)
+        targets = next_token_targets(micro_batch).to(logits.device)
         logprobs, entropy = tensor_parallel_logprobs(logits, targets, vocab_size, chunk_size)
         outputs = {"logprobs": logprobs.detach()}
         if with_entropy:
@@ -98,12 +100,3 @@ def logprob_loss_fn(vocab_size: int, chunk_size: int = 1024, with_entropy: bool 
         return logprobs.sum() * 0.0, outputs
 
     return loss_fn
-
-
-@torch.no_grad()
-def compute_logprobs(model, micro_batches: Sequence, vocab_size: int, chunk_size: int = 1024,
-                     with_entropy: bool = False) -> list[dict]:
-    """Per-token next-token log-probs [T] (and entropy) of each micro-batch, on the last pipeline stage."""
-    for m in model if isinstance(model, list) else [model]:
-        m.eval()
-    return run_micro_batches(model, micro_batches, logprob_loss_fn(vocab_size, chunk_size, with_entropy), True)

@@ -103,7 +103,7 @@ def _next_token_logprob_loss(weights, vocab, sequences, packed):
 
     def loss_fn(micro_batch, logits):
         if packed:
-            logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(micro_batch.tokens), vocab, chunk_size=5)
+            logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(micro_batch), vocab, chunk_size=5)
             bounds = micro_batch.cu_seqlens.tolist()
             per_seq = [logprobs[start:stop - 1] for start, stop in zip(bounds[:-1], bounds[1:])]
         else:
@@ -216,7 +216,7 @@ def check_training_matches_reference(args):
     micro_batches = [packed_batch(mine[i:i + 2]) for i in range(0, len(mine), 2)]
 
     def loss_fn(micro_batch, logits):
-        logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(micro_batch.tokens), vocab)
+        logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(micro_batch), vocab)
         bounds = micro_batch.cu_seqlens.tolist()
         kept = torch.cat([logprobs[a:b - 1] for a, b in zip(bounds[:-1], bounds[1:])])
         return -kept.sum() / total_tokens, {}

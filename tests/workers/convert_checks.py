@@ -78,7 +78,7 @@ def check_trainer_checkpoint(args):
                   hf_checkpoint=checkpoint)
 
     def loss_fn(micro_batch, logits):
-        logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(micro_batch.tokens), vocab)
+        logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(micro_batch), vocab)
         return -logprobs.sum() / logprobs.numel(), {}
 
     actor.train_step([packed_batch(random_sequences([7, 4, 10, 6], vocab, seed=5))], loss_fn)

@@ -42,7 +42,7 @@ def megatron_scores(actor, sequences, vocab):
     from megatron_dppo.actor.step import next_token_targets, run_micro_batches
 
     def loss_fn(micro_batch, logits):
-        logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(micro_batch.tokens), vocab)
+        logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(micro_batch), vocab)
         group = parallel_state.get_tensor_model_parallel_group()
         shards = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
         dist.all_gather(shards, logits.contiguous(), group=group)
@@ -82,7 +82,7 @@ def train_one_step(actor, vocab, seed):
     from megatron_dppo.actor.step import next_token_targets
 
     def loss_fn(micro_batch, logits):
-        logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(micro_batch.tokens), vocab)
+        logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(micro_batch), vocab)
         return -logprobs.sum() / logprobs.numel(), {}
 
     generator = torch.Generator().manual_seed(seed)  # a batch per layout: each sync brings new weights
