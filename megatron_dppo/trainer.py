@@ -30,7 +30,7 @@ from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
 from megatron_dppo.actor.step import logprob_loss_fn, next_token_targets
 from megatron_dppo.algo.advantages import compute_advantages
 from megatron_dppo.algo.history import PromptHistory, score_prompts
-from megatron_dppo.algo.losses import LossConfig, loss_normalizer, policy_loss
+from megatron_dppo.algo.losses import FullBatchInfo, LossConfig, loss_normalizer, policy_loss
 from megatron_dppo.algo.pruning import PromptDecision, build_pruner
 from megatron_dppo.convert.export import is_export_source
 from megatron_dppo.packing import TrainingSample, build_thd_batch, pack, packing_density, sequence_pad_multiple
@@ -258,8 +258,6 @@ class Trainer:
             return
         flat = {name: torch.cat([getattr(b, name) for b in micro_batches])
                 for name in ("advantages", "old_entropy", "loss_mask")}
-        from megatron_dppo.algo.losses import FullBatchInfo
-
         selected, _ = self.pruner.select_tokens(flat["advantages"], flat["old_entropy"], flat["loss_mask"],
                                                 FullBatchInfo(1.0, float(flat["loss_mask"].sum())), self.step)
         for batch, mask in zip(micro_batches, selected.split([b.num_tokens for b in micro_batches])):
