@@ -3,7 +3,7 @@
     1. warm start: one supervised warm start of the embedded tiny model (cached), timed twice (built, then cached)
        to measure its supervised steps per second
     2. RL: every method x seed starts from that checkpoint (--load) with the same flags and time budget;
-       --seed varies the RL randomness (training pool order, sampling, pruning draws), never the start
+       --rl-seed varies the RL randomness (training pool, its order, sampling, pruning draws), never the start
     3. control: a longer supervised warm start that spends the RL budget on more supervised steps instead
     4. analysis: accuracy curves against RL wall time (sum of step times, evaluations excluded) and cost proxies
        ─► tables, figures (tools/plot_metrics.py), the generated part of docs/results.md
@@ -169,10 +169,12 @@ def prepare_warm_start(settings: Settings) -> tuple[Path, float]:
 
 
 def run_rl(settings: Settings, method: str, seed: int, warm_start: Path) -> Path:
-    # --load pins the start to the shared warm start; the per-seed embedded init (zero supervised steps) is only
-    # the rollout engine's starting file and is overwritten by the first weight sync.
+    # --load pins the start to the shared warm start and --seed stays the warm start's, so every run shares one
+    # embedded init (the rollout engine's starting file, overwritten by the first weight sync); --rl-seed varies the
+    # RL randomness only.
     return launch_unless_finished(
-        [*RL_FLAGS, *METHODS[method], "--seed", str(seed), "--load", str(warm_start),
+        [*RL_FLAGS, *METHODS[method], "--seed", str(settings.seeds[0]), "--rl-seed", str(seed),
+         "--load", str(warm_start),
          "--cache-dir", str(settings.out_dir / "cache" / "init"), "--warm-start-steps", "0",
          "--time-budget-s", str(settings.budget_s), "--eval-interval", str(settings.eval_interval),
          "--eval-size", str(settings.eval_size)], settings.out_dir / "runs" / method / f"seed_{seed}",
@@ -335,6 +337,54 @@ def phase_breakdown(runs: list[Run]) -> dict[str, float]:
     return mean
 
 
+def steps_at(run: Run, seconds: float) -> float:
+    """Steps taken by the first record whose RL time reaches `seconds` (0 at 0 s)."""
+    return value_at(run, "step", "seconds_steps", seconds)
+
+
+def speedup_decomposition(runs: dict[str, dict[int, Run]], results: dict[str, dict],
+                          baseline: str = "grpo") -> dict[str, dict]:
+    """Per method, the speed-up split into fewer steps x shorter steps, per seed where both reached the target:
+    step_ratio = baseline steps to target / method steps, step_time_ratio = baseline s/step / method s/step (both up
+    to the target); their product is the speed-up. A baseline seed that never reaches it counts its whole run."""
+    out = {}
+    for method, by_seed in runs.items():
+        step_ratios, time_ratios, method_steps = [], [], []
+        for seed, run in by_seed.items():
+            reached = results[method]["times"].get(seed)
+            if not reached or seed not in runs[baseline]:
+                continue
+            base_run = runs[baseline][seed]
+            base_time = results[baseline]["times"].get(seed) or base_run.records[-1]["seconds_steps"]
+            base_steps, steps = steps_at(base_run, base_time), steps_at(run, reached)
+            step_ratios.append(base_steps / steps)
+            time_ratios.append((base_time / base_steps) / (reached / steps))
+            method_steps.append(steps)
+        out[method] = {"steps": statistics.median(method_steps) if method_steps else None,
+                       "step_ratio": median_spread(step_ratios) if step_ratios else None,
+                       "step_time_ratio": median_spread(time_ratios) if time_ratios else None}
+    return out
+
+
+def fit_step_cost(runs: list[Run]) -> dict[str, float]:
+    """Least squares over every step: seconds_step ≈ fixed + per_generated · tokens_generated + per_trained ·
+    tokens_trained. Returns the three coefficients (seconds, seconds per token) and the fit's R²."""
+    import torch
+
+    records = [r for run in runs for r in run.records]
+    if len(records) < 3:
+        raise ValueError(f"{len(records)} step records cannot fit a 3-term cost model: run longer or more runs")
+    design = torch.tensor([[1.0, float(r.get("tokens_generated", 0)), float(r.get("tokens_trained", 0))]
+                           for r in records], dtype=torch.float64)
+    seconds = torch.tensor([float(r.get("seconds_step", 0.0)) for r in records], dtype=torch.float64)
+    coefficients = torch.linalg.lstsq(design, seconds.unsqueeze(1)).solution.squeeze(1)
+    residual = seconds - design @ coefficients
+    total = ((seconds - seconds.mean()) ** 2).sum()
+    r_squared = float(1 - (residual ** 2).sum() / total) if total > 0 else 0.0
+    fixed, per_generated, per_trained = coefficients.tolist()
+    return {"fixed": fixed, "per_generated": per_generated, "per_trained": per_trained, "r_squared": r_squared}
+
+
 # ------------------------------------------------------------------------------------------------ report
 def markdown(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -397,6 +447,33 @@ def phase_table(groups: dict[str, list[Run]]) -> str:
     header = ["method", "ms/step", "rollout", "reward", "old logprobs", "update", "sync", "other", "kept fraction",
               "packing density", "mean reward", "tokens gen/step", "tokens trained/step"]
     return markdown(header, rows)
+
+
+def decomposition_table(runs: dict[str, dict[int, Run]], results: dict[str, dict]) -> str:
+    """Speed-up = fewer steps x shorter steps, and a token cost model of the step fitted on every run's steps."""
+    parts = speedup_decomposition(runs, results)
+    cost = fit_step_cost([run for by_seed in runs.values() for run in by_seed.values()])
+    token_cost = {}
+    for method, by_seed in runs.items():
+        phases = phase_breakdown(list(by_seed.values()))
+        token_cost[method] = (phases["seconds_step"], cost["per_generated"] * phases["tokens_generated"]
+                              + cost["per_trained"] * phases["tokens_trained"])
+    base_step, base_tokens = token_cost["grpo"]
+    rows = []
+    for method, part in parts.items():
+        step, tokens = token_cost[method]
+        rows.append([method, f"{part['steps']:.0f}" if part["steps"] is not None else "-",
+                     fmt_speedup(part["step_ratio"]), fmt_speedup(part["step_time_ratio"]),
+                     f"{1000 * (step - tokens):.0f} / {1000 * tokens:.0f}", f"{base_tokens / tokens:.2f}x"
+                     if tokens > 0 else "-"])
+    header = ["method", "steps to target (median)", "fewer steps: GRPO steps / steps, median [min, max]",
+              "shorter steps: GRPO s/step / s/step", "fixed / token-dependent ms per step (fit)",
+              "GRPO token-dependent time / method's"]
+    fit = (f"Fit over every step of every run (R² {cost['r_squared']:.2f}): step ≈ {1000 * cost['fixed']:.0f} ms "
+           f"+ {1e6 * cost['per_generated']:.0f} µs per generated token + {1e6 * cost['per_trained']:.0f} µs per "
+           f"trained token. Of GRPO's mean step ({1000 * base_step:.0f} ms) the part that does not scale with "
+           f"tokens is {100 * (base_step - base_tokens) / base_step:.0f}%.")
+    return markdown(header, rows) + "\n\n" + fit
 
 
 def math_table(groups: dict[str, list[Run]], size: ModelSize) -> str:
@@ -506,6 +583,7 @@ def main(argv: list[str] | None = None) -> None:
         + "; ".join(f"{m}: `{' '.join(METHODS[m])}`" for m in settings.methods) + ".",
         f"### Time to GRPO's final accuracy ({results['grpo']['target']:.3f}) on the synthetic task\n\n{table}",
         f"### Where the time goes (mean per step, ms and share of the step)\n\n{phase_table(flat)}",
+        f"### Fewer steps or shorter steps\n\n{decomposition_table(groups, results)}",
     ]
     if settings.control:
         control_dir, extra_steps = run_control(settings, sft_steps_per_second)

@@ -145,6 +145,22 @@ def test_tables_from_metric_files_on_disk(tmp_path):
     dppo_row = next(line for line in table.splitlines() if line.startswith("| dppo-proportional"))
     assert "3.33x" in dppo_row and "2/2" in dppo_row
     assert "| ms/step |" in bench.phase_table({m: list(r.values()) for m, r in groups.items()})
+    # the speed-up splits into fewer steps (GRPO 5 steps to target, DPPO 3) x shorter steps (1 s vs 0.5 s)
+    parts = bench.speedup_decomposition(groups, results)
+    assert parts["dppo-proportional"]["steps"] == 3
+    assert parts["dppo-proportional"]["step_ratio"] == pytest.approx((5 / 3,) * 3)
+    assert parts["dppo-proportional"]["step_time_ratio"] == pytest.approx((2.0,) * 3)
+    assert "| dppo-proportional | 3 | 1.67x" in bench.decomposition_table(groups, results)
+
+
+def test_step_cost_fit_recovers_a_linear_cost_model():
+    records = [{"tokens_generated": g, "tokens_trained": t, "seconds_step": 0.1 + 0.001 * g + 0.002 * t}
+               for g, t in ((100, 50), (200, 80), (150, 200), (300, 10), (50, 120))]
+    fit = bench.fit_step_cost([Run("a", records[:3]), Run("b", records[3:])])
+    assert fit["fixed"] == pytest.approx(0.1) and fit["per_generated"] == pytest.approx(0.001)
+    assert fit["per_trained"] == pytest.approx(0.002) and fit["r_squared"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="cannot fit"):
+        bench.fit_step_cost([Run("a", records[:2])])
 
 
 def test_write_page_replaces_only_its_own_generated_block(tmp_path):
