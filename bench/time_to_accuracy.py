@@ -527,13 +527,13 @@ def parse_args(argv: list[str] | None) -> Settings:
                         help="smoke check: 1 seed, 25 s budget, 200-step warm start, 128 evaluation problems")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="RL seeds (default 1 2 3; quick: 1)")
-    parser.add_argument("--budget-s", type=float, default=None, help="RL wall time per run (default 300; quick 25)")
+    parser.add_argument("--budget-s", type=float, default=None, help="RL wall time per run (default 200; quick 25)")
     parser.add_argument("--warm-start-steps", type=int, default=None, help="default 900; quick 200")
     parser.add_argument("--eval-interval", type=int, default=None, help="steps between evaluations (default 25)")
-    parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 256; quick 128)")
+    parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 512; quick 128)")
     parser.add_argument("--no-control", action="store_true", help="skip the supervised control")
     parser.add_argument("--math-budget-s", type=float, default=None,
-                        help="RL seconds per MATH run (default 120; quick 0); 0 skips the MATH table")
+                        help="RL seconds per MATH run (default 60; quick 0); 0 skips the MATH table")
     parser.add_argument("--processes", type=int, default=2, help="torchrun --nproc-per-node")
     parser.add_argument("--out-dir", default=None, help="runs and caches (default runs/time_to_accuracy[_quick])")
     parser.add_argument("--write-page", default=None, help="rewrite the generated block of this markdown page")
@@ -548,10 +548,10 @@ def parse_args(argv: list[str] | None) -> Settings:
     page = Path(args.write_page) if args.write_page else None
     settings = Settings(
         out_dir=out_dir, methods=["grpo", *[m for m in args.methods if m != "grpo"]],
-        seeds=pick(args.seeds, [1, 2, 3], [1]), budget_s=pick(args.budget_s, 300.0, 25.0),
+        seeds=pick(args.seeds, [1, 2, 3], [1]), budget_s=pick(args.budget_s, 200.0, 25.0),
         warm_start_steps=pick(args.warm_start_steps, 900, 200), eval_interval=pick(args.eval_interval, 25, 25),
-        eval_size=pick(args.eval_size, 256, 128), control=not args.no_control,
-        math_budget_s=pick(args.math_budget_s, 120.0, 0.0), processes=args.processes, quick=quick, page=page,
+        eval_size=pick(args.eval_size, 512, 128), control=not args.no_control,
+        math_budget_s=pick(args.math_budget_s, 60.0, 0.0), processes=args.processes, quick=quick, page=page,
         figures_dir=Path(args.figures_dir) if args.figures_dir else (
             (page.parent if page else out_dir) / "figures" / ("quick" if quick else "full")))
     for name, value in (("--budget-s", settings.budget_s), ("--warm-start-steps", settings.warm_start_steps),
