@@ -10,6 +10,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from megatron_dppo.algo.history import PROMPT_SCORES
+
 ALGORITHMS = ("grpo", "dppo", "cppo", "d3s")
 PROMPT_DATA = ("synthetic", "math", "gsm8k")
 
@@ -95,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--dppo-prompt-p-min", type=float, default=0.3)
     algo.add_argument("--dppo-completion-p-min", type=float, default=0.05)
     algo.add_argument("--dppo-candidates", choices=("all", "below_mean"), default="below_mean")
+    algo.add_argument("--dppo-prompt-score", choices=PROMPT_SCORES, default="mean_abs_advantage",
+                      help="what the prompt history records: mean |A| or reward std (0 for all-correct and all-wrong "
+                           "groups), or unsolved_rate = 1 - mean reward (0 only for solved prompts; rewards in [0, 1])")
     algo.add_argument("--cppo-prune-rate", type=float, default=0.5)
     algo.add_argument("--cppo-scope", choices=("per_group", "batch"), default="per_group")
     algo.add_argument("--cppo-refill", action="store_true", help="draw batch / (1 - P) prompts (CPPO's allocation)")
@@ -202,7 +207,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         touched = [flag for flag, value, default in (
             ("--dppo-prompt-prune-rate", args.dppo_prompt_prune_rate, 0.5),
             ("--dppo-completion-prune-rate", args.dppo_completion_prune_rate, 0.5),
-            ("--dppo-mode", args.dppo_mode, "stochastic")) if value != default]
+            ("--dppo-mode", args.dppo_mode, "stochastic"),
+            ("--dppo-prompt-score", args.dppo_prompt_score, "mean_abs_advantage")) if value != default]
         if touched:
             errors.append(f"{touched[0]} only applies to --algorithm dppo, but --algorithm is {args.algorithm}: "
                           f"drop {touched[0]} or use --algorithm dppo")

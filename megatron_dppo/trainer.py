@@ -63,7 +63,8 @@ def pruner_options(args) -> tuple[str, dict]:
         return "dppo", dict(
             prompt_prune_rate=args.dppo_prompt_prune_rate, completion_prune_rate=args.dppo_completion_prune_rate,
             mode=args.dppo_mode, keep_policy=args.dppo_keep_policy, prompt_p_min=args.dppo_prompt_p_min,
-            completion_p_min=args.dppo_completion_p_min, candidates=args.dppo_candidates, seed=args.rl_seed)
+            completion_p_min=args.dppo_completion_p_min, candidates=args.dppo_candidates,
+            prompt_score=args.dppo_prompt_score, seed=args.rl_seed)
     if args.algorithm == "cppo":
         return "cppo", dict(prune_rate=args.cppo_prune_rate, scope=args.cppo_scope, refill=args.cppo_refill)
     if args.algorithm == "d3s":

@@ -142,6 +142,25 @@ def test_unseen_prompts_are_never_pruned_before_rollout():
         assert torch.equal(decision.keep_probs[4:], torch.ones(4, dtype=torch.float64))
 
 
+def test_unsolved_rate_scores_only_solved_prompts_as_worthless():
+    # all-correct, all-wrong, mixed: mean |A| and reward std score both uniform groups 0; unsolved_rate only the
+    # solved one, so DPPO's prompt level never prunes a prompt the policy has not solved yet below a solved one
+    rewards = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    advantages = compute_advantages(rewards, "grpo")
+    assert score_prompts(rewards, advantages, "mean_abs_advantage")[:2].tolist() == [0.0, 0.0]
+    assert score_prompts(rewards, advantages, "unsolved_rate").tolist() == [0.0, 1.0, 0.75]
+    history = PromptHistory()
+    history.update(range(3), score_prompts(rewards, advantages, "unsolved_rate"))
+    pruner = build_pruner("dppo", prompt_prune_rate=0.5, prompt_score="unsolved_rate", candidates="below_mean")
+    assert pruner.prompt_score == "unsolved_rate"
+    for step in range(20):
+        decision = pruner.select_prompts(range(3), history, step)
+        assert {1, 2} <= set(decision.kept.tolist()) and decision.keep_probs[1:].tolist() == [1.0, 1.0]
+        assert decision.keep_probs[0] < 1.0
+    with pytest.raises(ValueError, match="needs rewards in \\[0, 1\\].*sample index 1 has 2.0.*mean_abs_advantage"):
+        score_prompts(torch.tensor([[0.0, 2.0]], dtype=torch.float64), torch.zeros(1, 2), "unsolved_rate")
+
+
 def test_below_mean_candidates_keep_every_above_mean_item():
     rewards, advantages, lengths = random_batch(num_prompts=10, group_size=8)
     pruner = build_pruner("dppo", completion_prune_rate=0.9, candidates="below_mean")
@@ -340,3 +359,16 @@ def test_prompt_history_is_an_ema_and_survives_a_checkpoint():
         history.update([5], [float("nan")])
     with pytest.raises(ValueError, match="2 prompt ids, 1 scores"):
         history.update([5, 6], [1.0])
+
+
+def test_dppo_prompt_score_flag_reaches_the_pruner_and_is_refused_for_other_algorithms(capsys):
+    from megatron_dppo.arguments import parse_args
+    from megatron_dppo.trainer import pruner_options
+
+    name, options = pruner_options(parse_args(["--dppo-prompt-score", "unsolved_rate"]))
+    assert build_pruner(name, **options).prompt_score == "unsolved_rate"
+    name, options = pruner_options(parse_args([]))
+    assert build_pruner(name, **options).prompt_score == "mean_abs_advantage"
+    with pytest.raises(SystemExit):
+        parse_args(["--algorithm", "grpo", "--dppo-prompt-score", "unsolved_rate"])
+    assert "--dppo-prompt-score only applies to --algorithm dppo" in capsys.readouterr().err

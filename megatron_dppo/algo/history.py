@@ -14,16 +14,32 @@ import torch
 
 from megatron_dppo.algo.advantages import check_rewards
 
-PROMPT_SCORES = ("mean_abs_advantage", "reward_std")
+PROMPT_SCORES = ("mean_abs_advantage", "reward_std", "unsolved_rate")
 
 
 def score_prompts(rewards: torch.Tensor, advantages: torch.Tensor, score: str = "mean_abs_advantage") -> torch.Tensor:
-    """One score per prompt [num_prompts] from its full group: mean |A| or the std of its rewards (0 when G = 1)."""
+    """One score per prompt [num_prompts] from its full group.
+
+    mean_abs_advantage: mean |A|; reward_std: the std of its rewards (0 when G = 1); both are 0 for an all-correct
+    AND for an all-wrong group. unsolved_rate: 1 - mean reward, for rewards in [0, 1]: 0 only for a prompt the
+    policy already solves every time, so a prompt it has not solved yet (which may become learnable as the policy
+    improves) is not scored as worthless.
+    """
     check_rewards(rewards)
     if score == "mean_abs_advantage":
         return advantages.abs().mean(dim=1)
     if score == "reward_std":
         return rewards.std(dim=1) if rewards.shape[1] > 1 else torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    if score == "unsolved_rate":
+        outside = ((rewards < 0) | (rewards > 1)).nonzero()
+        if len(outside):
+            prompt_index, sample_index = outside[0].tolist()
+            raise ValueError(
+                f"prompt score 'unsolved_rate' needs rewards in [0, 1], but prompt index {prompt_index}, sample "
+                f"index {sample_index} has {rewards[prompt_index, sample_index].item()}: use --dppo-prompt-score "
+                "mean_abs_advantage for this reward"
+            )
+        return 1.0 - rewards.mean(dim=1)
     raise ValueError(f"unknown prompt score {score!r}: choose one of {PROMPT_SCORES}")
 
 
