@@ -1,4 +1,5 @@
-"""Time to accuracy: GRPO vs DPPO (three modes), CPPO and D3S from one warm start, plus a supervised control.
+"""Time to accuracy: GRPO vs DPPO (three modes, two ablations), CPPO and D3S from one warm start, and a supervised
+control.
 
     1. warm start: one supervised warm start of the embedded tiny model (cached), timed twice (built, then cached)
        to measure its supervised steps per second
@@ -49,6 +50,10 @@ METHODS = {
     "dppo-uniform": ["--algorithm", "dppo", "--dppo-mode", "stochastic", "--dppo-keep-policy", "uniform"],
     "dppo-proportional": ["--algorithm", "dppo", "--dppo-mode", "stochastic", "--dppo-keep-policy", "proportional"],
     "dppo-deterministic": ["--algorithm", "dppo", "--dppo-mode", "deterministic"],
+    # two ablations of the default mode: the completion level alone, and a prompt score that never scores a prompt
+    # the policy has not solved yet as worthless (mean |A| scores all-wrong groups 0, like all-correct ones)
+    "dppo-completion-only": ["--algorithm", "dppo", "--dppo-prompt-prune-rate", "0"],
+    "dppo-unsolved": ["--algorithm", "dppo", "--dppo-prompt-score", "unsolved_rate"],
     "cppo": ["--algorithm", "cppo"],
     "d3s": ["--algorithm", "d3s"],
 }
