@@ -43,7 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools.plot_metrics import Run, load_run, plot_runs  # noqa: E402
+from tools.plot_metrics import Run, load_run, plot_runs, smoothed  # noqa: E402
 
 METHODS = {
     "grpo": ["--algorithm", "grpo"],
@@ -328,6 +328,20 @@ def value_at(run: Run, key: str, x_key: str, x: float | None) -> float | None:
     return float(run.records[-1][key])
 
 
+def seed_mean_runs(groups: dict[str, dict[int, Run]]) -> list[Run]:
+    """One curve per method for the figure: held-out accuracy averaged over seeds evaluation by evaluation (a
+    method's seeds evaluate at the same steps; cut to the seed with the fewest), at the seeds' mean RL time, then
+    the trailing mean of FINAL_WINDOW evaluations that the time to target uses."""
+    curves = []
+    for method, by_seed in groups.items():
+        points = [accuracy_points(run, "seconds_steps") for run in by_seed.values()]
+        count = min(len(p) for p in points)
+        xs = [statistics.fmean(p[i][0] for p in points) for i in range(count)]
+        ys = smoothed([statistics.fmean(p[i][1] for p in points) for i in range(count)], FINAL_WINDOW)
+        curves.append(Run(method, [{"seconds_steps": x, "heldout_accuracy": y} for x, y in zip(xs, ys)]))
+    return curves
+
+
 def phase_breakdown(runs: list[Run]) -> dict[str, float]:
     """Mean seconds per step of each phase over every step of the runs, the rest as 'other', and rates."""
     records = [r for run in runs for r in run.records]
@@ -604,8 +618,12 @@ def main(argv: list[str] | None = None) -> None:
     figures = plot_runs([run for runs in flat.values() for run in runs], settings.figures_dir,
                         ("heldout_accuracy", "reward_mean"), ("seconds_steps",), smooth=10,
                         title="synthetic task: all methods, all seeds")
+    figures += plot_runs(seed_mean_runs(groups), settings.figures_dir / "seed_mean", ("heldout_accuracy",),
+                         ("seconds_steps",), title=f"synthetic task: mean over seeds, trailing mean of "
+                                                   f"{FINAL_WINDOW} evaluations")
     link_root = settings.page.parent if settings.page else settings.out_dir
-    sections.append("\n".join(f"![{path.stem}]({os.path.relpath(path, link_root)})" for path in figures))
+    sections.append("\n".join(f"![{path.parent.name}/{path.stem}]({os.path.relpath(path, link_root)})"
+                               for path in figures))
     if settings.math_budget_s > 0:
         model_dir = prepare_math_model(settings.out_dir)
         math_size = model_size(model_dir)

@@ -153,6 +153,22 @@ def test_tables_from_metric_files_on_disk(tmp_path):
     assert "| dppo-proportional | 3 | 1.67x" in bench.decomposition_table(groups, results)
 
 
+def test_seed_mean_curve_averages_seeds_per_evaluation_then_takes_the_trailing_mean():
+    # two seeds of one method, four evaluations each (warm start, two logged, final): accuracy averaged per
+    # evaluation at the seeds' mean time, then the trailing mean of 3 evaluations
+    seed_1 = Run("m", [{"seconds_steps": 1.0, "heldout_accuracy": 0.3}, {"seconds_steps": 2.0,
+                                                                       "heldout_accuracy": 0.5}],
+                 {"heldout_accuracy_before": 0.1, "heldout_accuracy_after": 0.5})
+    seed_2 = Run("m", [{"seconds_steps": 3.0, "heldout_accuracy": 0.1}, {"seconds_steps": 4.0,
+                                                                       "heldout_accuracy": 0.3}],
+                 {"heldout_accuracy_before": 0.1, "heldout_accuracy_after": 0.3})
+    (curve_,) = bench.seed_mean_runs({"m": {1: seed_1, 2: seed_2}})
+    assert curve_.label == "m"
+    xs, ys = curve_.series("heldout_accuracy", "seconds_steps")
+    assert xs == [0.0, 2.0, 3.0, 3.0]
+    assert ys == pytest.approx([0.1, (0.1 + 0.2) / 2, (0.1 + 0.2 + 0.4) / 3, (0.2 + 0.4 + 0.4) / 3])
+
+
 def test_step_cost_fit_recovers_a_linear_cost_model():
     records = [{"tokens_generated": g, "tokens_trained": t, "seconds_step": 0.1 + 0.001 * g + 0.002 * t}
                for g, t in ((100, 50), (200, 80), (150, 200), (300, 10), (50, 120))]
