@@ -157,7 +157,8 @@ def test_unsolved_rate_scores_only_solved_prompts_as_worthless():
         decision = pruner.select_prompts(range(3), history, step)
         assert {1, 2} <= set(decision.kept.tolist()) and decision.keep_probs[1:].tolist() == [1.0, 1.0]
         assert decision.keep_probs[0] < 1.0
-    with pytest.raises(ValueError, match="needs rewards in \\[0, 1\\].*sample index 1 has 2.0.*mean_abs_advantage"):
+    expected = r"sample index 1 is 2.0 \(1 rewards outside.*needs rewards in \[0, 1\].*mean_abs_advantage"
+    with pytest.raises(ValueError, match=expected):
         score_prompts(torch.tensor([[0.0, 2.0]], dtype=torch.float64), torch.zeros(1, 2), "unsolved_rate")
 
 

@@ -22,13 +22,18 @@ def check_rewards(rewards: torch.Tensor) -> None:
             f"rewards must be a float tensor of shape [num_prompts, group_size], got {shape}: "
             "stack each prompt's G rewards into one row"
         )
-    bad = (~torch.isfinite(rewards)).nonzero()
-    if len(bad):
-        prompt_index, sample_index = bad[0].tolist()
+    reject_rewards(~torch.isfinite(rewards), rewards, "non-finite rewards",
+                   "the reward function must return a finite number for every completion")
+
+
+def reject_rewards(bad: torch.Tensor, rewards: torch.Tensor, what: str, fix: str) -> None:
+    """Raise naming the first reward where the mask `bad` [num_prompts, G] holds, how many there are, and the fix."""
+    where = bad.nonzero()
+    if len(where):
+        prompt_index, sample_index = where[0].tolist()
         raise ValueError(
             f"reward of prompt index {prompt_index}, sample index {sample_index} is "
-            f"{rewards[prompt_index, sample_index].item()} ({len(bad)} non-finite rewards in all): "
-            "the reward function must return a finite number for every completion"
+            f"{rewards[prompt_index, sample_index].item()} ({len(where)} {what} in all): {fix}"
         )
 
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from megatron_dppo.algo.advantages import check_rewards
+from megatron_dppo.algo.advantages import check_rewards, reject_rewards
 
 PROMPT_SCORES = ("mean_abs_advantage", "reward_std", "unsolved_rate")
 
@@ -31,14 +31,9 @@ def score_prompts(rewards: torch.Tensor, advantages: torch.Tensor, score: str = 
     if score == "reward_std":
         return rewards.std(dim=1) if rewards.shape[1] > 1 else torch.zeros(rewards.shape[0], dtype=rewards.dtype)
     if score == "unsolved_rate":
-        outside = ((rewards < 0) | (rewards > 1)).nonzero()
-        if len(outside):
-            prompt_index, sample_index = outside[0].tolist()
-            raise ValueError(
-                f"prompt score 'unsolved_rate' needs rewards in [0, 1], but prompt index {prompt_index}, sample "
-                f"index {sample_index} has {rewards[prompt_index, sample_index].item()}: use --dppo-prompt-score "
-                "mean_abs_advantage for this reward"
-            )
+        reject_rewards((rewards < 0) | (rewards > 1), rewards, "rewards outside [0, 1]",
+                       "prompt score 'unsolved_rate' needs rewards in [0, 1]; use --dppo-prompt-score "
+                       "mean_abs_advantage for this reward")
         return 1.0 - rewards.mean(dim=1)
     raise ValueError(f"unknown prompt score {score!r}: choose one of {PROMPT_SCORES}")
 
