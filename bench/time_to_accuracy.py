@@ -293,7 +293,8 @@ def median_spread(values: list[float]) -> tuple[float, float, float]:
 
 def compare_to_baseline(curves: dict[str, dict[int, list]], baseline: str = "grpo") -> dict[str, dict]:
     """Per method: final accuracy (mean, std over seeds), time to the baseline's final accuracy per seed, and the
-    speed-up per seed (baseline time over method time) where both seeds exist."""
+    speed-up per seed (baseline time over method time) where both seeds exist. "baseline_times" holds the
+    baseline's time per seed that every speed-up divides (its whole run where it never reaches the target)."""
     if baseline not in curves or not curves[baseline]:
         raise ValueError(f"no {baseline} runs to compare against: include {baseline} in --methods")
     target = statistics.fmean(final_accuracy(points) for points in curves[baseline].values())
@@ -311,7 +312,7 @@ def compare_to_baseline(curves: dict[str, dict[int, list]], baseline: str = "grp
             "target": target, "seeds": len(by_seed),
             "final_mean": statistics.fmean(finals), "final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
             "times": times, "reached": sum(t is not None for t in times.values()),
-            "speedup": median_spread(speedups) if speedups else None,
+            "speedup": median_spread(speedups) if speedups else None, "baseline_times": baseline_times,
         }
     return results
 
@@ -365,17 +366,16 @@ def speedup_decomposition(runs: dict[str, dict[int, Run]], results: dict[str, di
                           baseline: str = "grpo") -> dict[str, dict]:
     """Per method, the speed-up split into fewer steps x shorter steps, per seed where both reached the target:
     step_ratio = baseline steps to target / method steps, step_time_ratio = baseline s/step / method s/step (both up
-    to the target); their product is the speed-up. A baseline seed that never reaches it counts its whole run."""
+    to the target); their product is the speed-up (the baseline's times are compare_to_baseline's)."""
     out = {}
     for method, by_seed in runs.items():
         step_ratios, time_ratios, method_steps = [], [], []
         for seed, run in by_seed.items():
-            reached = results[method]["times"].get(seed)
-            if not reached or seed not in runs[baseline]:
+            reached, baseline_times = results[method]["times"].get(seed), results[method]["baseline_times"]
+            if not reached or seed not in baseline_times:
                 continue
-            base_run = runs[baseline][seed]
-            base_time = results[baseline]["times"].get(seed) or base_run.records[-1]["seconds_steps"]
-            base_steps, steps = steps_at(base_run, base_time), steps_at(run, reached)
+            base_time = baseline_times[seed]
+            base_steps, steps = steps_at(runs[baseline][seed], base_time), steps_at(run, reached)
             step_ratios.append(base_steps / steps)
             time_ratios.append((base_time / base_steps) / (reached / steps))
             method_steps.append(steps)
