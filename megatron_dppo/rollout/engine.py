@@ -36,6 +36,7 @@ import torch
 from megatron_dppo.rollout.weight_sync import (
     destroy_weight_update_group,
     init_weight_update_group,
+    tensor_nbytes,
     unpack_bucket,
 )
 
@@ -408,8 +409,7 @@ class EmbeddedEngine:
             if buffer is not None and self._parameters_live_in(buffer, layout):
                 group.broadcast(buffer, 0).wait()
                 return
-            nbytes = sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize
-                         for dtype, shape in zip(dtypes, shapes))
+            nbytes = sum(tensor_nbytes(dtype, shape) for dtype, shape in zip(dtypes, shapes))
             flat = torch.empty(nbytes, dtype=torch.uint8)
             group.broadcast(flat, 0).wait()
             if self.load_named_tensors(unpack_bucket(flat, names, dtypes, shapes), adopt=True):
@@ -463,7 +463,7 @@ class EmbeddedEngine:
             target = targets.get(name)
             if target is None or target.data_ptr() != buffer.data_ptr() + offset or list(target.shape) != list(shape):
                 return False
-            offset += torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+            offset += tensor_nbytes(dtype, shape)
         return True
 
     @staticmethod

@@ -28,6 +28,7 @@ from megatron_dppo.rollout.weight_sync import (
     WeightSyncer,
     broadcast_from_trainer,
     init_weight_update_group,
+    tensor_nbytes,
     unpack_bucket,
 )
 
@@ -153,7 +154,7 @@ class WeightUpdateExtension:
     def receive_bucket(self, names, dtypes, shapes):
         import torch
 
-        nbytes = sum(torch.Size(s).numel() * getattr(torch, d).itemsize for d, s in zip(dtypes, shapes))
+        nbytes = sum(tensor_nbytes(d, s) for d, s in zip(dtypes, shapes))
         flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._weight_update_group.broadcast(flat, 0).wait()
         self.model_runner.model.load_weights(weights=unpack_bucket(flat, names, dtypes, shapes))

@@ -84,6 +84,16 @@ def bucket_nbytes(named_tensors: list[tuple[str, torch.Tensor]]) -> int:
     return sum(tensor.numel() * tensor.element_size() for _, tensor in named_tensors)
 
 
+def tensor_nbytes(dtype: str, shape) -> int:
+    """Bytes of a tensor of dtype name `dtype` (torch attribute name, e.g. "bfloat16") and `shape` in a bucket."""
+    return torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+
+
+def bucket_needs_copy(named_tensors: list[tuple[str, torch.Tensor]]) -> bool:
+    """Only a bucket of one contiguous tensor is sent as its own bytes; any other is copied into one buffer."""
+    return len(named_tensors) > 1 or not named_tensors[0][1].is_contiguous()
+
+
 def pack_bucket(named_tensors: list[tuple[str, torch.Tensor]], staging: torch.Tensor | None = None) -> Bucket:
     """Flatten whole tensors into one contiguous byte buffer (SGLang's flattened_bucket layout).
 
@@ -96,7 +106,7 @@ def pack_bucket(named_tensors: list[tuple[str, torch.Tensor]], staging: torch.Te
             raise ValueError(f"tensor {name} would start at unaligned byte offset {offset} in its bucket")
         offset += tensor.numel() * tensor.element_size()
     first = named_tensors[0][1]
-    if len(named_tensors) == 1 and first.is_contiguous():
+    if not bucket_needs_copy(named_tensors):
         flat = first.detach().reshape(-1).view(torch.uint8)
     else:
         fits = staging is not None and staging.numel() >= offset and staging.device == first.device
@@ -115,7 +125,7 @@ def unpack_bucket(flat: torch.Tensor, names: list[str], dtypes: list[str],
         torch_dtype = getattr(torch, dtype, None)
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"tensor {name}: unknown dtype {dtype!r}")
-        size = torch.Size(shape).numel() * torch_dtype.itemsize
+        size = tensor_nbytes(dtype, shape)
         tensors.append((name, flat[offset:offset + size].view(torch_dtype).reshape(shape)))
         offset += size
     if offset != flat.numel():
@@ -198,10 +208,9 @@ class BucketPrefetcher:
     def _produce(self, named_tensors, bucket_bytes: int, first_bucket_bytes: int | None) -> None:
         try:
             for group in group_into_buckets(named_tensors, bucket_bytes, first_bucket_bytes):
-                first = group[0][1]
                 buffer = None
-                if len(group) > 1 or not first.is_contiguous():
-                    buffer = self.staging.take(bucket_nbytes(group), first.device, self.stop)
+                if bucket_needs_copy(group):
+                    buffer = self.staging.take(bucket_nbytes(group), group[0][1].device, self.stop)
                     if buffer is None:
                         return
                 bucket = pack_bucket(group, buffer)
