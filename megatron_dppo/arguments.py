@@ -10,8 +10,6 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from megatron_dppo.algo.history import PROMPT_SCORES
-
 ALGORITHMS = ("grpo", "dppo", "cppo", "d3s")
 PROMPT_DATA = ("synthetic", "math", "gsm8k")
 
@@ -97,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--dppo-prompt-p-min", type=float, default=0.3)
     algo.add_argument("--dppo-completion-p-min", type=float, default=0.05)
     algo.add_argument("--dppo-candidates", choices=("all", "below_mean"), default="below_mean")
-    algo.add_argument("--dppo-prompt-score", choices=PROMPT_SCORES, default="mean_abs_advantage",
+    # the names of algo.history.PROMPT_SCORES, written out so that parsing (and --dry-run) does not import torch
+    algo.add_argument("--dppo-prompt-score", choices=("mean_abs_advantage", "reward_std", "unsolved_rate"),
+                      default="mean_abs_advantage",
                       help="what the prompt history records: mean |A| or reward std (0 for all-correct and all-wrong "
                            "groups), or unsolved_rate = 1 - mean reward (0 only for solved prompts; rewards in [0, 1])")
     algo.add_argument("--cppo-prune-rate", type=float, default=0.5)

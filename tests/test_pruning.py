@@ -363,9 +363,12 @@ def test_prompt_history_is_an_ema_and_survives_a_checkpoint():
 
 
 def test_dppo_prompt_score_flag_reaches_the_pruner_and_is_refused_for_other_algorithms(capsys):
-    from megatron_dppo.arguments import parse_args
+    from megatron_dppo.algo import PROMPT_SCORES
+    from megatron_dppo.arguments import build_parser, parse_args
     from megatron_dppo.trainer import pruner_options
 
+    flag = next(a for a in build_parser()._actions if "--dppo-prompt-score" in a.option_strings)
+    assert tuple(flag.choices) == PROMPT_SCORES  # the parser's copy of the names stays the pruner's
     name, options = pruner_options(parse_args(["--dppo-prompt-score", "unsolved_rate"]))
     assert build_pruner(name, **options).prompt_score == "unsolved_rate"
     name, options = pruner_options(parse_args([]))
