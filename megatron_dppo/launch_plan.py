@@ -51,7 +51,19 @@ class RolloutServer:
 
     @property
     def sync_ranks(self) -> int:
-        return max(len(self.gpus), 1)
+        return server_sync_ranks(self.gpus)
+
+
+def server_sync_ranks(gpus: tuple[int, ...]) -> int:
+    """A server joins the weight-sync group with one rank per GPU (the embedded CPU engine with one)."""
+    return max(len(gpus), 1)
+
+
+def sync_rank_offsets(engine_ranks: list[int]) -> tuple[list[int], int]:
+    """(first rank of each server, world size) of the weight-sync group: the trainer is rank 0, then each server's
+    ranks in order. WeightSyncer.init_group forms the group this way; the plan prints it."""
+    offsets = [1 + sum(engine_ranks[:i]) for i in range(len(engine_ranks))]
+    return offsets, 1 + sum(engine_ranks)
 
 
 @dataclass(frozen=True)
@@ -173,16 +185,15 @@ def build_plan(args, nodes: list[str], trainer_nodes: int, rollout_nodes: int, g
     for rank in range(world):
         rank_tp, rank_pp, rank_dp = megatron_coordinates(rank, tp, pp, dp)
         ranks.append(TrainerRank(rank, nodes[rank // gpus_per_node], rank % gpus_per_node, rank_tp, rank_pp, rank_dp))
-    servers, offset = [], 1
-    for node, gpus, port, url, server_tp in _rollout_servers(args, nodes, serving, gpus_per_node, sglang_tp,
-                                                              rollout_port):
-        servers.append(RolloutServer(node, gpus, port, url, server_tp, offset))
-        offset += servers[-1].sync_ranks
+    specs = _rollout_servers(args, nodes, serving, gpus_per_node, sglang_tp, rollout_port)
+    offsets, sync_world = sync_rank_offsets([server_sync_ranks(gpus) for _, gpus, _, _, _ in specs])
+    servers = [RolloutServer(node, gpus, port, url, server_tp, offset)
+               for (node, gpus, port, url, server_tp), offset in zip(specs, offsets)]
     backend = "gloo" if args.rollout_backend == "embedded" and not serving else "nccl"
     return LaunchPlan(nodes=tuple(nodes), roles=roles, gpus_per_node=gpus_per_node, tp=tp, pp=pp, dp=dp,
                       rendezvous=f"{nodes[0]}:{rdzv_port}", ranks=tuple(ranks),
                       rollout_backend="external" if serving else args.rollout_backend, servers=tuple(servers),
-                      weight_sync=WeightSyncGroup(nodes[0], backend, offset))
+                      weight_sync=WeightSyncGroup(nodes[0], backend, sync_world))
 
 
 def _env_int(env, name: str, default: int | None) -> int | None:

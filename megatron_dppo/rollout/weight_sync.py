@@ -343,11 +343,11 @@ class WeightSyncer:
 
     def init_group(self) -> None:
         """Every engine joins at its rank offset while this process joins as rank 0 (all concurrently)."""
+        from megatron_dppo.launch_plan import sync_rank_offsets
         from megatron_dppo.rollout.launcher import free_port
 
         port = self.master_port or free_port()
-        world_size = 1 + sum(self.engine_ranks)
-        offsets = [1 + sum(self.engine_ranks[:i]) for i in range(len(self.urls))]
+        offsets, world_size = sync_rank_offsets(self.engine_ranks)
         with ThreadPoolExecutor(len(self.urls)) as pool:
             futures = [pool.submit(control_request, url, "/init_weights_update_group",
                                    self.init_group_payload(port, offset, world_size), "POST", self.timeout_s,
