@@ -8,7 +8,6 @@ or started the tests fail: this is the launch path users run, so it is never ski
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,15 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dppo.rollout.launcher import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_SLURM = REPO / "tests" / "slurm" / "local_slurm.sh"
 SBATCH = REPO / "examples" / "slurm" / "dppo.sbatch"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
