@@ -187,6 +187,12 @@ class _StreamingSaveStrategy(TorchDistSaveShardedStrategy):
         save_state_dict_async_finalize(*planned)
 
 
+def unstacked_name(key: str, layer: int | None) -> str:
+    """The per-layer Megatron name of a checkpoint key: layer parameters are stored stacked over layers under
+    LAYER_PREFIX, so `layer` (the global layer index) goes back in after the prefix; other keys are unchanged."""
+    return key if layer is None else f"{LAYER_PREFIX}{layer}.{key[len(LAYER_PREFIX):]}"
+
+
 class _HFChunks:
     """Produces one stored chunk of the checkpoint (a key and its offsets in the global tensor) from the HF
     slices it is made of, with the convert/ table, in the model's dtype."""
@@ -198,7 +204,7 @@ class _HFChunks:
     def __call__(self, item, meta: torch.Tensor) -> torch.Tensor:
         key, offsets = item.index.fqn, item.index.offset
         # layer parameters are stored stacked: the leading offset is the global layer index
-        name = f"{LAYER_PREFIX}{offsets[0]}.{key[len(LAYER_PREFIX):]}" if key.startswith(LAYER_PREFIX) else key
+        name = unstacked_name(key, offsets[0] if key.startswith(LAYER_PREFIX) else None)
         shape = self.checkpoint.shape
         row, layer = find_row(name, shape)
         hf_names, layout = hf_names_of(row, layer), row.layout
@@ -371,7 +377,7 @@ def _plan_parameters(reader: DistCheckpointReader, shape: ModelShape) -> list[li
             raise ValueError(f"checkpoint {reader.path}: {key} stacks {global_shape[0]} layers, but hf_config.json "
                              f"has num_hidden_layers={shape.num_layers}: the checkpoint does not match its config")
         for layer in range(shape.num_layers) if stacked else [None]:
-            name = key if layer is None else f"{LAYER_PREFIX}{layer}.{key[len(LAYER_PREFIX):]}"
+            name = unstacked_name(key, layer)
             row, _ = find_row(name, shape)
             if row.layout.kind == "vocab" and global_shape[0] < shape.vocab_size:
                 raise ValueError(f"checkpoint {reader.path}: {key} has {global_shape[0]} vocabulary rows, fewer than "
@@ -407,7 +413,7 @@ def _read_unit(reader: DistCheckpointReader, unit: list[_Parameter], shape: Mode
             requests[p.key] = ((0,) * len(global_shape), (rows, *global_shape[1:]))
     tensors = reader.read(requests)
     for p in unit:
-        name = p.key if p.layer is None else f"{LAYER_PREFIX}{p.layer}.{p.key[len(LAYER_PREFIX):]}"
+        name = unstacked_name(p.key, p.layer)
         row, layer = find_row(name, shape)
         tensor = tensors.pop(p.key)
         yield from row.layout.merge(hf_names_of(row, layer), [tensor[0] if p.layer is not None else tensor], shape)
