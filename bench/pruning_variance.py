@@ -28,6 +28,7 @@ from megatron_dppo.algo import (
     PromptHistory,
     build_pruner,
     compute_advantages,
+    full_batch_counts,
     loss_normalizer,
     policy_loss,
     score_prompts,
@@ -97,29 +98,35 @@ def draw_gradient(pruner, batch, gradients, step) -> tuple[torch.Tensor, float]:
     rewards, advantages, lengths, history = batch
     prompt_decision = pruner.select_prompts(list(range(PROMPTS)), history, step)
     kept = prompt_decision.kept
-    decision = pruner.select_completions(rewards[kept], advantages[kept], lengths[kept], prompt_decision, history, step)
+    full_batch = full_batch_counts(prompt_decision, lengths[kept])
+    decision = pruner.select_completions(rewards[kept], advantages[kept], lengths[kept], prompt_decision, full_batch,
+                                         step)
     flat_ids = (kept[:, None] * GROUP + torch.arange(GROUP)).reshape(-1)[decision.kept]
     weights = torch.zeros(PROMPTS * GROUP, dtype=torch.float64).index_put_((flat_ids,), decision.weights)
-    return weights @ gradients / loss_normalizer(LOSS, decision.full_batch), len(flat_ids) / (PROMPTS * GROUP)
+    return weights @ gradients / loss_normalizer(LOSS, decision.normalizer_counts), len(flat_ids) / (PROMPTS * GROUP)
 
 
 def pruners(seed: int) -> dict:
-    """{(pruner name, kept fraction): pruner}: the main table, then prompt-level-only DPPO at several floors."""
+    """{(pruner name, kept fraction): pruner}: the main table, then prompt-level-only DPPO at several floors.
+    Every item is a candidate here (candidates="all"), so a level's rate is its expected pruned fraction."""
     table = {}
     for kept_fraction in KEPT_FRACTIONS:
         rate = 1 - math.sqrt(kept_fraction)  # both DPPO levels at this rate keep kept_fraction in expectation
         table[("dppo-uniform", kept_fraction)] = build_pruner(
-            "dppo", prompt_prune_rate=rate, completion_prune_rate=rate, seed=seed)
+            "dppo", prompt_prune_rate=rate, completion_prune_rate=rate, keep_policy="uniform", candidates="all",
+            seed=seed)
         table[("dppo-proportional", kept_fraction)] = build_pruner(
-            "dppo", prompt_prune_rate=rate, completion_prune_rate=rate, keep_policy="proportional", seed=seed)
+            "dppo", prompt_prune_rate=rate, completion_prune_rate=rate, keep_policy="proportional", candidates="all",
+            seed=seed)
         table[("cppo", kept_fraction)] = build_pruner("cppo", prune_rate=1 - kept_fraction)
         table[("d3s", kept_fraction)] = build_pruner(
             "d3s", sample_fraction_init=kept_fraction, sample_fraction_final=kept_fraction,
             token_fraction_init=1.0, token_fraction_final=1.0)
-    table[("prompt-level uniform", 0.5)] = build_pruner("dppo", prompt_prune_rate=0.5, seed=seed)
+    prompt_level = dict(prompt_prune_rate=0.5, completion_prune_rate=0.0, candidates="all", seed=seed)
+    table[("prompt-level uniform", 0.5)] = build_pruner("dppo", keep_policy="uniform", **prompt_level)
     for floor in PROMPT_FLOORS:
         table[(f"prompt-level proportional, prompt_p_min {floor}", 0.5)] = build_pruner(
-            "dppo", prompt_prune_rate=0.5, keep_policy="proportional", prompt_p_min=floor, seed=seed)
+            "dppo", keep_policy="proportional", prompt_p_min=floor, **prompt_level)
     return table
 
 

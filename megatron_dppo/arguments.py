@@ -11,6 +11,9 @@ import os
 from dataclasses import dataclass
 
 ALGORITHMS = ("grpo", "dppo", "cppo", "d3s")
+# Clip ranges (eps_low, eps_high): DAPO's clip-higher for token-level ratios; a sequence-level (GSPO) ratio is the
+# geometric mean of the token ratios, so it moves far less and GSPO's paper clips it at (3e-4, 4e-4).
+TOKEN_CLIP, SEQUENCE_CLIP = (0.2, 0.28), (3e-4, 4e-4)
 PROMPT_DATA = ("synthetic", "math", "gsm8k")
 
 # The embedded default (no --hf-checkpoint, embedded engine, synthetic prompts) starts from these unless a flag
@@ -88,13 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     algo = parser.add_argument_group("algorithm (--dppo-* and the other pruners)")
     algo.add_argument("--algorithm", choices=ALGORITHMS, default="dppo")
-    algo.add_argument("--dppo-prompt-prune-rate", type=float, default=0.5)
-    algo.add_argument("--dppo-completion-prune-rate", type=float, default=0.5)
-    algo.add_argument("--dppo-mode", choices=("stochastic", "deterministic"), default="stochastic")
-    algo.add_argument("--dppo-keep-policy", choices=("uniform", "proportional"), default="proportional")
+    # Defaults here equal algo.pruning's config dataclasses and docs/algorithms.md's table (a test holds them
+    # equal); they are written out so that parsing (and --dry-run) does not import torch.
+    algo.add_argument("--dppo-prompt-prune-rate", type=float, default=0.5,
+                      help="expected fraction of the prompt candidates pruned before rollout")
+    algo.add_argument("--dppo-completion-prune-rate", type=float, default=0.5,
+                      help="expected fraction of the completion candidates pruned after rewards")
+    algo.add_argument("--dppo-mode", choices=("stochastic", "deterministic"), default="stochastic",
+                      help="stochastic: unbiased (keep with probability p, weight 1/p); deterministic: the paper's "
+                           "Algorithm 1 (biased)")
+    algo.add_argument("--dppo-keep-policy", choices=("uniform", "proportional"), default="proportional",
+                      help="keep probability 1 - rate for every candidate, or proportional to its score")
     algo.add_argument("--dppo-prompt-p-min", type=float, default=0.3)
     algo.add_argument("--dppo-completion-p-min", type=float, default=0.05)
-    algo.add_argument("--dppo-candidates", choices=("all", "below_mean"), default="below_mean")
+    algo.add_argument("--dppo-candidates", choices=("all", "below_mean"), default="below_mean",
+                      help="which items may be pruned: all, or those scoring <= the mean (of the batch for prompts, "
+                           "of the group for completions)")
     # the names of algo.history.PROMPT_SCORES, written out so that parsing (and --dry-run) does not import torch
     algo.add_argument("--dppo-prompt-score", choices=("mean_abs_advantage", "reward_std", "unsolved_rate"),
                       default="mean_abs_advantage",
@@ -103,16 +115,23 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--cppo-prune-rate", type=float, default=0.5)
     algo.add_argument("--cppo-scope", choices=("per_group", "batch"), default="per_group")
     algo.add_argument("--cppo-refill", action="store_true", help="draw batch / (1 - P) prompts (CPPO's allocation)")
-    algo.add_argument("--d3s-sample-fraction", type=float, nargs=2, default=(0.25, 0.75), metavar=("INIT", "FINAL"))
-    algo.add_argument("--d3s-token-fraction", type=float, nargs=2, default=(0.5, 1.0), metavar=("INIT", "FINAL"))
+    algo.add_argument("--d3s-sample-fraction", type=float, nargs=2, default=(0.25, 0.75), metavar=("INIT", "FINAL"),
+                      help="fraction of samples D3S keeps at the run's start and end (linear over its progress)")
+    algo.add_argument("--d3s-token-fraction", type=float, nargs=2, default=(0.5, 1.0), metavar=("INIT", "FINAL"),
+                      help="fraction of the kept samples' tokens D3S keeps at the run's start and end")
     algo.add_argument("--dapo-filter", action=argparse.BooleanOptionalAction, default=False,
-                      help="drop groups whose rewards are all equal")
-    algo.add_argument("--dapo-oversample", type=float, default=1.0, help="prompts drawn per step / kept (refill)")
+                      help="drop groups whose rewards are all equal (the normaliser still counts them)")
+    algo.add_argument("--dapo-oversample", type=float, default=1.0,
+                      help="draw this many times the batch; when more groups are varied than the batch holds, a "
+                           "random batch-size subset trains, each weighted by varied / batch size")
     algo.add_argument("--advantage-estimator", choices=("grpo", "dr_grpo", "rloo"), default="grpo")
     algo.add_argument("--loss-agg-mode", default="token-mean",
                       choices=("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"))
-    algo.add_argument("--eps-clip", type=float, default=0.2)
-    algo.add_argument("--eps-clip-high", type=float, default=0.28)
+    algo.add_argument("--eps-clip", type=float, default=None,
+                      help=f"lower clip range (default {TOKEN_CLIP[0]} for token-level ratios, {SEQUENCE_CLIP[0]} for "
+                           "--importance-level sequence, as GSPO's paper)")
+    algo.add_argument("--eps-clip-high", type=float, default=None,
+                      help=f"upper clip range (default {TOKEN_CLIP[1]} token level, {SEQUENCE_CLIP[1]} sequence level)")
     algo.add_argument("--eps-clip-c", type=float, default=None, help="dual-clip constant (e.g. 3)")
     algo.add_argument("--kl-coef", type=float, default=0.0, help="> 0 loads a frozen reference model")
     algo.add_argument("--kl-type", choices=("k1", "k2", "k3", "low_var_kl"), default="low_var_kl")
@@ -212,6 +231,9 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if touched:
             errors.append(f"{touched[0]} only applies to --algorithm dppo, but --algorithm is {args.algorithm}: "
                           f"drop {touched[0]} or use --algorithm dppo")
+    if args.algorithm == "d3s" and args.train_iters is None and args.time_budget_s is None:
+        errors.append("--algorithm d3s relaxes its sample and token fractions over the run: give its length with "
+                      "--train-iters or --time-budget-s")
     if args.dapo_oversample != 1.0 and not args.dapo_filter:
         errors.append("--dapo-oversample refills groups removed by the DAPO filter: add --dapo-filter")
     if args.ppo_epochs < 1:
@@ -228,6 +250,9 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("\n  ".join(["invalid arguments:", *errors]))
     if args.rl_seed is None:
         args.rl_seed = args.seed
+    clip = SEQUENCE_CLIP if args.importance_level == "sequence" else TOKEN_CLIP
+    args.eps_clip = clip[0] if args.eps_clip is None else args.eps_clip
+    args.eps_clip_high = clip[1] if args.eps_clip_high is None else args.eps_clip_high
     if args.reward_fn is None:
         args.reward_fn = args.data_prompts if args.data_prompts in ("math", "gsm8k") else (
             "synthetic" if args.data_prompts == "synthetic" else "math")

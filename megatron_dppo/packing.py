@@ -105,6 +105,19 @@ def pack(
     return result
 
 
+def pack_micro_batches(samples: Sequence["TrainingSample"], max_tokens_per_gpu: int, window: int, dp_size: int,
+                       dp_rank: int, *, pad_multiple: int = 1, pad_token_id: int = 0) -> tuple[list["THDBatch"], dict]:
+    """Dense Prompt Packing of a step's samples: data-parallel rank `dp_rank`'s THD micro-batches (every rank packs
+    the same bins from the same samples, without communication) and the step's packing stats."""
+    if not samples:
+        return [], {"packing_density": 0.0, "micro_batches": 0}
+    lengths = [sample.num_tokens for sample in samples]
+    rank_bins = pack(lengths, max_tokens_per_gpu, window, dp_size, pad_multiple=pad_multiple)
+    micro_batches = [build_thd_batch(samples, bin_, pad_multiple, pad_token_id) for bin_ in rank_bins[dp_rank]]
+    density = packing_density(rank_bins, lengths, max_tokens_per_gpu)
+    return micro_batches, {"packing_density": density, "micro_batches": len(micro_batches)}
+
+
 def packing_density(rank_bins: list[list[list[int]]], lengths: Sequence[int], max_tokens_per_gpu: int) -> float:
     """Valid tokens / (micro-batches · max_tokens_per_gpu): the share of the token budget doing useful work."""
     micro_batches = sum(len(rank) for rank in rank_bins)

@@ -138,7 +138,7 @@ def run(args) -> dict:
         while trainer.step < trainer.total_steps():
             if budget_spent(args.time_budget_s, elapsed_before + time.perf_counter() - rl_start):
                 break
-            step_metrics = trainer.train_one_step()
+            step_metrics = trainer.train_one_step(elapsed_before + time.perf_counter() - rl_start)
             step_metrics["seconds_wall"] = elapsed_before + time.perf_counter() - rl_start
             if args.eval_interval and trainer.step % args.eval_interval == 0:
                 step_metrics["heldout_accuracy"] = trainer.evaluate(args.eval_size)["accuracy"]

@@ -1,9 +1,11 @@
 """The DPPO trainer: one RL step per call, each phase one method.
 
-    prompts ─► DPPO prompt level (history, BEFORE rollout) ─► rollout (/generate, G samples each)
-            ─► reward ─► advantages on the full group ─► DAPO filter ─► completion pruning (weights 1/p)
+    rank 0 (experience.py): prompts ─► DPPO prompt level (history, BEFORE rollout) ─► rollout (G samples each)
+            ─► reward ─► advantages on the full group ─► full-batch counts ─► DAPO filter ─► completion pruning
+            ─► normaliser; broadcast to every rank
             ─► Dense Prompt Packing (THD micro-batches, balanced over DP ranks)
-            ─► old / reference log-probs (when needed) ─► update (Megatron schedule, optimizer, LR step)
+            ─► old / reference log-probs (when needed; D3S selects tokens over all DP ranks here)
+            ─► update (Megatron schedule, optimizer, LR step)
             ─► weight sync (pause → flush → bucketed broadcast → continue)
 
 Roles: global rank 0 drives the rollout servers and computes rewards and pruning decisions (pure torch, cheap),
@@ -18,7 +20,6 @@ log-probs (detached) as old log-probs and skips a forward pass; otherwise a forw
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,51 +29,11 @@ from megatron.core import parallel_state
 from megatron_dppo.actor.checkpoint import load_trainer_state, resolve_checkpoint, save_checkpoint
 from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
 from megatron_dppo.actor.step import logprob_loss_fn, next_token_targets
-from megatron_dppo.algo.advantages import compute_advantages
-from megatron_dppo.algo.history import PromptHistory, score_prompts
-from megatron_dppo.algo.losses import FullBatchInfo, LossConfig, loss_normalizer, policy_loss
-from megatron_dppo.algo.pruning import PromptDecision, build_pruner
+from megatron_dppo.algo.losses import loss_normalizer, packed_policy_loss
 from megatron_dppo.convert.export import is_export_source
-from megatron_dppo.packing import TrainingSample, build_thd_batch, pack, packing_density, sequence_pad_multiple
+from megatron_dppo.experience import Experience, ExperienceMaker, Rollouts, run_progress
+from megatron_dppo.packing import pack_micro_batches, sequence_pad_multiple
 from megatron_dppo.rollout.client import SamplingParams
-
-
-@dataclass
-class Rollouts:
-    """rank 0: one step's generation result."""
-
-    prompts: list  # [Prompt] kept by the prompt level, in order
-    prompt_decision: PromptDecision
-    output_ids: list[list[int]]  # [num_prompts * G]
-    output_logprobs: list[list[float]]
-    seconds: float
-    num_drawn: int
-
-
-@dataclass
-class Experience:
-    """The kept samples of one step, as every rank receives them."""
-
-    samples: list[TrainingSample]
-    normalizer: float
-    stats: dict = field(default_factory=dict)
-
-
-def pruner_options(args) -> tuple[str, dict]:
-    if args.algorithm == "dppo":
-        return "dppo", dict(
-            prompt_prune_rate=args.dppo_prompt_prune_rate, completion_prune_rate=args.dppo_completion_prune_rate,
-            mode=args.dppo_mode, keep_policy=args.dppo_keep_policy, prompt_p_min=args.dppo_prompt_p_min,
-            completion_p_min=args.dppo_completion_p_min, candidates=args.dppo_candidates,
-            prompt_score=args.dppo_prompt_score, seed=args.rl_seed)
-    if args.algorithm == "cppo":
-        return "cppo", dict(prune_rate=args.cppo_prune_rate, scope=args.cppo_scope, refill=args.cppo_refill)
-    if args.algorithm == "d3s":
-        return "d3s", dict(sample_fraction_init=args.d3s_sample_fraction[0],
-                           sample_fraction_final=args.d3s_sample_fraction[1],
-                           token_fraction_init=args.d3s_token_fraction[0],
-                           token_fraction_final=args.d3s_token_fraction[1], total_steps=args.train_iters or 1000)
-    return "none", {}
 
 
 class Trainer:
@@ -81,33 +42,24 @@ class Trainer:
         self.client, self.syncer, self.reference = client, syncer, reference
         self.rank0 = dist.get_rank() == 0
         self.step = 0
-        self.elapsed_before = 0.0  # seconds spent in earlier runs of a resumed training
-        self.history = PromptHistory(args.history_ema_decay)
-        name, options = pruner_options(args)
-        self.pruner = build_pruner(name, **options)
-        self.dapo = build_pruner("dapo", oversample_factor=args.dapo_oversample) if args.dapo_filter else None
-        self.loss_config = LossConfig(
-            eps_low=args.eps_clip, eps_high=args.eps_clip_high, dual_clip_c=args.eps_clip_c, kl_coef=args.kl_coef,
-            kl_type=args.kl_type, entropy_coef=args.entropy_coef, aggregation=args.loss_agg_mode,
-            importance_level=args.importance_level, tis_cap=args.tis_cap,
-            max_response_length=args.rollout_max_response_len)
-        self.sampling = SamplingParams(
-            temperature=args.rollout_temperature, top_p=args.rollout_top_p, top_k=args.rollout_top_k,
-            max_new_tokens=args.rollout_max_response_len, stop_token_ids=[tokenizer.eos_token_id])
+        # every rank holds the pruner (D3S selects tokens on every rank); only rank 0 generates and selects samples
+        self.maker = ExperienceMaker(args, task, tokenizer, client)
+        self.history, self.pruner, self.loss_config = self.maker.history, self.maker.pruner, self.maker.loss_config
         self.pad_multiple = sequence_pad_multiple(args.tensor_model_parallel_size, 1, args.sequence_parallel)
         self.executor = ThreadPoolExecutor(1) if args.async_rollout and self.rank0 else None
         self.pending = None  # rank 0, --async: the future of the next step's rollouts
         self.pending_rollouts = None  # rank 0, --async after a resume: the saved next-step rollouts
 
     # ------------------------------------------------------------------------------------------- the loop
-    def train_one_step(self) -> dict:
+    def train_one_step(self, elapsed_s: float = 0.0) -> dict:
+        """One RL step; `elapsed_s` is the RL wall time so far (rank 0's clock), for the run's progress."""
         self.step += 1
         start = time.perf_counter()
         rollouts = self.next_rollouts()                        # rank 0: prompt level + generation
-        experience = self.score_and_prune(rollouts)            # rank 0 → every rank: reward, advantages, pruning
+        experience = self.make_experience(rollouts, elapsed_s)  # rank 0 → every rank: reward, advantages, pruning
         self.start_next_rollouts()                             # --async: step t+1 generates while t trains
         micro_batches, packing_stats = self.pack(experience)   # Dense Prompt Packing, this DP rank's bins
-        logprob_seconds = self.compute_old_logprobs(micro_batches)
+        logprob_seconds = self.compute_old_logprobs(micro_batches, experience)
         update = self.update(micro_batches, experience)
         self.wait_pending_rollouts()
         sync = self.sync_weights()
@@ -115,28 +67,6 @@ class Trainer:
                 "seconds_step": time.perf_counter() - start, "lr": self.actor.lr}
 
     # ------------------------------------------------------------------------------------------- phases
-    def generate_rollouts(self, step: int) -> Rollouts:
-        """rank 0: draw prompts, prune at the prompt level from history, and generate G samples per kept prompt."""
-        args = self.args
-        batch = args.rollout_batch_size
-        count = self.pruner.prompts_to_sample(batch)  # CPPO's refill draws batch / (1 - P)
-        drawn = self.task.next_prompts(self.dapo.prompts_to_sample(count) if self.dapo else count)
-        decision = self.pruner.select_prompts(torch.tensor([p.prompt_id for p in drawn]), self.history, step)
-        kept = [drawn[i] for i in decision.kept.tolist()]
-        start = time.perf_counter()
-        group = args.n_samples_per_prompt
-        completions = self.client.generate([p.input_ids for p in kept], self.sampling_for_step(step), n=group) \
-            if kept else []
-        if len(completions) != len(kept) * group:
-            raise RuntimeError(f"the rollout servers returned {len(completions)} samples for {len(kept)} prompts x "
-                               f"{group}: a server dropped requests")
-        return Rollouts(kept, decision, [c.output_ids for c in completions], [c.output_logprobs for c in completions],
-                        time.perf_counter() - start, len(drawn))
-
-    def sampling_for_step(self, step: int) -> SamplingParams:
-        """Sampling parameters with a seed fixed by (seed, step), so a resumed run draws the same samples."""
-        return SamplingParams(**{**self.sampling.__dict__, "seed": self.args.rl_seed * 1_000_003 + step})
-
     def next_rollouts(self) -> Rollouts | None:
         if not self.rank0:
             return None
@@ -146,102 +76,45 @@ class Trainer:
         if self.pending is not None:
             rollouts, self.pending = self.pending.result(), None
             return rollouts
-        return self.generate_rollouts(self.step)
+        return self.maker.generate(self.step)
 
     def start_next_rollouts(self) -> None:
         if self.executor is not None and self.step < self.total_steps():
-            self.pending = self.executor.submit(self.generate_rollouts, self.step + 1)
+            self.pending = self.executor.submit(self.maker.generate, self.step + 1)
 
     def wait_pending_rollouts(self) -> None:
         if self.pending is not None:
             self.pending_rollouts, self.pending = self.pending.result(), None
 
-    def score_and_prune(self, rollouts: Rollouts | None) -> Experience:
+    def make_experience(self, rollouts: Rollouts | None, elapsed_s: float) -> Experience:
         """rank 0 computes, every rank receives: rewards → advantages (full groups) → history → DAPO → pruning."""
-        experience = [self._score_and_prune(rollouts) if self.rank0 else None]
+        progress = run_progress(self.step, elapsed_s, self.args.train_iters, self.args.time_budget_s)
+        experience = [self.maker.make(rollouts, self.step, progress) if self.rank0 else None]
         dist.broadcast_object_list(experience, src=0)
         return experience[0]
 
-    def _score_and_prune(self, rollouts: Rollouts) -> Experience:
-        args, group = self.args, self.args.n_samples_per_prompt
-        start = time.perf_counter()
-        responses = [self.tokenizer.decode(ids) for ids in rollouts.output_ids]
-        references = [p.reference for p in rollouts.prompts for _ in range(group)]
-        rewards = torch.tensor(self.task.score(responses, references), dtype=torch.float64).view(-1, group)
-        reward_seconds = time.perf_counter() - start
-        lengths = torch.tensor([len(ids) for ids in rollouts.output_ids], dtype=torch.float64).view(-1, group)
-        advantages = compute_advantages(rewards, args.advantage_estimator)
-        prompt_ids = [p.prompt_id for p in rollouts.prompts]
-        if prompt_ids:
-            self.history.update(prompt_ids, score_prompts(rewards, advantages, self.pruner.prompt_score),
-                                lengths.mean(dim=1))
-        decision = rollouts.prompt_decision
-        groups = torch.arange(len(prompt_ids))
-        if self.dapo is not None:  # drop zero-variance groups (refilled by over-sampling), before the pruner
-            kept_flat = self.dapo.select_completions(rewards, advantages, lengths, decision, self.history,
-                                                     self.step).kept
-            groups = torch.unique(kept_flat // group)
-            decision = PromptDecision(decision.kept[groups], decision.weights[groups], decision.keep_probs,
-                                      decision.expected_response_lengths, decision.stats)
-        completion = self.pruner.select_completions(rewards[groups], advantages[groups], lengths[groups], decision,
-                                                    self.history, self.step)
-        samples = []
-        for flat, weight in zip(completion.kept.tolist(), completion.weights.tolist()):
-            prompt_index, sample = int(groups[flat // group]), flat % group
-            rollout_index = prompt_index * group + sample
-            samples.append(TrainingSample(
-                prompt_ids=rollouts.prompts[prompt_index].input_ids,
-                response_ids=rollouts.output_ids[rollout_index],
-                advantage=float(advantages[prompt_index, sample]), sample_weight=float(weight),
-                rollout_logprobs=torch.tensor(rollouts.output_logprobs[rollout_index], dtype=torch.float32)))
-        samples = [s for s in samples if len(s.response_ids) > 0]
-        normalizer = loss_normalizer(self.loss_config, completion.full_batch) if samples else 0.0
-        num_rollouts = max(rewards.numel(), 1)
-        stats = {  # the pruner's own stats first: ours, over the whole step, take precedence on shared names
-            **{k: float(v) for k, v in {**decision.stats, **completion.stats}.items()},
-            "reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
-            "accuracy": float((rewards == 1).double().mean()) if rewards.numel() else 0.0,
-            "zero_variance_group_fraction": float((rewards.std(dim=1) == 0).double().mean()) if len(rewards) else 0.0,
-            "kept_fraction_prompts": len(rollouts.prompts) / max(rollouts.num_drawn, 1),
-            "kept_fraction_completions": len(samples) / num_rollouts,
-            "kept_fraction": len(samples) / (max(rollouts.num_drawn, 1) * group),
-            "tokens_generated": int(lengths.sum()),
-            "tokens_per_second_rollout": float(lengths.sum()) / max(rollouts.seconds, 1e-9),
-            "seconds_rollout": rollouts.seconds,
-            "seconds_reward": reward_seconds,
-            "response_length_mean": float(lengths.mean()) if lengths.numel() else 0.0,
-            "sequences_trained": len(samples),
-        }
-        return Experience(samples, normalizer, stats)
-
     def pack(self, experience: Experience) -> tuple[list, dict]:
         """Dense Prompt Packing of the kept samples; this rank's micro-batches (the same on every TP/PP rank)."""
-        if not experience.samples:
-            return [], {"packing_density": 0.0, "micro_batches": 0}
-        lengths = [s.num_tokens for s in experience.samples]
-        dp_size = parallel_state.get_data_parallel_world_size()
-        rank_bins = pack(lengths, self.args.max_tokens_per_gpu, self.args.packing_window, dp_size,
-                         pad_multiple=self.pad_multiple)
-        mine = rank_bins[parallel_state.get_data_parallel_rank()]
-        micro_batches = [build_thd_batch(experience.samples, bin_, self.pad_multiple, self.tokenizer.pad_token_id)
-                         for bin_ in mine]
-        density = packing_density(rank_bins, lengths, self.args.max_tokens_per_gpu)
-        return micro_batches, {"packing_density": density, "micro_batches": len(mine)}
+        return pack_micro_batches(experience.samples, self.args.max_tokens_per_gpu, self.args.packing_window,
+                                  parallel_state.get_data_parallel_world_size(),
+                                  parallel_state.get_data_parallel_rank(), pad_multiple=self.pad_multiple,
+                                  pad_token_id=self.tokenizer.pad_token_id)
 
     def needs_old_logprob_pass(self) -> bool:
-        return self.args.ppo_epochs > 1 or self.args.async_rollout or self.args.algorithm == "d3s"
+        return self.args.ppo_epochs > 1 or self.args.async_rollout or self.pruner.selects_tokens
 
-    def compute_old_logprobs(self, micro_batches) -> float:
+    def compute_old_logprobs(self, micro_batches, experience: Experience) -> float:
         """Forward-only passes: old log-probs (and entropy for D3S) and reference log-probs, into the batches."""
         start = time.perf_counter()
-        vocab, d3s = self.actor.shape.vocab_size, self.args.algorithm == "d3s"
-        if micro_batches and self.needs_old_logprob_pass():
-            outputs = self.actor.forward(micro_batches, logprob_loss_fn(vocab, with_entropy=d3s))
+        vocab, with_entropy = self.actor.shape.vocab_size, self.pruner.selects_tokens
+        if self.needs_old_logprob_pass():
+            outputs = self.actor.forward(micro_batches, logprob_loss_fn(vocab, with_entropy=with_entropy)) \
+                if micro_batches else []
             for batch, output in zip(micro_batches, self._per_micro_batch(outputs, micro_batches)):
                 batch.old_logprobs = output["logprobs"]
                 batch.old_entropy = output.get("entropy")
-            if d3s:
-                self._select_d3s_tokens(micro_batches)
+            if with_entropy and parallel_state.is_pipeline_last_stage():  # where the entropy and the loss are
+                experience.normalizer_counts = select_step_tokens(self.pruner, micro_batches, experience.progress)
         if micro_batches and self.reference is not None:
             outputs = self.reference.forward(micro_batches, logprob_loss_fn(vocab))
             for batch, output in zip(micro_batches, self._per_micro_batch(outputs, micro_batches)):
@@ -253,26 +126,16 @@ class Trainer:
         placeholders on the other stages, which never read them."""
         return outputs if outputs else [{"logprobs": None} for _ in micro_batches]
 
-    def _select_d3s_tokens(self, micro_batches) -> None:
-        """D3S token level: keep the top-K% tokens by |A|·H of this rank's batches (exact at DP=1)."""
-        if micro_batches[0].old_entropy is None:
-            return
-        flat = {name: torch.cat([getattr(b, name) for b in micro_batches])
-                for name in ("advantages", "old_entropy", "loss_mask")}
-        selected, _ = self.pruner.select_tokens(flat["advantages"], flat["old_entropy"], flat["loss_mask"],
-                                                FullBatchInfo(1.0, float(flat["loss_mask"].sum())), self.step)
-        for batch, mask in zip(micro_batches, selected.split([b.num_tokens for b in micro_batches])):
-            batch.loss_mask = mask
-
     def update(self, micro_batches, experience: Experience) -> dict:
         """ppo_epochs optimizer steps over the packed batches with the policy loss; returns metrics."""
         start = time.perf_counter()
-        if not micro_batches or experience.normalizer <= 0:  # nothing kept: every rank skips alike
+        if not experience.samples:  # nothing kept: every rank skips alike
             return {"skipped_update": 1.0, "seconds_update": time.perf_counter() - start}
         collected: list[dict] = []
         grad_norm = 0.0
+        normalizer = loss_normalizer(self.loss_config, experience.normalizer_counts)
         for _ in range(self.args.ppo_epochs):
-            grad_norm, outputs = self.actor.train_step(micro_batches, self._policy_loss_fn(experience.normalizer))
+            grad_norm, outputs = self.actor.train_step(micro_batches, self._policy_loss_fn(normalizer))
             collected = outputs
         seconds = time.perf_counter() - start
         tokens = sum(b.num_valid_tokens for b in micro_batches) * self.args.ppo_epochs
@@ -290,17 +153,7 @@ class Trainer:
 
         def loss_fn(micro_batch, logits):
             logprobs, entropy = tensor_parallel_logprobs(logits, next_token_targets(micro_batch), vocab)
-            old = micro_batch.old_logprobs if micro_batch.old_logprobs is not None else logprobs.detach()
-            loss, metrics = policy_loss(
-                config, logprobs=logprobs, old_logprobs=old, advantages=micro_batch.advantages,
-                loss_mask=micro_batch.loss_mask, sample_weights=micro_batch.sample_weights,
-                sample_ids=micro_batch.sample_index, normalizer=normalizer, ref_logprobs=micro_batch.ref_logprobs,
-                rollout_logprobs=micro_batch.rollout_logprobs, entropy=entropy if config.entropy_coef else None)
-            with torch.no_grad():
-                mask = micro_batch.loss_mask
-                gap = ((logprobs - micro_batch.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1)
-            metrics["logprob_gap_train_vs_rollout"] = float(gap)
-            return loss, metrics
+            return packed_policy_loss(config, micro_batch, logprobs, normalizer, entropy)
 
         return loss_fn
 
@@ -367,3 +220,36 @@ class Trainer:
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         return state
+
+
+def select_step_tokens(pruner, micro_batches, progress: float):
+    """D3S's token level over the WHOLE step: every data-parallel rank's tokens are gathered, the pruner selects once,
+    and each rank keeps its share in its batches' loss masks. Returns the counts the normaliser reads after it."""
+    fields = ("advantages", "old_entropy", "loss_mask", "sample_index")
+    mine = {name: torch.cat([getattr(b, name).reshape(-1).double() for b in micro_batches])
+            if micro_batches else torch.zeros(0, dtype=torch.float64) for name in fields}
+    gathered = {name: gather_data_parallel(mine[name]) for name in fields}
+    offset = gathered["loss_mask"][1]
+    selected, counts = pruner.select_tokens(gathered["advantages"][0], gathered["old_entropy"][0],
+                                            gathered["loss_mask"][0], gathered["sample_index"][0].long(), progress)
+    selected = selected[offset:offset + len(mine["loss_mask"])]
+    for batch, mask in zip(micro_batches, selected.split([b.num_tokens for b in micro_batches])):
+        batch.loss_mask = mask.to(batch.loss_mask.dtype)
+    return counts
+
+
+def gather_data_parallel(values: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """All data-parallel ranks' 1-D `values` (of any lengths) concatenated in rank order, and where this rank's
+    part starts in the concatenation."""
+    group = parallel_state.get_data_parallel_group()
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return values, 0
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([len(values)], dtype=torch.int64), group=group)
+    sizes = [int(size) for size in sizes]
+    padded = torch.zeros(max(sizes), dtype=values.dtype)
+    padded[:len(values)] = values
+    parts = [torch.zeros_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    offset = sum(sizes[:parallel_state.get_data_parallel_rank()])
+    return torch.cat([part[:size] for part, size in zip(parts, sizes)]), offset

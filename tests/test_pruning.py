@@ -6,12 +6,15 @@ import torch
 
 from megatron_dppo.algo import (
     PRUNERS,
+    DAPOConfig,
+    DAPOFilter,
     FullBatchInfo,
     LossConfig,
     PromptDecision,
     PromptHistory,
     build_pruner,
     compute_advantages,
+    full_batch_counts,
     loss_normalizer,
     max_variance_subset,
     proportional_keep_probs,
@@ -23,8 +26,7 @@ PRUNER_OPTIONS = {
     "none": {},
     "dppo": dict(prompt_prune_rate=0.5, completion_prune_rate=0.5),
     "cppo": dict(prune_rate=0.5),
-    "d3s": dict(total_steps=10),
-    "dapo": dict(oversample_factor=1.5),
+    "d3s": {},
 }
 
 
@@ -41,13 +43,14 @@ def seen_history(prompt_ids, rewards, advantages, lengths) -> PromptHistory:
     return history
 
 
-def run_step(pruner, rewards, advantages, lengths, history=None, step=0, prompt_ids=None):
-    """select_prompts then select_completions on the kept prompts, as the trainer does."""
+def run_step(pruner, rewards, advantages, lengths, history=None, step=0, prompt_ids=None, progress=0.0):
+    """select_prompts, the full batch's counts, then select_completions on the kept prompts, as the trainer does."""
     prompt_ids = list(range(rewards.shape[0])) if prompt_ids is None else prompt_ids
     prompt_decision = pruner.select_prompts(prompt_ids, history, step)
     kept = prompt_decision.kept
+    full_batch = full_batch_counts(prompt_decision, lengths[kept])
     return prompt_decision, pruner.select_completions(
-        rewards[kept], advantages[kept], lengths[kept], prompt_decision, history, step
+        rewards[kept], advantages[kept], lengths[kept], prompt_decision, full_batch, step, progress
     )
 
 
@@ -106,17 +109,18 @@ def test_prune_rate_zero_is_bit_identical_to_grpo(mode, keep_policy):
     rewards, advantages, lengths = random_batch()
     history = seen_history(range(6), rewards, advantages, lengths)
     grpo = run_step(build_pruner("none"), rewards, advantages, lengths, history)
-    dppo = run_step(build_pruner("dppo", mode=mode, keep_policy=keep_policy), rewards, advantages, lengths, history)
+    dppo = run_step(build_pruner("dppo", mode=mode, keep_policy=keep_policy, prompt_prune_rate=0.0,
+                                 completion_prune_rate=0.0), rewards, advantages, lengths, history)
     for grpo_decision, dppo_decision in zip(grpo, dppo):
         assert torch.equal(grpo_decision.kept, dppo_decision.kept)
         assert torch.equal(grpo_decision.weights, dppo_decision.weights)
-    assert grpo[1].full_batch == dppo[1].full_batch
+    assert grpo[1].normalizer_counts == dppo[1].normalizer_counts
     batch = make_policy_batch(lengths.reshape(-1), advantages.reshape(-1))
     config = LossConfig(**FULL_CONFIG, aggregation="token-mean")
     results = []
     for _, decision in (grpo, dppo):
         weights = torch.zeros(24, dtype=torch.float64).index_put_((decision.kept,), decision.weights)
-        loss, _ = batch.loss(config, weights, loss_normalizer(config, decision.full_batch))
+        loss, _ = batch.loss(config, weights, loss_normalizer(config, decision.normalizer_counts))
         results.append((loss, batch.gradient(loss)))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
@@ -135,7 +139,7 @@ def test_same_seed_and_step_give_the_same_decision_on_every_rank():
 def test_unseen_prompts_are_never_pruned_before_rollout():
     rewards, advantages, lengths = random_batch(num_prompts=8)
     history = seen_history(range(4), rewards[:4], advantages[:4], lengths[:4])  # prompts 4..7 never seen
-    pruner = build_pruner("dppo", prompt_prune_rate=0.8)
+    pruner = build_pruner("dppo", prompt_prune_rate=0.8, keep_policy="uniform", candidates="all")
     for step in range(50):
         decision = pruner.select_prompts(range(8), history, step)
         assert {4, 5, 6, 7} <= set(decision.kept.tolist())
@@ -150,7 +154,7 @@ def test_unsolved_rate_scores_only_solved_prompts_as_worthless():
     assert score_prompts(rewards, advantages, "mean_abs_advantage")[:2].tolist() == [0.0, 0.0]
     assert score_prompts(rewards, advantages, "unsolved_rate").tolist() == [0.0, 1.0, 0.75]
     history = PromptHistory()
-    history.update(range(3), score_prompts(rewards, advantages, "unsolved_rate"))
+    history.update(range(3), score_prompts(rewards, advantages, "unsolved_rate"), torch.full((3,), 5.0))
     pruner = build_pruner("dppo", prompt_prune_rate=0.5, prompt_score="unsolved_rate", candidates="below_mean")
     assert pruner.prompt_score == "unsolved_rate"
     for step in range(20):
@@ -175,7 +179,7 @@ def test_below_mean_candidates_keep_every_above_mean_item():
 
 def test_deterministic_dppo_drops_the_lowest_abs_advantage_per_group_and_rescales():
     rewards, advantages, lengths = random_batch(num_prompts=3, group_size=5)
-    _, decision = run_step(build_pruner("dppo", completion_prune_rate=0.5, mode="deterministic"),
+    _, decision = run_step(build_pruner("dppo", completion_prune_rate=0.5, mode="deterministic", candidates="all"),
                            rewards, advantages, lengths)
     for group in range(3):
         kept = [i - 5 * group for i in decision.kept.tolist() if i // 5 == group]
@@ -187,14 +191,14 @@ def test_dppo_normaliser_is_fixed_before_the_draw_even_when_history_lengths_are_
     rewards, advantages, lengths = random_batch()
     history = PromptHistory()
     history.update(range(6), score_prompts(rewards, advantages), lengths.double().mean(dim=1) + 3.0)
-    pruner = build_pruner("dppo", **PRUNER_OPTIONS["dppo"])
-    bases = {run_step(pruner, rewards, advantages, lengths, history, step)[1].full_batch for step in range(30)}
+    pruner = build_pruner("dppo", keep_policy="uniform", candidates="all", **PRUNER_OPTIONS["dppo"])
+    bases = {run_step(pruner, rewards, advantages, lengths, history, step)[1].normalizer_counts for step in range(30)}
     assert bases == {FullBatchInfo(num_sequences=24.0, num_response_tokens=float(lengths.sum()) + 24 * 3.0)}
 
 
 def test_every_completion_of_a_prompt_pruned_leaves_a_valid_step():
     rewards, advantages, lengths = random_batch()
-    pruner = build_pruner("dppo", completion_prune_rate=0.7)
+    pruner = build_pruner("dppo", completion_prune_rate=0.7, keep_policy="uniform", candidates="all")
     batch = make_policy_batch(lengths.reshape(-1), advantages.reshape(-1))
     config = LossConfig(**FULL_CONFIG)
     emptied_groups = 0
@@ -202,9 +206,10 @@ def test_every_completion_of_a_prompt_pruned_leaves_a_valid_step():
         _, decision = run_step(pruner, rewards, advantages, lengths, step=step)
         groups_kept = set((decision.kept // 4).tolist())
         emptied_groups += 6 - len(groups_kept)
-        assert decision.full_batch.num_sequences == 24.0  # a fully pruned prompt still counts in the normaliser
+        assert decision.normalizer_counts.num_sequences == 24.0  # a fully pruned prompt still counts in the normaliser
         weights = torch.zeros(24, dtype=torch.float64).index_put_((decision.kept,), decision.weights)
-        loss, _ = batch.loss(config, weights, loss_normalizer(config, decision.full_batch), samples=decision.kept)
+        normalizer = loss_normalizer(config, decision.normalizer_counts)
+        loss, _ = batch.loss(config, weights, normalizer, samples=decision.kept)
         assert torch.isfinite(loss) and torch.isfinite(batch.gradient(loss)).all()
     assert emptied_groups > 0, "the draws never emptied a group: the edge case was not exercised"
 
@@ -223,7 +228,7 @@ def test_cppo_keeps_exactly_the_k_largest_abs_advantages(scope):
         expected = magnitude.reshape(-1).topk(10).indices
     assert torch.equal(decision.kept, expected.sort().values)
     assert torch.equal(decision.weights, torch.ones(len(expected), dtype=torch.float64))
-    assert decision.full_batch == FullBatchInfo.from_lengths(lengths.reshape(-1)[expected])
+    assert decision.normalizer_counts == FullBatchInfo.from_lengths(lengths.reshape(-1)[expected])
 
 
 def test_cppo_refill_samples_more_prompts_and_rejects_keeping_nothing():
@@ -257,37 +262,57 @@ def test_d3s_max_variance_subset_equals_brute_force(n):
                 assert found.tolist() == list(ranked[0])
 
 
-def test_d3s_schedule_is_linear_and_selects_samples_then_tokens():
+def test_d3s_schedule_is_linear_in_progress_and_selects_samples_then_tokens():
     pruner = build_pruner("d3s", sample_fraction_init=0.25, sample_fraction_final=0.75, token_fraction_init=0.2,
-                          token_fraction_final=0.6, total_steps=10)
-    assert pruner.fractions(0) == (0.25, 0.2)
-    assert pruner.fractions(5) == pytest.approx((0.5, 0.4))
-    assert pruner.fractions(99) == pytest.approx((0.75, 0.6))
+                          token_fraction_final=0.6)
+    assert pruner.fractions(0.0) == (0.25, 0.2)
+    assert pruner.fractions(0.5) == pytest.approx((0.5, 0.4))
+    assert pruner.fractions(3.0) == pytest.approx((0.75, 0.6))
     rewards, advantages, lengths = random_batch(num_prompts=4, group_size=4)
-    _, decision = run_step(pruner, rewards, advantages, lengths, step=0)
+    _, decision = run_step(pruner, rewards, advantages, lengths, step=0, progress=0.0)
     assert torch.equal(decision.kept, max_variance_subset(advantages.reshape(-1), 4))
-    assert decision.full_batch == FullBatchInfo.from_lengths(lengths.reshape(-1)[decision.kept])
+    assert decision.normalizer_counts == FullBatchInfo.from_lengths(lengths.reshape(-1)[decision.kept])
 
     generator = torch.Generator().manual_seed(0)
     token_advantages = torch.randn(50, generator=generator)
     entropy = torch.rand(50, generator=generator)
     loss_mask = torch.ones(50)
     loss_mask[:10] = 0
-    mask, full_batch = pruner.select_tokens(token_advantages, entropy, loss_mask, FullBatchInfo(4.0, 40.0), step=0)
+    sample_ids = torch.arange(50) // 10  # 5 samples of 10 tokens; sample 0 is all masked
+    mask, counts = pruner.select_tokens(token_advantages, entropy, loss_mask, sample_ids, progress=0.0)
     key = (token_advantages.abs() * entropy)[10:]
-    assert full_batch == FullBatchInfo(4.0, 8.0)  # round(0.2 · 40)
-    assert torch.equal(mask[10:].nonzero().squeeze(1), key.topk(8).indices.sort().values)
+    selected = key.topk(8).indices.sort().values  # round(0.2 · 40) tokens
+    assert torch.equal(mask[10:].nonzero().squeeze(1), selected)
     assert mask[:10].sum() == 0
+    # the normaliser counts what the token level kept: its tokens and the samples that kept at least one
+    assert counts == FullBatchInfo(float(len(torch.unique(selected // 10))), 8.0)
 
 
-def test_dapo_drops_zero_variance_groups_and_refills_to_the_batch_size():
-    pruner = build_pruner("dapo", oversample_factor=1.5)
-    assert pruner.prompts_to_sample(4) == 6
+def test_dapo_drops_zero_variance_groups():
+    dapo = DAPOFilter(DAPOConfig())
+    assert dapo.prompts_to_sample(4) == 4
     rewards = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
-    _, decision = run_step(pruner, rewards, compute_advantages(rewards), torch.ones(6, 2, dtype=torch.int64))
-    assert decision.kept.tolist() == [2, 3, 6, 7, 8, 9, 10, 11]  # groups 1, 3, 4, 5: floor(6 / 1.5) = 4 allowed
-    _, decision = run_step(pruner, rewards[1:], compute_advantages(rewards[1:]), torch.ones(5, 2, dtype=torch.int64))
-    assert decision.kept.tolist() == [0, 1, 4, 5, 6, 7]  # floor(5 / 1.5) = 3 groups at most
+    groups = dapo.select_groups(rewards, capacity=6, step=0)
+    assert groups.kept.tolist() == [1, 3, 4, 5] and groups.weights.tolist() == [1.0] * 4
+
+
+def test_dapo_oversampling_keeps_a_random_capacity_of_varied_groups_weighted_by_varied_over_capacity():
+    dapo = DAPOFilter(DAPOConfig(oversample_factor=1.5, seed=3))
+    assert dapo.prompts_to_sample(4) == 6
+    rewards = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+    inclusion = torch.zeros(6, dtype=torch.float64)
+    draws = 4000
+    for step in range(draws):
+        groups = dapo.select_groups(rewards, capacity=3, step=step)
+        assert len(groups.kept) == 3 and set(groups.kept.tolist()) <= {1, 3, 4, 5}
+        torch.testing.assert_close(groups.weights, torch.full((3,), 4 / 3, dtype=torch.float64))
+        inclusion[groups.kept] += 1
+    # each of the 4 varied groups is kept with probability 3/4: the weight 4/3 is its inverse (±4 SE)
+    assert inclusion[[0, 2]].tolist() == [0.0, 0.0]
+    standard_error = (0.75 * 0.25 / draws) ** 0.5
+    assert ((inclusion[[1, 3, 4, 5]] / draws - 0.75).abs() < 4 * standard_error).all()
+    assert dapo.select_groups(rewards, capacity=3, step=7).kept.tolist() == \
+        dapo.select_groups(rewards, capacity=3, step=7).kept.tolist(), "a step's draw is reproducible"
 
 
 # ------------------------------------------------------------------------------------------------ edge cases
@@ -304,23 +329,20 @@ def test_all_equal_rewards_in_a_group_give_a_valid_decision(name):
                                              history, step)
         assert torch.isfinite(decision.weights).all() and (decision.weights > 0).all()
         assert decision.kept.max().item() < 4 * len(prompt_decision.kept)
-        if name == "dapo":
-            assert not set(range(8, 12)) & set(decision.kept.tolist())
 
 
-@pytest.mark.parametrize("name", ["none", "dppo", "d3s", "dapo"])
+@pytest.mark.parametrize("name", ["none", "dppo", "d3s"])
 def test_group_of_one_completion_is_handled(name):
     rewards, _, lengths = random_batch(group_size=1)
     advantages = compute_advantages(rewards)
     history = seen_history(range(6), rewards, advantages, lengths)
     _, decision = run_step(build_pruner(name, **PRUNER_OPTIONS[name]), rewards, advantages, lengths, history)
     assert torch.isfinite(decision.weights).all()
-    if name == "dapo":
-        assert len(decision.kept) == 0  # a single completion has no variance: DAPO drops it
-    elif name == "d3s":
-        assert len(decision.kept) == 3  # round(0.5 · 6) samples, at the schedule's start
+    assert len(DAPOFilter(DAPOConfig()).select_groups(rewards, 6, 0).kept) == 0  # no variance in a group of one
+    if name == "d3s":
+        assert len(decision.kept) == 2  # round(0.25 · 6) samples, at the schedule's start
     else:
-        assert decision.full_batch.num_sequences == 6
+        assert decision.normalizer_counts.num_sequences == 6
 
 
 def test_nan_reward_is_rejected_by_the_pruner_naming_the_sample():
@@ -328,13 +350,15 @@ def test_nan_reward_is_rejected_by_the_pruner_naming_the_sample():
     rewards[3, 2] = float("nan")
     pruner = build_pruner("dppo", **PRUNER_OPTIONS["dppo"])
     with pytest.raises(ValueError, match="prompt index 3, sample index 2"):
-        pruner.select_completions(rewards, advantages, lengths, PromptDecision.keep_all(6), None, 0)
+        pruner.select_completions(rewards, advantages, lengths, PromptDecision.keep_all(6),
+                                  FullBatchInfo.from_lengths(lengths), 0)
 
 
 def test_completion_inputs_must_match_the_prompt_decision():
     rewards, advantages, lengths = random_batch()
     with pytest.raises(ValueError, match="kept 5 prompts but rewards has 6 rows"):
-        build_pruner("none").select_completions(rewards, advantages, lengths, PromptDecision.keep_all(5), None, 0)
+        build_pruner("none").select_completions(rewards, advantages, lengths, PromptDecision.keep_all(5),
+                                                FullBatchInfo.from_lengths(lengths), 0)
 
 
 # -------------------------------------------------------------------------------------------------- history
@@ -365,7 +389,7 @@ def test_prompt_history_is_an_ema_and_survives_a_checkpoint():
 def test_dppo_prompt_score_flag_reaches_the_pruner_and_is_refused_for_other_algorithms(capsys):
     from megatron_dppo.algo import PROMPT_SCORES
     from megatron_dppo.arguments import build_parser, parse_args
-    from megatron_dppo.trainer import pruner_options
+    from megatron_dppo.experience import pruner_options
 
     flag = next(a for a in build_parser()._actions if "--dppo-prompt-score" in a.option_strings)
     assert tuple(flag.choices) == PROMPT_SCORES  # the parser's copy of the names stays the pruner's
@@ -376,3 +400,31 @@ def test_dppo_prompt_score_flag_reaches_the_pruner_and_is_refused_for_other_algo
     with pytest.raises(SystemExit):
         parse_args(["--algorithm", "grpo", "--dppo-prompt-score", "unsolved_rate"])
     assert "--dppo-prompt-score only applies to --algorithm dppo" in capsys.readouterr().err
+
+
+def test_run_progress_follows_whichever_of_steps_and_time_budget_ends_the_run():
+    from megatron_dppo.experience import run_progress
+
+    assert run_progress(5, 10.0, train_iters=20, time_budget_s=None) == 0.25
+    assert run_progress(5, 10.0, train_iters=None, time_budget_s=40.0) == 0.25  # a time-budgeted run
+    assert run_progress(5, 30.0, train_iters=20, time_budget_s=40.0) == 0.75  # the budget ends it first
+    assert run_progress(50, 90.0, train_iters=20, time_budget_s=40.0) == 1.0
+    assert run_progress(5, 10.0, train_iters=None, time_budget_s=None) == 0.0
+
+
+def test_a_prompt_without_a_recorded_length_is_never_a_candidate():
+    rewards, advantages, lengths = random_batch(num_prompts=4)
+    history = PromptHistory()
+    history.update([0, 1], score_prompts(rewards[:2], advantages[:2]))  # scores, no lengths
+    history.update([2, 3], score_prompts(rewards[2:], advantages[2:]), lengths[2:].double().mean(dim=1))
+    pruner = build_pruner("dppo", keep_policy="uniform", candidates="all")
+    for step in range(20):
+        decision = pruner.select_prompts(range(4), history, step)
+        assert decision.keep_probs[:2].tolist() == [1.0, 1.0] and (decision.keep_probs[2:] < 1).all()
+        counts = full_batch_counts(decision, lengths[decision.kept])
+        assert counts.num_response_tokens == pytest.approx(
+            float(lengths[:2].sum()) + 4 * float(lengths[2:].double().mean(dim=1).sum()))
+    decision = pruner.select_prompts(range(4), history, 0)
+    decision.expected_response_lengths[2] = float("nan")
+    with pytest.raises(ValueError, match="has no history response length"):
+        full_batch_counts(decision, lengths[decision.kept])

@@ -149,3 +149,5 @@ def test_async_d3s_with_reference_kl_and_two_epochs_runs(cache_dir, tmp_path):
         if not m["skipped_update"]:
             assert math.isfinite(m["kl"]) and math.isfinite(m["entropy"]) and math.isfinite(m["pg_loss"])
             assert m["seconds_logprobs"] > 0
+        # the schedule follows the run's length: step / --train-iters here (the time budget is far away)
+        assert m["d3s_sample_fraction"] == pytest.approx(0.25 + 0.5 * m["step"] / 3)

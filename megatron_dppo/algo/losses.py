@@ -1,7 +1,8 @@
 """The GRPO-family policy loss of one packed micro-batch, with global normalisers.
 
-once per step:  full_batch = decision.full_batch → normalizer = loss_normalizer(config, full_batch)
+once per step:  counts = decision.normalizer_counts → normalizer = loss_normalizer(config, counts)
 per micro-batch: loss, metrics = policy_loss(config, per-token tensors, normalizer) → loss.backward()
+                 (packed_policy_loss takes a packed THD micro-batch and the model's log-probs)
 
 Per token t of sample i (all inputs are flat [tokens], THD layout, a sample id per token):
   ratio      ρ = exp(logp - old_logp)                      token level (PPO/GRPO)
@@ -73,8 +74,9 @@ class LossConfig:
 class FullBatchInfo:
     """What the loss normaliser counts: the sequences and response tokens of the batch the loss averages over.
 
-    For DPPO this is the FULL (unpruned) batch, fixed before the pruning draw; for the biased pruners (CPPO,
-    D3S, DAPO) it is the kept batch, as their papers renormalise over the survivors.
+    For GRPO and DPPO, with or without the DAPO filter, this is the step's FULL batch (every drawn prompt x G,
+    pruning.full_batch_counts), fixed before any filter or pruning draw; for CPPO and D3S it is the survivors, as
+    their papers renormalise (biased by design).
     """
 
     num_sequences: float
@@ -190,6 +192,27 @@ def policy_loss(
         if config.tis_cap is not None:
             metrics["tis_weight_mean"] = token_mean(importance_weight)
             metrics["tis_capped_fraction"] = token_mean(importance_weight >= config.tis_cap)
+    return loss, metrics
+
+
+def packed_policy_loss(config: LossConfig, batch, logprobs: torch.Tensor, normalizer: float,
+                       entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """policy_loss of one packed THD micro-batch (packing.THDBatch) from the model's per-token `logprobs` [T].
+
+    On-policy with one update pass there is no old-log-prob pass: the old log-probs are the current ones, detached
+    (the ratio is exactly 1 and the gradient is the policy gradient).
+    """
+    old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+    loss, metrics = policy_loss(
+        config, logprobs=logprobs, old_logprobs=old, advantages=batch.advantages, loss_mask=batch.loss_mask,
+        sample_weights=batch.sample_weights, sample_ids=batch.sample_index, normalizer=normalizer,
+        ref_logprobs=batch.ref_logprobs, rollout_logprobs=batch.rollout_logprobs,
+        entropy=entropy if config.entropy_coef else None)
+    if batch.rollout_logprobs is not None:
+        with torch.no_grad():
+            mask = batch.loss_mask
+            gap = ((logprobs - batch.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1)
+        metrics["logprob_gap_train_vs_rollout"] = float(gap)
     return loss, metrics
 
 

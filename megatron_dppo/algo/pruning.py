@@ -1,20 +1,27 @@
 """Pruners: one registry, one interface. Which prompts to roll out, which completions (and tokens) to train on.
 
-per step, in the trainer:
-  prompts_to_sample(batch_size)                            how many prompts to draw (CPPO / DAPO refill)
-  select_prompts(prompt_ids, history, step)    → PromptDecision        BEFORE rollout (DPPO level 1)
+per step, in the trainer (megatron_dppo/experience.py):
+  prompts_to_sample(batch_size)                          how many prompts to draw (CPPO refill; DAPO over-sampling)
+  select_prompts(prompt_ids, history, step)  → PromptDecision                  BEFORE rollout (DPPO level 1)
   rollout, rewards, advantages on the FULL groups of the kept prompts
-  select_completions(rewards, advantages, lengths, prompt_decision, history, step) → CompletionDecision
-  loss_normalizer(loss_config, decision.full_batch)                    once, before micro-batching
-  select_tokens(token_advantages, token_entropy, loss_mask, full_batch, step)  (D3S token level; else identity)
+  full_batch_counts(prompt_decision, lengths) → FullBatchInfo   the step's full batch: ONE rule, fixed before any
+                                                                 filter or pruning draw
+  DAPOFilter.select_groups(rewards, capacity, step)             zero-variance groups out (optional)
+  select_completions(rewards, advantages, lengths, prompt_decision, full_batch, step, progress) → CompletionDecision
+  loss_normalizer(loss_config, decision.normalizer_counts)      once, before micro-batching
+  select_tokens(token_advantages, token_entropy, loss_mask, sample_ids, progress)   (D3S token level only)
 
 Registry (PRUNERS, build_pruner):
-  none  GRPO: keep everything.
-  dppo  two levels, stochastic (unbiased: keep with probability p, weight 1/p, product over levels, FULL-batch
-        normalisers) or deterministic (the paper's Algorithm 1: drop the floor(r·n) lowest, rescale the rest).
-  cppo  keep the k = floor(G(1-P)) largest |A| per group or over the batch; no correction (biased by design).
-  d3s   keep the subset of maximal Var(A), then the top-K% tokens by |A|·H; both relaxed by a linear schedule.
-  dapo  drop groups whose rewards are all equal; over-sample prompts to refill the batch.
+  none  GRPO: keep everything; normalise by the full batch.
+  dppo  two levels, stochastic (unbiased: keep with probability p, weight 1/p, product over levels, the full batch's
+        normaliser) or deterministic (the paper's Algorithm 1: drop the floor(r·n) lowest, rescale the rest).
+  cppo  keep the k = floor(G(1-P)) largest |A| per group or over the batch; renormalise over the survivors (biased
+        by design, as its paper).
+  d3s   keep the subset of maximal Var(A), then the top-K% tokens by |A|·H; both relaxed by a linear schedule over
+        the run's progress; renormalise over the survivors (biased by design).
+The DAPO filter is not a pruner but a level every pruner can run behind: it drops groups whose rewards are all equal
+(their policy-gradient term is exactly 0) and, when over-sampling brings more varied groups than the batch holds,
+keeps a uniform random `capacity` of them with weight V / capacity, so the dropped ones carry their weight.
 
 Randomness: a draw uses a generator seeded by (seed, step, level) only, so every data-parallel rank makes the
 same decision without communication, and a resumed run repeats it without saving RNG state.
@@ -29,7 +36,8 @@ from megatron_dppo.algo.advantages import check_rewards
 from megatron_dppo.algo.history import PROMPT_SCORES, PromptHistory
 from megatron_dppo.algo.losses import FullBatchInfo
 
-PROMPT_LEVEL, COMPLETION_LEVEL = 0, 1
+PROMPT_LEVEL, COMPLETION_LEVEL, DAPO_LEVEL = 0, 1, 2
+NUM_LEVELS = 3
 
 
 @dataclass
@@ -43,6 +51,12 @@ class PromptDecision:
     @property
     def num_prompts(self) -> int:
         return self.keep_probs.numel()
+
+    def restricted_to(self, rows: torch.Tensor, row_weights: torch.Tensor) -> "PromptDecision":
+        """The decision for a subset `rows` of the kept prompts (a filter behind the prompt level), their weights
+        multiplied by the filter's own `row_weights`; keep probabilities of all drawn prompts unchanged."""
+        return PromptDecision(self.kept[rows], self.weights[rows] * row_weights, self.keep_probs,
+                              self.expected_response_lengths, self.stats)
 
     @classmethod
     def keep_all(cls, num_prompts: int) -> "PromptDecision":
@@ -59,7 +73,7 @@ class PromptDecision:
 class CompletionDecision:
     kept: torch.Tensor  # [num_kept] int64 flat indices prompt * G + completion into the [num_kept_prompts, G] batch
     weights: torch.Tensor  # [num_kept] float64 sample weights, the product over levels
-    full_batch: FullBatchInfo  # what the loss normaliser counts
+    normalizer_counts: FullBatchInfo  # what the loss normaliser counts: the full batch, or the survivors (CPPO, D3S)
     stats: dict[str, float] = field(default_factory=dict)
 
 
@@ -67,6 +81,7 @@ class Pruner:
     """Keeps everything (GRPO). The other pruners override the levels they prune at."""
 
     prompt_score = "mean_abs_advantage"  # the score the trainer records in the PromptHistory
+    selects_tokens = False  # True: the trainer runs select_tokens on the old policy's entropy (D3S)
 
     def prompts_to_sample(self, batch_size: int) -> int:
         return batch_size
@@ -74,15 +89,14 @@ class Pruner:
     def select_prompts(self, prompt_ids, history: PromptHistory | None, step: int) -> PromptDecision:
         return PromptDecision.keep_all(len(prompt_ids))
 
-    def select_completions(self, rewards, advantages, lengths, prompt_decision, history, step) -> CompletionDecision:
+    def select_completions(self, rewards, advantages, lengths, prompt_decision, full_batch: FullBatchInfo, step: int,
+                           progress: float = 0.0) -> CompletionDecision:
+        """Which of the rolled-out completions train, with their weights; `full_batch` is the step's full batch
+        (full_batch_counts), `progress` the run's progress in [0, 1] (D3S's schedule)."""
         check_completion_inputs(rewards, advantages, lengths, prompt_decision)
         keep = torch.ones_like(advantages, dtype=torch.bool)
         weights = prompt_decision.weights[:, None].expand_as(keep)
-        return completion_decision(keep, weights, FullBatchInfo.from_lengths(lengths), prompt_decision)
-
-    def select_tokens(self, token_advantages, token_entropy, loss_mask, full_batch: FullBatchInfo, step: int):
-        """Token-level selection over the whole step's kept tokens: (loss_mask, full_batch), unchanged here."""
-        return loss_mask, full_batch
+        return completion_decision(keep, weights, full_batch, prompt_decision)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -104,7 +118,28 @@ def check_completion_inputs(rewards, advantages, lengths, prompt_decision: Promp
         raise ValueError("response lengths must be >= 0")
 
 
-def completion_decision(keep, weights, full_batch, prompt_decision, extra_stats=None) -> CompletionDecision:
+def full_batch_counts(prompt_decision: PromptDecision, lengths: torch.Tensor) -> FullBatchInfo:
+    """The step's full batch: every drawn prompt x G, fixed before any filter or pruning draw (the one rule).
+
+    `lengths` [num_kept_prompts, G] are the response lengths of the prompts the prompt level kept. A prompt kept
+    with probability 1 counts its real tokens. A prompt that could have been pruned (p < 1) counts G x its history
+    mean response length, known before rollout, whether or not the draw kept it, so that the count does not depend
+    on the draw (a random normaliser would make the loss a ratio of random sums, and biased). The DAPO filter and
+    the completion level come later, so the groups and samples they drop are counted too.
+    """
+    group_size = lengths.shape[1]
+    kept_probs = prompt_decision.keep_probs[prompt_decision.kept]
+    tokens = float(lengths.to(torch.float64).sum(dim=1)[kept_probs >= 1.0].sum())
+    uncertain = prompt_decision.keep_probs < 1.0
+    expected = prompt_decision.expected_response_lengths[uncertain]
+    if torch.isnan(expected).any():
+        raise ValueError("a prompt with keep probability < 1 has no history response length: the prompt level may "
+                         "only prune prompts whose length it knows (PromptHistory.update with mean_response_lengths)")
+    tokens += group_size * float(expected.sum())
+    return FullBatchInfo(num_sequences=float(prompt_decision.num_prompts * group_size), num_response_tokens=tokens)
+
+
+def completion_decision(keep, weights, normalizer_counts, prompt_decision, extra_stats=None) -> CompletionDecision:
     """Flatten a [P, G] keep mask and weights into a CompletionDecision with the common stats."""
     kept = keep.reshape(-1).nonzero().squeeze(1)
     kept_weights = weights.reshape(-1)[kept].to(torch.float64)
@@ -118,12 +153,12 @@ def completion_decision(keep, weights, full_batch, prompt_decision, extra_stats=
         "weight_max": float(kept_weights.max()) if len(kept) else 0.0,
         **(extra_stats or {}),
     }
-    return CompletionDecision(kept=kept, weights=kept_weights, full_batch=full_batch, stats=stats)
+    return CompletionDecision(kept=kept, weights=kept_weights, normalizer_counts=normalizer_counts, stats=stats)
 
 
 def step_generator(seed: int, step: int, level: int) -> torch.Generator:
     generator = torch.Generator()
-    generator.manual_seed((seed * 1_000_003 + step * 2 + level) % (2**63))
+    generator.manual_seed((seed * 1_000_003 + step * NUM_LEVELS + level) % (2**63))
     return generator
 
 
@@ -175,16 +210,16 @@ def proportional_keep_probs(scores: torch.Tensor, keep_fraction: float, p_min: f
 
 @dataclass
 class DPPOConfig:
-    prompt_prune_rate: float = 0.0  # r_q: expected fraction of prompt candidates pruned before rollout
-    completion_prune_rate: float = 0.0  # r_o: expected fraction of completion candidates pruned after rewards
+    prompt_prune_rate: float = 0.5  # r_q: expected fraction of prompt candidates pruned before rollout
+    completion_prune_rate: float = 0.5  # r_o: expected fraction of completion candidates pruned after rewards
     mode: str = "stochastic"  # "stochastic" (unbiased) | "deterministic" (the paper's Algorithm 1)
-    keep_policy: str = "uniform"  # "uniform" (p = 1 - r) | "proportional" (p ∝ score, floored at a p_min)
+    keep_policy: str = "proportional"  # "uniform" (p = 1 - r) | "proportional" (p ∝ score, floored at a p_min)
     # The prompt floor is higher: a history score is a stale guess (a prompt all-correct last time may be informative
     # now, and would then carry weight 1/p_min), while a completion's |A| is exact (bench/pruning_variance.py).
     prompt_p_min: float = 0.3
     completion_p_min: float = 0.05
-    candidates: str = "all"  # "all" | "below_mean" (only items scoring <= the mean: batch for prompts, group for
-    # completions, may be pruned; InfoBatch-style, our reading of "low |A|")
+    candidates: str = "below_mean"  # "all" | "below_mean" (only items scoring <= the mean: batch for prompts,
+    # group for completions, may be pruned; InfoBatch-style, our reading of "low |A|")
     prompt_score: str = "mean_abs_advantage"  # what the history records per prompt
     seed: int = 0
 
@@ -220,8 +255,10 @@ class DPPOPruner(Pruner):
         if history is None:
             history = PromptHistory()
         scores, lengths, seen = history.lookup(prompt_ids)
-        # a prompt never seen has no score: it is never a pruning candidate.
-        candidates = seen & self._below_mean(scores, seen)
+        # a prompt never seen has no score, and one without a recorded length could not be counted in the full
+        # batch before the draw (full_batch_counts): neither is ever a pruning candidate.
+        known = seen & ~torch.isnan(lengths)
+        candidates = known & self._below_mean(scores, known)
         keep, keep_probs, weights = self._prune(
             scores.nan_to_num(0.0), candidates, self.config.prompt_prune_rate, self.config.prompt_p_min, step,
             PROMPT_LEVEL, groups=None,
@@ -233,7 +270,8 @@ class DPPOPruner(Pruner):
         }
         return PromptDecision(kept, weights[kept], keep_probs, lengths, stats)
 
-    def select_completions(self, rewards, advantages, lengths, prompt_decision, history, step) -> CompletionDecision:
+    def select_completions(self, rewards, advantages, lengths, prompt_decision, full_batch, step,
+                           progress=0.0) -> CompletionDecision:
         check_completion_inputs(rewards, advantages, lengths, prompt_decision)
         scores = advantages.abs().to(torch.float64)  # [P, G], from the FULL group
         group_means = scores.mean(dim=1, keepdim=True).expand_as(scores)
@@ -246,7 +284,6 @@ class DPPOPruner(Pruner):
             self.config.completion_p_min, step, COMPLETION_LEVEL, groups=scores.shape,
         )
         weights = weights.reshape(scores.shape) * prompt_decision.weights[:, None]
-        full_batch = self._full_batch(lengths, prompt_decision)
         stats = {"completion_candidates_fraction": float(candidates.double().mean()) if candidates.numel() else 0.0}
         return completion_decision(keep.reshape(scores.shape), weights, full_batch, prompt_decision, stats)
 
@@ -289,28 +326,6 @@ class DPPOPruner(Pruner):
             keep_probs[group, candidates[group]] = (num_candidates - num_dropped) / num_candidates
         return keep.reshape(-1), keep_probs.reshape(-1), 1.0 / keep_probs.reshape(-1)
 
-    @staticmethod
-    def _full_batch(lengths, prompt_decision: PromptDecision) -> FullBatchInfo:
-        """The FULL batch's counts, fixed before the pruning draws (see docs/algorithms.md, token-mean).
-
-        Prompts kept with probability 1 contribute their real token counts. Prompts that could have been pruned
-        contribute G × their history mean response length, which is known before rollout; where the history has
-        no length, the Horvitz–Thompson estimate Σ_kept tokens / p (unbiased, but random) stands in.
-        """
-        group_size = lengths.shape[1]
-        keep_probs = prompt_decision.keep_probs
-        kept_probs = keep_probs[prompt_decision.kept]
-        kept_tokens = lengths.to(torch.float64).sum(dim=1)
-        certain = kept_probs >= 1.0
-        tokens = float(kept_tokens[certain].sum())
-        expected = prompt_decision.expected_response_lengths
-        uncertain = keep_probs < 1.0
-        known = uncertain & ~torch.isnan(expected)
-        tokens += group_size * float(expected[known].sum())
-        unknown_kept = ~certain & torch.isnan(expected[prompt_decision.kept])
-        tokens += float((kept_tokens[unknown_kept] / kept_probs[unknown_kept]).sum())
-        return FullBatchInfo(num_sequences=float(prompt_decision.num_prompts * group_size), num_response_tokens=tokens)
-
 
 # ----------------------------------------------------------------------------------------------------- CPPO
 
@@ -334,7 +349,8 @@ class CPPOPruner(Pruner):
     def prompts_to_sample(self, batch_size: int) -> int:
         return int(batch_size / (1.0 - self.config.prune_rate)) if self.config.refill else batch_size
 
-    def select_completions(self, rewards, advantages, lengths, prompt_decision, history, step) -> CompletionDecision:
+    def select_completions(self, rewards, advantages, lengths, prompt_decision, full_batch, step,
+                           progress=0.0) -> CompletionDecision:
         check_completion_inputs(rewards, advantages, lengths, prompt_decision)
         num_prompts, group_size = advantages.shape
         keep_rate = 1.0 - self.config.prune_rate
@@ -352,6 +368,7 @@ class CPPOPruner(Pruner):
         else:
             keep.view(-1)[magnitude.reshape(-1).topk(k).indices] = True
         weights = prompt_decision.weights[:, None].expand_as(magnitude)
+        # the paper's 1/k: the loss averages over the survivors, not the full batch
         return completion_decision(keep, weights, FullBatchInfo.from_lengths(lengths[keep]), prompt_decision)
 
 
@@ -360,19 +377,16 @@ class CPPOPruner(Pruner):
 
 @dataclass
 class D3SConfig:
-    sample_fraction_init: float = 0.5  # N_init / N: fraction of samples kept at step 0
-    sample_fraction_final: float = 1.0
-    token_fraction_init: float = 0.2  # K_init: fraction of the kept samples' tokens kept at step 0
+    sample_fraction_init: float = 0.25  # N_init / N: fraction of samples kept at the run's start
+    sample_fraction_final: float = 0.75  # ... and at its end (progress 1)
+    token_fraction_init: float = 0.5  # K_init: fraction of the kept samples' tokens kept at the start
     token_fraction_final: float = 1.0
-    total_steps: int = 1000  # the schedule reaches the final fractions here
     scope: str = "batch"  # "batch" (cross-group D3S) | "per_group" (intra-group, D1S / D3S-I)
 
     def __post_init__(self):
         for name in ("sample_fraction_init", "sample_fraction_final", "token_fraction_init", "token_fraction_final"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"d3s {name} is {getattr(self, name)}: it must be in (0, 1]")
-        if self.total_steps < 1:
-            raise ValueError(f"d3s total_steps is {self.total_steps}: it must be >= 1")
         if self.scope not in ("batch", "per_group"):
             raise ValueError(f"d3s scope is {self.scope!r}: choose 'batch' or 'per_group'")
 
@@ -402,21 +416,24 @@ def max_variance_subset(values: torch.Tensor, size: int) -> torch.Tensor:
 
 
 class D3SPruner(Pruner):
+    selects_tokens = True
+
     def __init__(self, config: D3SConfig):
         self.config = config
 
-    def fractions(self, step: int) -> tuple[float, float]:
-        """(sample fraction, token fraction) at `step` on the linear schedule."""
-        progress = min(max(step / self.config.total_steps, 0.0), 1.0)
+    def fractions(self, progress: float) -> tuple[float, float]:
+        """(sample fraction, token fraction) at the run's `progress` in [0, 1] on the linear schedule."""
+        progress = min(max(progress, 0.0), 1.0)
         c = self.config
         return (
             (1 - progress) * c.sample_fraction_init + progress * c.sample_fraction_final,
             (1 - progress) * c.token_fraction_init + progress * c.token_fraction_final,
         )
 
-    def select_completions(self, rewards, advantages, lengths, prompt_decision, history, step) -> CompletionDecision:
+    def select_completions(self, rewards, advantages, lengths, prompt_decision, full_batch, step,
+                           progress=0.0) -> CompletionDecision:
         check_completion_inputs(rewards, advantages, lengths, prompt_decision)
-        sample_fraction, _ = self.fractions(step)
+        sample_fraction, _ = self.fractions(progress)
         keep = torch.zeros_like(advantages, dtype=torch.bool)
         if self.config.scope == "batch":
             size = max(1, round(sample_fraction * advantages.numel())) if advantages.numel() else 0
@@ -433,46 +450,72 @@ class D3SPruner(Pruner):
         weights = prompt_decision.weights[:, None].expand_as(advantages)
         return completion_decision(keep, weights, FullBatchInfo.from_lengths(lengths[keep]), prompt_decision, stats)
 
-    def select_tokens(self, token_advantages, token_entropy, loss_mask, full_batch, step):
-        """Keep the top-K% of the step's loss-masked tokens by |A|·H (H from the old policy, detached)."""
-        _, token_fraction = self.fractions(step)
+    def select_tokens(self, token_advantages, token_entropy, loss_mask, sample_ids, progress: float):
+        """Keep the top-K% of the step's loss-masked tokens by |A|·H (H from the old policy, detached).
+
+        Every argument is flat [tokens] over the WHOLE step (all data-parallel ranks). Returns the new loss mask
+        and the counts the normaliser must read after it: the selected tokens, and the sequences that kept at least
+        one token (a sequence with none left leaves every term of the loss).
+        """
+        _, token_fraction = self.fractions(progress)
         mask = loss_mask.bool()
         num_tokens = int(mask.sum())
         num_kept = min(num_tokens, max(1, round(token_fraction * num_tokens))) if num_tokens else 0
         key = (token_advantages.abs() * token_entropy).detach().to(torch.float64).masked_fill(~mask, -math.inf)
         selected = torch.zeros_like(mask)
         selected[key.topk(num_kept).indices] = True
-        return selected.to(loss_mask.dtype), FullBatchInfo(full_batch.num_sequences, float(num_kept))
+        num_sequences = torch.unique(sample_ids[selected]).numel()
+        return selected.to(loss_mask.dtype), FullBatchInfo(float(num_sequences), float(num_kept))
 
 
-# ----------------------------------------------------------------------------------------------------- DAPO
+# ------------------------------------------------------------------------------------------------------ DAPO
 
 
 @dataclass
 class DAPOConfig:
-    oversample_factor: float = 1.0  # draw ceil(batch_size · factor) prompts; keep at most batch_size groups
+    oversample_factor: float = 1.0  # draw ceil(capacity · factor) prompts; train at most `capacity` varied groups
+    seed: int = 0
 
     def __post_init__(self):
         if self.oversample_factor < 1.0:
             raise ValueError(f"dapo oversample_factor is {self.oversample_factor}: it must be >= 1")
 
 
-class DAPOPruner(Pruner):
+@dataclass
+class GroupDecision:
+    kept: torch.Tensor  # [num_kept] int64 rows of the rewards given to select_groups, ascending
+    weights: torch.Tensor  # [num_kept] float64
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class DAPOFilter:
+    """DAPO's dynamic sampling: drop the groups whose rewards are all equal, refill by over-sampling.
+
+    A zero-variance group has advantage exactly 0, so its policy-gradient term is 0 and dropping it changes only
+    its KL / entropy terms; the normaliser stays the full batch's (full_batch_counts counts the dropped groups).
+    With over-sampling, V varied groups may exceed the `capacity` the step trains: then a uniform random subset of
+    `capacity` of them is kept, each with weight V / capacity (its inverse inclusion probability), so the expected
+    gradient still covers every varied group and a pruner in front of or behind the filter stays unbiased.
+    """
+
     def __init__(self, config: DAPOConfig):
         self.config = config
 
-    def prompts_to_sample(self, batch_size: int) -> int:
-        return math.ceil(batch_size * self.config.oversample_factor - 1e-9)
+    def prompts_to_sample(self, capacity: int) -> int:
+        return math.ceil(capacity * self.config.oversample_factor - 1e-9)
 
-    def select_completions(self, rewards, advantages, lengths, prompt_decision, history, step) -> CompletionDecision:
-        check_completion_inputs(rewards, advantages, lengths, prompt_decision)
-        varied = (rewards != rewards[:, :1]).any(dim=1)  # [P]
-        batch_size = math.floor(rewards.shape[0] / self.config.oversample_factor + 1e-9)
-        varied &= varied.cumsum(0) <= batch_size  # refill: the first batch_size varied groups
-        keep = varied[:, None].expand_as(advantages)
-        weights = prompt_decision.weights[:, None].expand_as(advantages)
-        stats = {"dapo_kept_groups_fraction": float(varied.double().mean()) if len(varied) else 0.0}
-        return completion_decision(keep, weights, FullBatchInfo.from_lengths(lengths[keep]), prompt_decision, stats)
+    def select_groups(self, rewards: torch.Tensor, capacity: int, step: int) -> GroupDecision:
+        check_rewards(rewards)
+        varied = (rewards != rewards[:, :1]).any(dim=1).nonzero().squeeze(1)  # [V]
+        num_varied = len(varied)
+        weights = torch.ones(num_varied, dtype=torch.float64)
+        if num_varied > capacity:
+            generator = step_generator(self.config.seed, step, DAPO_LEVEL)
+            varied = varied[torch.randperm(num_varied, generator=generator)[:capacity]].sort().values
+            weights = torch.full((capacity,), num_varied / capacity, dtype=torch.float64)
+        stats = {"dapo_kept_groups_fraction": len(varied) / len(rewards) if len(rewards) else 0.0,
+                 "dapo_varied_groups": float(num_varied)}
+        return GroupDecision(varied, weights, stats)
 
 
 PRUNERS = {
@@ -480,7 +523,6 @@ PRUNERS = {
     "dppo": (DPPOPruner, DPPOConfig),
     "cppo": (CPPOPruner, CPPOConfig),
     "d3s": (D3SPruner, D3SConfig),
-    "dapo": (DAPOPruner, DAPOConfig),
 }
 
 

@@ -279,12 +279,51 @@ def check_resharded_load(args):
         log(f"CHECK resharded_load ok {len(loaded)} tensors bit-identical")
 
 
+def check_d3s_tokens_over_data_parallel(args):
+    """D3S's token level selects over the whole step at DP=2: each rank's share of the selection equals the share of
+    a one-process selection over both ranks' tokens, and both ranks read that selection's normaliser counts."""
+    from megatron.core import parallel_state
+
+    from megatron_dppo.algo import build_pruner
+    from megatron_dppo.trainer import select_step_tokens
+
+    assert parallel_state.get_data_parallel_world_size() == 2, "this check runs at DP=2 (tp = pp = 1)"
+    generator = torch.Generator().manual_seed(0)
+    step, first_sample = {}, 0
+    for rank, sizes in enumerate(([7, 12], [9, 30])):  # unequal token counts per rank
+        for micro_batch, size in enumerate(sizes):
+            step[rank, micro_batch] = SimpleNamespace(
+                advantages=torch.randn(size, generator=generator), old_entropy=torch.rand(size, generator=generator),
+                loss_mask=(torch.rand(size, generator=generator) > 0.2).float(),
+                sample_index=first_sample + torch.arange(size) // 4, num_tokens=size)
+            first_sample += -(-size // 4)
+    pruner = build_pruner("d3s")
+    everything = {name: torch.cat([getattr(batch, name) for batch in step.values()])
+                  for name in ("advantages", "old_entropy", "loss_mask", "sample_index")}
+    expected, expected_counts = pruner.select_tokens(everything["advantages"], everything["old_entropy"],
+                                                     everything["loss_mask"], everything["sample_index"], 0.3)
+    rank = parallel_state.get_data_parallel_rank()
+    mine = [SimpleNamespace(**vars(step[rank, m])) for m in range(2)]
+    counts = select_step_tokens(pruner, mine, progress=0.3)
+    offset = sum(batch.num_tokens for (r, _), batch in step.items() if r < rank)
+    selected = torch.cat([batch.loss_mask for batch in mine])
+    assert torch.equal(selected, expected[offset:offset + len(selected)].float()), "this rank's share differs"
+    assert counts == expected_counts, (counts, expected_counts)
+    per_rank = torch.cat([pruner.select_tokens(*(torch.cat([getattr(step[r, m], name) for m in range(2)])
+                                                 for name in ("advantages", "old_entropy", "loss_mask",
+                                                              "sample_index")), 0.3)[0] for r in range(2)])
+    assert not torch.equal(per_rank, expected), "these tokens do not tell a per-rank selection from the step's"
+    log(f"CHECK d3s_tokens_over_data_parallel ok rank {rank} kept {int(selected.sum())} of its "
+        f"{int(torch.cat([step[rank, m].loss_mask for m in range(2)]).sum())}; step {expected_counts}")
+
+
 CHECKS = {
     "hf_logits": check_hf_logits,
     "packed_equals_padded": check_packed_equals_padded,
     "vocab_parallel_logprobs": check_vocab_parallel_logprobs,
     "training": check_training_matches_reference,
     "resharded_load": check_resharded_load,
+    "d3s_tokens_over_data_parallel": check_d3s_tokens_over_data_parallel,
 }
 
 
