@@ -70,13 +70,14 @@ def start_rollout(args, model_dir: Path):
                    for _ in range(args.rollout_num_servers)]
     elif args.rollout_backend == "sglang":
         handles = launch_sglang_servers(args.rollout_num_servers, str(model_dir), args.sglang_args,
-                                        gpus_per_server=args.rollout_server_gpus)
+                                        gpus_per_server=args.rollout_server_gpus, colocate=args.rollout_colocate)
     else:
         handles = external_servers(args.rollout_urls)
     urls = [handle.url for handle in handles]
     master_address = args.weight_sync_master_address or (
         "127.0.0.1" if args.rollout_backend != "external" else socket.gethostbyname(socket.gethostname()))
-    syncer = WeightSyncer(urls, master_address=master_address, backend=distributed_backend(),
+    syncer = WeightSyncer(urls, master_address=master_address,
+                          backend="gloo" if args.rollout_colocate else distributed_backend(),
                           bucket_bytes=args.rollout_weight_bucket_mb * 2**20, timeout_s=args.rollout_timeout_s,
                           engine_ranks=[args.rollout_server_gpus] * len(urls),
                           keep_host_copy=args.rollout_backend != "external")

@@ -44,6 +44,9 @@ def test_visible_devices_are_honoured_and_too_few_gpus_is_a_clear_error():
     environ = {**TORCHRUN_ENV, "CUDA_VISIBLE_DEVICES": "4,5,6,7", "LOCAL_WORLD_SIZE": "1"}
     (server,) = sglang_servers(1, "/m", [], ports=[1], gpus_per_server=2, environ=environ)
     assert server.env["CUDA_VISIBLE_DEVICES"] == "5,6"  # physical ids after the trainer's cuda:0 (= GPU 4)
+    (shared,) = sglang_servers(1, "/m", [], ports=[1], environ={**environ, "CUDA_VISIBLE_DEVICES": "3"},
+                               colocate=True)
+    assert shared.env["CUDA_VISIBLE_DEVICES"] == "3"  # --rollout-colocate: the trainer's own GPU
     with pytest.raises(RolloutServerError, match="2 trainer ranks and 2 SGLang servers x 4 GPUs need 10 GPUs.*8 are "
                                                  "visible"):
         sglang_servers(2, "/m", [], ports=[1, 2], gpus_per_server=4, environ=TORCHRUN_ENV)

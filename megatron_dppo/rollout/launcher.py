@@ -196,9 +196,10 @@ def sglang_command(model_path: str, host: str, port: int, sglang_args: list[str]
             "--port", str(port), *deterministic, *sglang_args]
 
 
-def server_gpus(n: int, gpus_per_server: int, environ=None) -> list[str]:
+def server_gpus(n: int, gpus_per_server: int, environ=None, colocate: bool = False) -> list[str]:
     """CUDA_VISIBLE_DEVICES of each of n servers: the node's GPUs after the trainer's, which torchrun's local ranks
-    0 .. LOCAL_WORLD_SIZE-1 hold (each rank binds cuda:LOCAL_RANK), so trainer and servers never share a GPU."""
+    0 .. LOCAL_WORLD_SIZE-1 hold (each rank binds cuda:LOCAL_RANK), so trainer and servers never share a GPU;
+    `colocate`: from the first GPU on, shared with the trainer (a one-GPU machine)."""
     environ = os.environ if environ is None else environ
     if "CUDA_VISIBLE_DEVICES" in environ:
         visible = [gpu for gpu in environ["CUDA_VISIBLE_DEVICES"].split(",") if gpu.strip()]
@@ -206,7 +207,7 @@ def server_gpus(n: int, gpus_per_server: int, environ=None) -> list[str]:
         import torch
 
         visible = [str(index) for index in range(torch.cuda.device_count())]
-    trainer_gpus = int(environ.get("LOCAL_WORLD_SIZE", "1"))
+    trainer_gpus = 0 if colocate else int(environ.get("LOCAL_WORLD_SIZE", "1"))
     needed = trainer_gpus + n * gpus_per_server
     if needed > len(visible):
         raise RolloutServerError(
@@ -220,21 +221,22 @@ def server_gpus(n: int, gpus_per_server: int, environ=None) -> list[str]:
 
 def sglang_servers(n: int, model_path: str, sglang_args: list[str], host: str = "127.0.0.1",
                    ports: list[int] | None = None, gpus_per_server: int = 1, startup_timeout_s: float = 600.0,
-                   environ=None) -> list[ServerHandle]:
+                   environ=None, colocate: bool = False) -> list[ServerHandle]:
     """The n SGLang servers `launch_sglang_servers` starts, not started yet: each command is deterministic
-    (SGLANG_DETERMINISTIC), each environment is `environ` without torchrun's variables, on its own GPUs."""
+    (SGLANG_DETERMINISTIC), each environment is `environ` without torchrun's variables, on its own GPUs (see
+    `server_gpus`)."""
     ports = ports or [free_port() for _ in range(n)]
     if len(ports) != n:
         raise ValueError(f"{len(ports)} ports given for {n} SGLang servers")
     env = server_env(environ)
     return [ServerHandle(f"http://{host}:{port}", sglang_command(model_path, host, port, sglang_args),
                          env={**env, "CUDA_VISIBLE_DEVICES": gpus}, startup_timeout_s=startup_timeout_s)
-            for port, gpus in zip(ports, server_gpus(n, gpus_per_server, environ))]
+            for port, gpus in zip(ports, server_gpus(n, gpus_per_server, environ, colocate))]
 
 
 def launch_sglang_servers(n: int, model_path: str, sglang_args: list[str], host: str = "127.0.0.1",
                           ports: list[int] | None = None, gpus_per_server: int = 1,
-                          startup_timeout_s: float = 600.0) -> list[ServerHandle]:
+                          startup_timeout_s: float = 600.0, colocate: bool = False) -> list[ServerHandle]:
     """Start the n `python -m sglang.launch_server` processes of `sglang_servers` and wait until they are healthy."""
     spec = importlib.util.find_spec("sglang")  # top-level only: importing sglang's server needs CUDA
     if spec is None or not any(Path(p, "launch_server.py").is_file() for p in spec.submodule_search_locations):
@@ -242,7 +244,8 @@ def launch_sglang_servers(n: int, model_path: str, sglang_args: list[str], host:
                                  "GPU machine), or give --rollout-urls of servers started elsewhere")
     handles = []
     try:
-        for handle in sglang_servers(n, model_path, sglang_args, host, ports, gpus_per_server, startup_timeout_s):
+        for handle in sglang_servers(n, model_path, sglang_args, host, ports, gpus_per_server, startup_timeout_s,
+                                     colocate=colocate):
             handles.append(handle.start())
     except BaseException:
         for handle in handles:
