@@ -620,21 +620,12 @@ def build_app(engine: EmbeddedEngine, api_key: str | None = None):
         async with engine.model_lock:
             await asyncio.get_running_loop().run_in_executor(None, fn, body)
 
-    async def init_group(request):
-        await locked_call(engine.join_group, await json_body(request))
-        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
-
-    async def destroy_group(request):
-        await locked_call(engine.leave_group, await json_body(request))
-        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
-
-    async def begin_weight_update(request):
-        await locked_call(engine.begin_weight_update, await json_body(request))
-        return web.json_response({"success": True, "message": "Success"})
-
-    async def end_weight_update(request):
-        await locked_call(engine.end_weight_update, await json_body(request))
-        return web.json_response({"success": True, "message": "Success"})
+    def locked_route(method: str, message: str):
+        """A control route: `engine.<method>(body)` under the model lock, answered with SGLang's success body."""
+        async def route(request):
+            await locked_call(getattr(engine, method), await json_body(request))
+            return web.json_response({"success": True, "message": message})
+        return route
 
     async def update_distributed(request):
         body = await json_body(request)
@@ -663,11 +654,13 @@ def build_app(engine: EmbeddedEngine, api_key: str | None = None):
     app.router.add_route("*", "/flush_cache", handler(flush_cache))
     app.router.add_post("/pause_generation", handler(pause_generation))
     app.router.add_post("/continue_generation", handler(continue_generation))
-    app.router.add_post("/init_weights_update_group", handler(init_group))
-    app.router.add_post("/destroy_weights_update_group", handler(destroy_group))
-    app.router.add_post("/begin_weight_update", handler(begin_weight_update))
+    app.router.add_post("/init_weights_update_group", handler(locked_route(
+        "join_group", "Succeeded to initialize custom process group.")))
+    app.router.add_post("/destroy_weights_update_group", handler(locked_route(
+        "leave_group", "Succeeded to destroy custom process group.")))
+    app.router.add_post("/begin_weight_update", handler(locked_route("begin_weight_update", "Success")))
     app.router.add_post("/update_weights_from_distributed", handler(update_distributed))
-    app.router.add_post("/end_weight_update", handler(end_weight_update))
+    app.router.add_post("/end_weight_update", handler(locked_route("end_weight_update", "Success")))
     app.router.add_post("/update_weights_from_disk", handler(update_from_disk))
 
     async def start_batch_loop(app):
