@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="address of trainer rank 0 that rollout servers reach for the weight-sync group "
                               "(default: 127.0.0.1 for local servers, this host's address for external ones)")
     rollout.add_argument("--rollout-engine-threads", type=int, default=1, help="torch threads of the embedded engine")
+    rollout.add_argument("--rollout-colocate", action="store_true",
+                         help="--rollout-backend sglang: the servers share the trainer's GPUs (a one-GPU machine; "
+                              "leave them memory with --sglang-mem-fraction-static) and weights sync over gloo, as "
+                              "NCCL refuses two ranks on one GPU")
     rollout.add_argument("--async", dest="async_rollout", action="store_true",
                          help="generate step t+1 while step t trains (one step off-policy, corrected by TIS)")
 
@@ -218,6 +222,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.rollout_urls and args.rollout_backend != "external":
         errors.append(f"--rollout-urls is given but --rollout-backend is {args.rollout_backend}: "
                       "use --rollout-backend external")
+    if args.rollout_colocate and args.rollout_backend != "sglang":
+        errors.append("--rollout-colocate places SGLang servers on the trainer's GPUs: use --rollout-backend sglang")
     if args.sglang_args and args.rollout_backend != "sglang":
         errors.append(f"--sglang-* flags ({args.sglang_args[0]}) need --rollout-backend sglang")
     if args.rollout_backend == "sglang" and not (args.hf_checkpoint or args.load):

@@ -62,17 +62,22 @@ def start_rollout(args, model_dir: Path):
     )
     from megatron_dppo.rollout.weight_sync import WeightSyncer
 
+    # Servers started here are deterministic (SGLang's --enable-deterministic-inference, which the embedded engine
+    # mirrors): only then does the trainer's per-sample sampling_seed act, which exact resume relies on.
     if args.rollout_backend == "embedded":
-        handles = [launch_embedded_engine(str(model_dir), threads=args.rollout_engine_threads)
+        handles = [launch_embedded_engine(str(model_dir), threads=args.rollout_engine_threads,
+                                          enable_deterministic_inference=True)
                    for _ in range(args.rollout_num_servers)]
     elif args.rollout_backend == "sglang":
-        handles = launch_sglang_servers(args.rollout_num_servers, str(model_dir), args.sglang_args)
+        handles = launch_sglang_servers(args.rollout_num_servers, str(model_dir), args.sglang_args,
+                                        gpus_per_server=args.rollout_server_gpus, colocate=args.rollout_colocate)
     else:
         handles = external_servers(args.rollout_urls)
     urls = [handle.url for handle in handles]
     master_address = args.weight_sync_master_address or (
         "127.0.0.1" if args.rollout_backend != "external" else socket.gethostbyname(socket.gethostname()))
-    syncer = WeightSyncer(urls, master_address=master_address, backend=distributed_backend(),
+    syncer = WeightSyncer(urls, master_address=master_address,
+                          backend="gloo" if args.rollout_colocate else distributed_backend(),
                           bucket_bytes=args.rollout_weight_bucket_mb * 2**20, timeout_s=args.rollout_timeout_s,
                           engine_ranks=[args.rollout_server_gpus] * len(urls),
                           keep_host_copy=args.rollout_backend != "external")

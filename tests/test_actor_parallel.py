@@ -2,7 +2,9 @@
 
 Tolerances: fp32 everywhere; logits and log-probs 1e-5 absolute (observed ~2e-7: the same math summed in another
 order), gradients 1e-5 relative, weights after 3 optimizer steps 1e-6 absolute against a single-process
-transformers reference (observed ~1e-8), and a resharded checkpoint load bit-identical.
+transformers reference (observed ~1e-8), and a resharded checkpoint load bit-identical. Every tensor reaching the
+model or the loss was moved to the model's device (checked with tests/workers/emulated_device.py standing in for
+CUDA), in the forward-only pass and in the update.
 """
 
 from pathlib import Path
@@ -23,25 +25,26 @@ def assert_checks(output: str, names: list[str]):
 def tp2_checkpoint(tiny_models, tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("ckpt") / "tp2"
     output = run_torchrun(WORKER, 2, ["--models", tiny_models, "--tp", 2, "--pp", 1, "--checks",
-                                      "hf_logits,packed_equals_padded,vocab_parallel_logprobs,training",
+                                      "hf_logits,packed_equals_padded,vocab_parallel_logprobs,training,device_move",
                                       "--save-ckpt", checkpoint])
     return checkpoint, output
 
 
-def test_tp2_logits_match_transformers_packed_equals_padded_and_training_matches_reference(tp2_checkpoint):
+def test_tp2_logits_match_transformers_packed_equals_padded_training_matches_reference_and_batches_reach_the_device(
+        tp2_checkpoint):
     _, output = tp2_checkpoint
     assert_checks(output, ["hf_logits_qwen2", "hf_logits_qwen3", "hf_logits_llama", "packed_logprobs",
                            "packed_grads", "vocab_parallel_logprobs_tp2", "training_matches_reference",
-                           "dist_checkpoint_saved"])
+                           "dist_checkpoint_saved", "device_move"])
 
 
 def test_pp2_logits_match_transformers_trains_and_loads_tp2_checkpoint(tiny_models, tp2_checkpoint):
     checkpoint, _ = tp2_checkpoint
     output = run_torchrun(WORKER, 2, ["--models", tiny_models, "--tp", 1, "--pp", 2, "--checks",
-                                      "hf_logits,packed_equals_padded,training,resharded_load",
+                                      "hf_logits,packed_equals_padded,training,resharded_load,device_move",
                                       "--load-ckpt", checkpoint])
     assert_checks(output, ["hf_logits_qwen2", "hf_logits_qwen3", "hf_logits_llama", "packed_logprobs",
-                           "packed_grads", "training_matches_reference", "resharded_load"])
+                           "packed_grads", "training_matches_reference", "resharded_load", "device_move"])
 
 
 def test_dp2_distributed_optimizer_matches_reference_loads_tp2_checkpoint_and_d3s_selects_over_the_step(

@@ -89,13 +89,15 @@ def test_megatron_to_hf_reads_an_iter_dir_and_casts_to_the_requested_dtype(megat
 
 @pytest.fixture(scope="module")
 def trainer_run(hf_inputs, megatron_checkpoint, tmp_path_factory):
-    """One torchrun launch (TP=2): load the converter's PP=2 Qwen3 checkpoint through the trainer's load_sharded,
+    """One torchrun launch (TP=2): load the converter's PP=2 Qwen3 checkpoint through the trainer's load_sharded
+    (into the CPU model, and into one whose attention carries Transformer Engine style extra state),
     save a trainer checkpoint of Qwen2 after one optimizer step of the Actor, and save the Qwen2 HF weights with
     Megatron's own dist_checkpointing.save (the reference for the streaming converter's files)."""
     root = tmp_path_factory.mktemp("trainer")
     save, megatron_save = root / "save", root / "megatron_save"
     output = run_torchrun(WORKER, 2, ["--models", hf_inputs, "--tp", 2, "--pp", 1,
-                                      "--checks", "trainer_loads_converted,trainer_checkpoint,megatron_save",
+                                      "--checks", "trainer_loads_converted,converted_loads_into_extra_state_model,"
+                                      "trainer_checkpoint,megatron_save",
                                       "--converted", megatron_checkpoint("qwen3", "pp2"), "--save-trainer", save,
                                       "--megatron-save", megatron_save])
     return save, output, megatron_save
@@ -125,6 +127,14 @@ def test_streaming_converter_writes_the_files_megatron_save_writes(trainer_run, 
 def test_converted_checkpoint_loads_through_trainer_load_under_another_layout(trainer_run):
     _, output, _ = trainer_run
     assert "CHECK trainer_loads_converted ok tp=2 pp=1" in output, output[-6000:]
+
+
+def test_converted_checkpoint_loads_into_a_model_with_te_extra_state_and_a_missing_key_is_named(trainer_run):
+    """Transformer Engine layers carry `_extra_state` the converter's local-spec checkpoint lacks: tolerated. A key the
+    model truly needs (an untied output layer from a tied checkpoint) fails naming it, not as a damaged shard."""
+    _, output, _ = trainer_run
+    assert "CHECK converted_loads_into_extra_state_model ok tp=2 pp=1" in output, output[-6000:]
+    assert "has no ['output_layer.weight']" in output
 
 
 def test_trainer_checkpoint_exports_and_transformers_greedy_equals_embedded_engine(trainer_run, tmp_path):

@@ -2,17 +2,21 @@
 
 SGLang's server cannot be imported without CUDA, so its sources are read with `ast` from the installed wheel
 (sglang==0.5.23, `pip install --no-deps sglang==0.5.23`): request dataclasses in srt/managers/io_struct.py,
-the JSON schema classes in api/v1/api_types.py, and route decorators in srt/entrypoints/http_server.py.
+the JSON schema classes in api/v1/api_types.py, route decorators in srt/entrypoints/http_server.py, and the rules
+its scheduler enforces: the weight-update session (srt/managers/scheduler_components/weight_updater.py) and
+`sampling_seed` acting only under --enable-deterministic-inference (srt/sampling/sampling_batch_info.py). The
+embedded engine is held to the same rules, so a protocol change in SGLang fails here.
 """
 
 import ast
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_dppo.rollout.client import SamplingParams, generate_payload
+from megatron_dppo.rollout.client import SamplingParams, seeded_batch_payload
 from megatron_dppo.rollout.weight_sync import WeightSyncer, pack_bucket
 
 INSTALL_HINT = "install it with: pip install --no-deps sglang==0.5.23 (part of the test extra)"
@@ -75,7 +79,8 @@ def assert_valid(payload: dict, fields: dict[str, bool], what: str) -> None:
 ROUTES_USED = [
     ("/generate", "POST"), ("/health_generate", "GET"), ("/health", "GET"), ("/model_info", "GET"),
     ("/flush_cache", "GET"), ("/pause_generation", "POST"), ("/continue_generation", "POST"),
-    ("/init_weights_update_group", "POST"), ("/update_weights_from_distributed", "POST"),
+    ("/init_weights_update_group", "POST"), ("/begin_weight_update", "POST"),
+    ("/update_weights_from_distributed", "POST"), ("/end_weight_update", "POST"),
     ("/destroy_weights_update_group", "POST"), ("/update_weights_from_disk", "POST"),
 ]
 
@@ -100,16 +105,17 @@ def test_routes_used_by_client_syncer_and_engine_exist_in_sglang_http_server():
 
 def test_generate_payload_fits_generate_req_input_and_the_v1_json_schema():
     root = sglang_dir()
-    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16, stop_token_ids=[2, 3])
-    payload = generate_payload([5, 6, 7], params, n=4)
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16, stop_token_ids=[2, 3], seed=5)
+    payload = seeded_batch_payload([[5, 6, 7]], first_prompt_index=0, params=params, n=4)
     assert_valid(payload, class_fields(root / "srt/managers/io_struct.py", "GenerateReqInput"), "/generate")
     assert_valid(payload, class_fields(root / "api/v1/api_types.py", "GenerateRequest"), "/generate schema")
-    sampling = payload["sampling_params"]
-    # api_types.SamplingParams rejects unknown keys, so every key must be one of its fields.
-    assert_valid(sampling, class_fields(root / "api/v1/api_types.py", "SamplingParams"), "sampling_params")
-    assert_valid(sampling, class_fields(root / "srt/sampling/sampling_params.py", "SamplingParams"),
-                 "sampling_params (srt)")
-    assert sampling["n"] == 4 and sampling["stop_token_ids"] == [2, 3] and payload["return_logprob"] is True
+    for sampling in payload["sampling_params"]:
+        # api_types.SamplingParams rejects unknown keys, so every key must be one of its fields.
+        assert_valid(sampling, class_fields(root / "api/v1/api_types.py", "SamplingParams"), "sampling_params")
+        assert_valid(sampling, class_fields(root / "srt/sampling/sampling_params.py", "SamplingParams"),
+                     "sampling_params (srt)")
+        assert sampling["n"] == 1 and sampling["stop_token_ids"] == [2, 3]
+    assert payload["input_ids"] == [[5, 6, 7]] * 4 and payload["return_logprob"] is True
 
 
 def test_weight_sync_payloads_fit_sglang_request_classes():
@@ -118,6 +124,8 @@ def test_weight_sync_payloads_fit_sglang_request_classes():
     bucket = pack_bucket([("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.ones(2, 4))])
     checks = [
         (syncer.init_group_payload(29500, 1, 2), "InitWeightsUpdateGroupReqInput"),
+        (syncer.begin_payload(), "BeginWeightUpdateReqInput"),
+        ({}, "EndWeightUpdateReqInput"),
         (syncer.update_payload(bucket, "3"), "UpdateWeightsFromDistributedReqInput"),
         (syncer.destroy_group_payload(), "DestroyWeightsUpdateGroupReqInput"),
         (syncer.pause_payload(), "PauseGenerationReqInput"),
@@ -154,8 +162,6 @@ def test_vllm_backend_without_a_server_raises_a_clear_error():
 
 
 def test_seeded_batch_payload_fits_generate_req_input_with_one_sampling_seed_per_sample():
-    from megatron_dppo.rollout.client import seeded_batch_payload
-
     root = sglang_dir()
     params = SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=[2], seed=7)
     payload = seeded_batch_payload([[5, 6], [7]], first_prompt_index=3, params=params, n=2)
@@ -168,3 +174,101 @@ def test_seeded_batch_payload_fits_generate_req_input_with_one_sampling_seed_per
         assert_valid(sampling, class_fields(root / "api/v1/api_types.py", "SamplingParams"), "seeded sampling_params")
         assert_valid(sampling, class_fields(root / "srt/sampling/sampling_params.py", "SamplingParams"),
                      "seeded sampling_params (srt)")
+
+
+def method(path: Path, class_name: str, method_name: str) -> ast.FunctionDef:
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == method_name:
+                    return item
+    pytest.fail(f"{class_name}.{method_name} not found in {path}; the installed sglang is not 0.5.23? {INSTALL_HINT}")
+
+
+def session_refusal(function: ast.FunctionDef, operator: type) -> str:
+    """The message of the method's first statement, `if self._session is [not] None: return Output(success=False,
+    message=...)`: the refusal that comes before the method does anything else."""
+    first = function.body[1] if isinstance(function.body[0], ast.Expr) else function.body[0]  # after the docstring
+    test = first.test if isinstance(first, ast.If) else None
+    assert (isinstance(test, ast.Compare) and ast.unparse(test.left) == "self._session"
+            and isinstance(test.ops[0], operator) and ast.unparse(test.comparators[0]) == "None"), \
+        f"{function.name} no longer starts by checking the weight-update session: {ast.unparse(first)[:200]}"
+    returned = first.body[0].value
+    keywords = {keyword.arg: keyword.value for keyword in returned.keywords}
+    assert ast.literal_eval(keywords["success"]) is False
+    return ast.literal_eval(keywords["message"])
+
+
+def test_sglang_refuses_updates_outside_begin_end_before_receiving_and_the_embedded_engine_refuses_alike(tmp_path):
+    """SGLang 0.5.23 answers a distributed update outside a /begin_weight_update .. /end_weight_update session with
+    HTTP 400 before receiving a byte, and refuses a second begin and an end without begin. The embedded engine
+    refuses the same calls with the same messages, also before receiving (no group exists here: it would fail
+    differently if it tried), and loads after a begin."""
+    from megatron_dppo.rollout.engine import (
+        NO_SESSION_OPEN,
+        SESSION_ALREADY_OPEN,
+        UPDATE_OUTSIDE_SESSION,
+        EmbeddedEngine,
+        RequestError,
+    )
+    from tests.test_rollout_engine import save_tiny_model
+
+    updater = sglang_dir() / "srt/managers/scheduler_components/weight_updater.py"
+    manager = "SchedulerWeightUpdaterManager"
+    update = method(updater, manager, "update_weights_from_distributed")
+    assert session_refusal(update, ast.Is) == UPDATE_OUTSIDE_SESSION
+    assert session_refusal(method(updater, manager, "begin_weight_update"), ast.IsNot) == SESSION_ALREADY_OPEN
+    assert session_refusal(method(updater, manager, "end_weight_update"), ast.Is) == NO_SESSION_OPEN
+    source = ast.unparse(update)
+    assert source.index("self._session is None") < source.index("receive_weights_from_distributed")
+    server = ast.parse((sglang_dir() / "srt/entrypoints/http_server.py").read_text())
+    for route in ("begin_weight_update", "end_weight_update", "update_weights_from_distributed"):
+        handler = next(node for node in ast.walk(server) if isinstance(node, ast.AsyncFunctionDef)
+                       and node.name == route)
+        assert "HTTPStatus.BAD_REQUEST" in ast.unparse(handler), f"SGLang's /{route} no longer answers 400"
+
+    engine = EmbeddedEngine(save_tiny_model(tmp_path / "model"))
+    body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "g",
+            "load_format": "flattened_bucket"}
+    with pytest.raises(RequestError, match=f"^{re.escape(UPDATE_OUTSIDE_SESSION)}$"):
+        engine.update_from_distributed(body)
+    with pytest.raises(RequestError, match=f"^{re.escape(NO_SESSION_OPEN)}$"):
+        engine.end_weight_update({})
+    engine.begin_weight_update({"selector": "all"})
+    with pytest.raises(RequestError, match=f"^{re.escape(SESSION_ALREADY_OPEN)}$"):
+        engine.begin_weight_update({})
+    with pytest.raises(RequestError, match="weight update group 'g' does not exist"):
+        engine.update_from_distributed(body)  # inside the session the update goes on to the group
+    engine.end_weight_update({})
+    with pytest.raises(RequestError, match=f"^{re.escape(UPDATE_OUTSIDE_SESSION)}$"):
+        engine.update_from_distributed(body)
+
+
+def test_sglang_uses_sampling_seed_only_under_deterministic_inference_and_so_does_the_embedded_engine(tmp_path):
+    """SGLang builds its per-row seeds only when --enable-deterministic-inference is on, and then seeds every row
+    (42 when the request gives none); otherwise sampling_seed is ignored. The embedded engine follows the same rule
+    with its flag of the same name."""
+    from megatron_dppo.rollout.engine import DEFAULT_SAMPLING_SEED, EmbeddedEngine, SequenceParams
+    from tests.test_rollout_engine import save_tiny_model
+
+    source = (sglang_dir() / "srt/sampling/sampling_batch_info.py").read_text()
+    tree = ast.parse(source)
+    seed_assignment = next(node for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                           and ast.unparse(node.targets[0]) == "sampling_seed")
+    rule = seed_assignment.value
+    assert isinstance(rule, ast.IfExp) and ast.unparse(rule.test) == "enable_deterministic"
+    assert ast.unparse(rule.orelse) == "None", "SGLang now seeds without deterministic inference"
+    defaults = [node.value for node in ast.walk(rule.body) if isinstance(node, ast.Constant)
+                and isinstance(node.value, int) and not isinstance(node.value, bool)]
+    assert DEFAULT_SAMPLING_SEED in defaults, f"SGLang's default seed is no longer {DEFAULT_SAMPLING_SEED}"
+    assert "get_exec().deterministic.enable_deterministic_inference" in source
+
+    model_dir = save_tiny_model(tmp_path / "model")
+    seeded, _ = SequenceParams.from_sglang({"sampling_seed": 7})
+    unseeded, _ = SequenceParams.from_sglang({})
+    plain, deterministic = EmbeddedEngine(model_dir), EmbeddedEngine(model_dir, deterministic_inference=True)
+    assert plain._sample_generator(seeded) is None and plain._sample_generator(unseeded) is None
+    draws = {name: torch.rand(4, generator=deterministic._sample_generator(params))
+             for name, params in (("seeded", seeded), ("unseeded", unseeded))}
+    assert torch.equal(draws["seeded"], torch.rand(4, generator=torch.Generator().manual_seed(7)))
+    assert torch.equal(draws["unseeded"], torch.rand(4, generator=torch.Generator().manual_seed(42)))

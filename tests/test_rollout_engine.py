@@ -42,7 +42,9 @@ def sequence_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tens
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     model_dir = save_tiny_model(tmp_path_factory.mktemp("engine_model"))
-    with launch_embedded_engine(model_dir, api_key=API_KEY, startup_timeout_s=120) as handle:
+    # deterministic, as the trainer starts it: only then does a request's sampling_seed act (SGLang's rule)
+    with launch_embedded_engine(model_dir, api_key=API_KEY, startup_timeout_s=120,
+                                enable_deterministic_inference=True) as handle:
         yield handle, model_dir
 
 
@@ -82,6 +84,15 @@ def test_seeded_generation_is_reproducible_and_independent_of_the_other_requests
     for completion in first:
         expected = sequence_logprobs(hf_model, prompts[completion.prompt_index], completion.output_ids)
         torch.testing.assert_close(torch.tensor(completion.output_logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_without_deterministic_inference_the_sampling_seed_is_ignored_as_sglang_does(engine):
+    from tests.test_weight_sync import served_engine
+
+    prompts, params = [[1, 2, 3]], SamplingParams(temperature=1.0, max_new_tokens=10, seed=11)
+    with served_engine(engine[1]) as (_, url):  # started without --enable-deterministic-inference
+        first, again = (RolloutClient([url]).generate(prompts, params, n=2) for _ in range(2))
+    assert [c.output_ids for c in first] != [c.output_ids for c in again]
 
 
 def test_greedy_generation_equals_hf_argmax_and_batched_layout_matches_sglang(engine, hf_model):

@@ -12,14 +12,13 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import pytest
 import torch
 
 from megatron_dppo.rollout.client import RolloutClient, RolloutServerError, SamplingParams, control_request
-from megatron_dppo.rollout.engine import EmbeddedEngine, build_app
+from megatron_dppo.rollout.engine import UPDATE_OUTSIDE_SESSION, EmbeddedEngine, build_app
 from megatron_dppo.rollout.launcher import free_port, launch_embedded_engine, python_env
 from megatron_dppo.rollout.weight_sync import (
     DEFAULT_FIRST_BUCKET_BYTES,
@@ -27,7 +26,6 @@ from megatron_dppo.rollout.weight_sync import (
     Bucket,
     StagingBuffers,
     WeightSyncer,
-    broadcast_from_trainer,
     group_into_buckets,
     init_weight_update_group,
     pack_bucket,
@@ -165,21 +163,16 @@ class ScriptedSyncer(WeightSyncer):
     def _send_bucket(self, bucket: Bucket, version: str) -> None:
         if not self.per_tensor:
             return super()._send_bucket(bucket, version)
-        payload = self.update_payload(bucket, version)
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            futures = [pool.submit(control_request, url, "/update_weights_from_distributed", payload, "POST",
-                                   self.timeout_s) for url in self.urls]
-            for _, tensor in unpack_bucket(bucket.flat, bucket.names, bucket.dtypes, bucket.shapes):
-                broadcast_from_trainer(self.group, tensor)
-            for future in futures:
-                future.result()
+        tensors = [tensor for _, tensor in unpack_bucket(bucket.flat, bucket.names, bucket.dtypes, bucket.shapes)]
+        self._post_update(self.update_payload(bucket, version), tensors)
 
 
 def run_scripted_sender(model_dir: str, url: str) -> None:
     """A trainer process that runs one JSON step per stdin line and answers each with a `RESULT {...}` line.
 
     {"op": "sync", "seed", "version", "bucket_bytes", "per_tensor"}: sync perturbed_model(seed);
-    {"op": "send", "names", "shapes", "per_tensor"}: send one fp32 bucket of zeros described by names/shapes;
+    {"op": "send", "names", "shapes", "per_tensor", "session"}: send one fp32 bucket of zeros described by
+        names/shapes, inside a begin/end session when "session" is true (as sync does), else bare;
     {"op": "stop"}: leave the group and exit."""
     syncer = ScriptedSyncer([url], timeout_s=60)
     for line in sys.stdin:
@@ -198,7 +191,13 @@ def run_scripted_sender(model_dir: str, url: str) -> None:
                 nbytes = sum(torch.Size(shape).numel() * 4 for shape in step["shapes"])
                 bucket = Bucket(names=step["names"], dtypes=["float32"] * len(step["names"]), shapes=step["shapes"],
                                 flat=torch.zeros(nbytes, dtype=torch.uint8))
-                syncer._send_bucket(bucket, "refused")
+                if step.get("session", True):
+                    syncer._begin_update()
+                try:
+                    syncer._send_bucket(bucket, "refused")
+                finally:
+                    if step.get("session", True):
+                        syncer._end_update(raise_errors=False)
                 result = {"ok": True}
         except RolloutServerError as error:
             result = {"ok": False, "error": str(error)}
@@ -291,7 +290,7 @@ def assert_generation_matches_trainer(url: str, model_dir: str, seed: int, versi
                                    sequence_logprobs(trainer, [1, 2, 3], completion.output_ids), atol=1e-5, rtol=0)
 
 
-def test_zero_copy_resync_layout_change_per_tensor_format_and_refused_buckets_keep_the_group_in_step(tmp_path):
+def test_zero_copy_resync_layout_change_per_tensor_format_and_refused_updates_tear_the_group_down(tmp_path):
     model_dir = save_tiny_model(tmp_path / "model")
     with served_engine(model_dir) as (engine, url), scripted_sender(model_dir, url, tmp_path / "sender.log") as step:
         # first sync: buckets become the parameters' storage; tied names equal; generation follows the new weights
@@ -316,16 +315,23 @@ def test_zero_copy_resync_layout_change_per_tensor_format_and_refused_buckets_ke
         assert {name: p.data_ptr() for name, p in engine.model.named_parameters(remove_duplicate=False)
                 if name in storage} == storage
 
-        # refused buckets (flattened and per-tensor): HTTP 400 naming the offender, nothing loaded, group in step
-        refusals = [dict(names=["model.norm.weight", "model.no_such.weight"], shapes=[[64], [8]]),
-                    dict(names=["model.norm.weight"], shapes=[[65]]),
-                    dict(names=["model.no_such.weight"], shapes=[[8]], per_tensor=True),
-                    dict(names=["model.norm.weight"], shapes=[[2, 32]], per_tensor=True)]
-        for refusal in refusals:
+        # Refused updates: a bucket outside a begin/end session (SGLang's rule, refused before any byte is received),
+        # and buckets naming unknown tensors or wrong shapes (flattened and per-tensor). Each answers HTTP 400 with
+        # the reason, loads nothing, and the syncer tears the group down instead of leaving its broadcast pending;
+        # the session is closed all the same, and the next update builds a new group.
+        refusals = [(dict(names=["model.norm.weight"], shapes=[[64]], session=False), UPDATE_OUTSIDE_SESSION),
+                    (dict(names=["model.norm.weight", "model.no_such.weight"], shapes=[[64], [8]]),
+                     "unknown names ['model.no_such.weight']"),
+                    (dict(names=["model.norm.weight"], shapes=[[65]]), "shape mismatches ['model.norm.weight"),
+                    (dict(names=["model.no_such.weight"], shapes=[[8]], per_tensor=True),
+                     "unknown names ['model.no_such.weight']"),
+                    (dict(names=["model.norm.weight"], shapes=[[2, 32]], per_tensor=True),
+                     "shape mismatches ['model.norm.weight")]
+        for refusal, reason in refusals:
             result = step(op="send", **refusal)
-            assert not result["ok"] and "HTTP 400" in result["error"], result
-            assert ("unknown names ['model.no_such.weight']" in result["error"]
-                    or "shape mismatches ['model.norm.weight" in result["error"]), result
+            assert not result["ok"] and "HTTP 400" in result["error"] and reason in result["error"], result
+            assert "was torn down" in result["error"], result
+            assert not engine.groups and engine.session_selector is None
         assert_engine_holds(engine, model_dir, 2)
         assert control_request(url, "/model_info", None, "GET")["weight_version"] == "2"
 
@@ -357,6 +363,7 @@ def test_malformed_update_metadata_leaves_the_group_with_a_clear_error_instead_o
     from megatron_dppo.rollout.engine import RequestError
 
     engine = EmbeddedEngine(save_tiny_model(tmp_path / "model"))
+    engine.begin_weight_update({})  # inside a session, as the syncer sends every update
     before = {name: tensor.clone() for name, tensor in engine.model.state_dict().items()}
     bad_bodies = [
         {"names": ["model.norm.weight"], "dtypes": ["float32", "float32"], "shapes": [[64]]},

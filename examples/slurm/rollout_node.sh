@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One rollout node (started by dppo.sbatch through srun, one task per node): GPUS_PER_NODE / TP SGLang servers,
 # server i on GPUs [i*TP, (i+1)*TP) and port BASE_PORT + i, each with its own log. Exits when any server exits
-# (the trainer then fails on that URL: see docs/multinode.md) or when srun sends TERM.
+# (the trainer then fails on that URL: see docs/multinode.md) or when srun sends TERM. Servers run with
+# --enable-deterministic-inference: without it SGLang ignores the trainer's per-sample sampling_seed, and rollouts
+# (and so resumed runs) are not reproducible.
 #
 #   rollout_node.sh MODEL GPUS_PER_NODE TP BASE_PORT LOG_DIR PYTHON [extra SGLang flags ...]
 set -euo pipefail
@@ -29,7 +31,8 @@ for ((i = 0; i < GPUS / TP; i++)); do
     devices=$(seq -s, $((i * TP)) $((i * TP + TP - 1)))
     echo "rollout_node.sh: $NODE server $i on GPUs $devices, port $port, log $LOG_DIR/sglang-$NODE-$port.log"
     CUDA_VISIBLE_DEVICES=$devices setsid "$PYTHON" -m sglang.launch_server --model-path "$MODEL" \
-        --host 0.0.0.0 --port "$port" --tp-size "$TP" "$@" >"$LOG_DIR/sglang-$NODE-$port.log" 2>&1 &
+        --host 0.0.0.0 --port "$port" --tp-size "$TP" --enable-deterministic-inference "$@" \
+        >"$LOG_DIR/sglang-$NODE-$port.log" 2>&1 &
     PIDS+=($!)
 done
 

@@ -102,14 +102,14 @@ class Actor:
 
     def load_sharded(self, checkpoint, with_optimizer: bool) -> None:
         """Load model (and optimizer) state from a Megatron checkpoint saved under any TP/PP."""
-        from megatron_dppo.actor.checkpoint import load_sharded
+        from megatron_dppo.actor.checkpoint import load_module_state, load_sharded
 
         model_state = self.model.sharded_state_dict()
         request = {"model": model_state}
         if with_optimizer:
             request["optimizer"] = self.optimizer.sharded_state_dict(model_state, is_loading=True)
         loaded = load_sharded(checkpoint, request)
-        self.model.load_state_dict(loaded["model"])
+        load_module_state(self.model, loaded["model"])
         if with_optimizer:
             self.optimizer.load_state_dict(loaded["optimizer"])
         elif self.optimizer is not None:

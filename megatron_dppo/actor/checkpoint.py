@@ -10,6 +10,11 @@ Layout of a save directory:
         complete                   written last: a checkpoint without it is partial and never loaded
     <save>/latest                  "iter_0000040", replaced atomically after the checkpoint is complete
 
+Loading is strict, with one exception. Transformer Engine's modules save FP8 metadata as `*._extra_state`; a
+checkpoint written under the local spec (our converter's, the CPU mode's) has no such entry for modules the TE spec
+adds (core attention, norms), so a TE model loading it keeps those modules' own extra state. Any other key the model
+or optimizer needs and the checkpoint lacks is an error naming it.
+
 Writes go to `<save>/.tmp_iter_XXXXXXX` first and are renamed when every rank has finished, so a crash leaves
 either the old checkpoint or the new one, never half of one under its final name.
 """
@@ -22,11 +27,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 
 LATEST = "latest"
 COMPLETE = "complete"
 HF_CONFIG = "hf_config.json"
+EXTRA_STATE = "_extra_state"  # Transformer Engine's per-module FP8 metadata (a torch state dict entry)
 
 
 def iteration_dir(save_dir: str | Path, step: int) -> Path:
@@ -104,11 +111,30 @@ def read_hf_config(checkpoint: str | Path) -> dict:
     return json.loads((Path(checkpoint) / HF_CONFIG).read_text())
 
 
+def _is_extra_state(key: str) -> bool:
+    return key.split("/")[0].endswith(EXTRA_STATE)
+
+
+def _on_every_rank(keys: set[str]) -> list[str]:
+    """The union over ranks, so every rank raises alike (a rank that went on alone would hang in a collective)."""
+    if not dist.is_initialized():
+        return sorted(keys)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(keys))
+    return sorted(set().union(*gathered))
+
+
 def load_sharded(checkpoint: str | Path, sharded_state: dict) -> dict:
-    """Load the parts of `sharded_state` (a dict of `.sharded_state_dict()` values) from `checkpoint`."""
+    """Load the parts of `sharded_state` (a dict of `.sharded_state_dict()` values) from `checkpoint`.
+
+    Keys of `sharded_state` that the checkpoint lacks are an error naming them, except `*._extra_state`, which is
+    left out of the result (see the module docstring; `load_module_state` keeps the module's own value)."""
     path = resolve_checkpoint(checkpoint)
     try:
-        return dist_checkpointing.load(sharded_state, str(path))
+        # RETURN_UNEXPECTED: requested keys the checkpoint lacks ("unexpected" in megatron's terms) are dropped
+        # from the request and returned, instead of failing inside the storage reader as a missing key.
+        loaded, _, absent = dist_checkpointing.load(sharded_state, str(path),
+                                                    strict=StrictHandling.RETURN_UNEXPECTED)
     # A damaged shard surfaces as torch's CheckpointException (a BaseException, not an Exception) or as the
     # reader's own error, depending on where the bytes run out.
     except (Exception, CheckpointException) as error:
@@ -116,6 +142,21 @@ def load_sharded(checkpoint: str | Path, sharded_state: dict) -> dict:
             f"checkpoint {path} could not be read ({type(error).__name__}: {error}); its shard files are damaged or "
             "incomplete: load an earlier checkpoint"
         ) from error
+    missing = [key for key in _on_every_rank(absent) if not _is_extra_state(key)]
+    if missing:
+        raise KeyError(f"checkpoint {path} has no {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)} "
+                       "keys) that this model needs: it was saved for another model config, or without optimizer "
+                       "state; check --hf-checkpoint/hf_config.json, or load it without the optimizer")
+    return loaded
+
+
+def load_module_state(module: torch.nn.Module, state: dict) -> None:
+    """`module.load_state_dict(state)`, strict except for `*._extra_state` entries `load_sharded` left out."""
+    result = module.load_state_dict(state, strict=False)
+    missing = [key for key in result.missing_keys if not _is_extra_state(key)]
+    if missing or result.unexpected_keys:
+        raise KeyError(f"loaded state does not fit the model: missing {missing[:8]}, "
+                       f"unexpected {result.unexpected_keys[:8]}")
 
 
 def load_trainer_state(checkpoint: str | Path) -> dict | None:

@@ -125,6 +125,11 @@ def layer_spec(shape: ModelShape):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
+    return cpu_layer_spec(shape)
+
+
+def cpu_layer_spec(shape: ModelShape):
+    """megatron-core's local spec with `SDPACoreAttention` as core attention (the local one refuses packed input)."""
     spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
     attention = spec.submodules.self_attention
     submodules = replace(attention.submodules, core_attention=SDPACoreAttention)

@@ -5,12 +5,18 @@ A packed micro-batch has `tokens [1, T]` and `cu_seqlens [n+1]` (int32), optiona
 every sequence therefore has a meaningless target, and the packer's loss mask excludes it. A micro-batch without
 `cu_seqlens` is a padded BSHD batch `tokens [b, s]` run with a causal mask (the baseline packing is compared with).
 
+Micro-batches arrive on the host; `to_device` is the one place that moves one to the model's device (every tensor
+field, so `cu_seqlens`, from which TE attention takes its device, and the labels, advantages, masks, weights and
+log-probs the loss meets the logits with). The model and the loss only ever see the moved batch; what the loss
+returns comes back to the host (`to_host`) once the schedule has run.
+
 Our loss functions return values already divided by their global normalisers (computed once per step), so the
 schedule must neither average over micro-batches nor DDP over data-parallel ranks: the model config is built with
 `calculate_per_token_loss=True` (no averaging anywhere), `loss_fn` results go back in the 3-tuple form, and the
 gradients are finalised without the per-token rescaling (`finalize_grads_without_token_scaling`).
 """
 
+import copy
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -25,11 +31,29 @@ from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
 LossFn = Callable[[object, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
+def to_device(micro_batch, device: torch.device):
+    """A shallow copy of `micro_batch` with every tensor attribute on `device` (copies start without waiting)."""
+    moved = copy.copy(micro_batch)
+    for name, value in vars(micro_batch).items():
+        if isinstance(value, torch.Tensor):
+            setattr(moved, name, value.to(device, non_blocking=True))
+    return moved
+
+
+def to_host(outputs: dict) -> dict:
+    """loss_fn's output dict with its tensors on the host, as the trainer's pure-PyTorch side expects them."""
+    return {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in outputs.items()}
+
+
 def packed_seq_params(micro_batch) -> PackedSeqParams:
+    """THD attention parameters from the micro-batch's `cu_seqlens` (and `cu_seqlens_padded`), on their device.
+    The longest span is read from the batch's `max_seqlen` when it has one, so no device value is read back."""
     cu_seqlens = micro_batch.cu_seqlens.to(torch.int32)
     padded = getattr(micro_batch, "cu_seqlens_padded", None)
     spans = (padded if padded is not None else cu_seqlens).to(torch.int32)
-    max_seqlen = int((spans[1:] - spans[:-1]).max())
+    max_seqlen = getattr(micro_batch, "max_seqlen", None)
+    if max_seqlen is None:
+        max_seqlen = int((spans[1:] - spans[:-1]).max())
     return PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
         cu_seqlens_q_padded=None if padded is None else spans, cu_seqlens_kv_padded=None if padded is None else spans,
@@ -45,12 +69,9 @@ def next_token_targets(micro_batch) -> torch.Tensor:
 
 
 def _forward_step(loss_fn: LossFn, data_iterator, model):
-    micro_batch = next(data_iterator)
-    device = next(model.parameters()).device
-    tokens = micro_batch.tokens.to(device)
-    position_ids = getattr(micro_batch, "position_ids", None)
+    micro_batch = to_device(next(data_iterator), next(model.parameters()).device)
     packed = getattr(micro_batch, "cu_seqlens", None) is not None
-    output = model(tokens, None if position_ids is None else position_ids.to(device), None,
+    output = model(micro_batch.tokens, getattr(micro_batch, "position_ids", None), None,
                    packed_seq_params=packed_seq_params(micro_batch) if packed else None)
 
     def loss_func(output_tensor):
@@ -62,7 +83,8 @@ def _forward_step(loss_fn: LossFn, data_iterator, model):
 
 
 def run_micro_batches(model, micro_batches: Sequence, loss_fn: LossFn, forward_only: bool) -> list[dict]:
-    """Run every micro-batch through the schedule; returns loss_fn's output dicts on the last PP stage, [] elsewhere.
+    """Run every micro-batch through the schedule; returns loss_fn's output dicts (tensors on the host) on the last
+    PP stage, [] elsewhere.
 
     Backward (when not forward_only) accumulates into the parameters' grads (or DDP's buffers)."""
     models = model if isinstance(model, list) else [model]
@@ -77,7 +99,7 @@ def run_micro_batches(model, micro_batches: Sequence, loss_fn: LossFn, forward_o
         micro_batch_size=1,
         forward_only=forward_only,
     )
-    return outputs if parallel_state.is_pipeline_last_stage() else []
+    return [to_host(output) for output in outputs] if parallel_state.is_pipeline_last_stage() else []
 
 
 def finalize_grads_without_token_scaling(model, num_tokens=None, *args, **kwargs):
@@ -92,7 +114,7 @@ def logprob_loss_fn(vocab_size: int, chunk_size: int = 1024, with_entropy: bool 
     """A forward-only loss_fn that returns each micro-batch's per-token log-probs (and entropy) of the next token."""
 
     def loss_fn(micro_batch, logits):
-        targets = next_token_targets(micro_batch).to(logits.device)
+        targets = next_token_targets(micro_batch)
         logprobs, entropy = tensor_parallel_logprobs(logits, targets, vocab_size, chunk_size)
         outputs = {"logprobs": logprobs.detach()}
         if with_entropy:

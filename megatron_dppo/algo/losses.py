@@ -139,11 +139,11 @@ def policy_loss(
     # sample ids may be global; renumber them 0..n-1 within this micro-batch for the per-sample sums.
     _, local_ids = torch.unique(sample_ids, return_inverse=True)
     num_local = int(local_ids.max()) + 1 if local_ids.numel() else 0
-    tokens_per_sample = torch.zeros(num_local, dtype=logprobs.dtype).index_add_(0, local_ids, mask)
+    tokens_per_sample = logprobs.new_zeros(num_local).index_add_(0, local_ids, mask)
 
     log_ratio = logprobs - old_logprobs
     if config.importance_level == "sequence":
-        summed = torch.zeros(num_local, dtype=logprobs.dtype).index_add_(0, local_ids, log_ratio * mask)
+        summed = logprobs.new_zeros(num_local).index_add_(0, local_ids, log_ratio * mask)
         log_ratio = (summed / tokens_per_sample.clamp(min=1.0))[local_ids]
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 
@@ -82,11 +83,6 @@ class Supervisor(Protocol):
     """What the client needs from launcher.ServerPool: make a failed server healthy again (bounded)."""
 
     def ensure_alive(self, url: str) -> None: ...
-
-
-def generate_payload(input_ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
-    """The /generate body for one prompt and n samples (SGLang's GenerateReqInput fields)."""
-    return {"input_ids": list(input_ids), "sampling_params": params.to_sglang(n), "return_logprob": True}
 
 
 def seeded_batch_payload(prompts: list[list[int]], first_prompt_index: int, params: SamplingParams,
@@ -214,8 +210,14 @@ class RolloutClient:
 
     async def _generate_one(self, session, semaphore, prompt_index: int, input_ids: list[int],
                             params: SamplingParams, n: int) -> list[Completion]:
+        # A deterministic server (SGLang's --enable-deterministic-inference, as the trainer starts them) gives every
+        # sample without a sampling_seed the same seed, so n unseeded samples of a prompt would be n copies: each
+        # sample carries its own seed, drawn fresh here when the caller gave none.
+        if params.seed is None:
+            params = replace(params, seed=random.getrandbits(62))
         async with semaphore:
-            url, body = await self._post_with_retries(session, generate_payload(input_ids, params, n),
+            url, body = await self._post_with_retries(session, seeded_batch_payload([input_ids], prompt_index,
+                                                                                    params, n),
                                                       f"prompt {prompt_index}")
         return parse_generate_response(body, prompt_index, n, url)
 

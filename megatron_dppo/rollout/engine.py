@@ -1,17 +1,26 @@
 """Embedded rollout server for CPU: SGLang's HTTP endpoints served from an HF transformers model.
 
 requests ──► queue ──► batch loop (collect for `batch_window_s`) ──► one batched sampling loop with a KV cache
-weights  ──► /init_weights_update_group, then /update_weights_from_distributed per bucket (receive, load by HF name)
+weights  ──► /init_weights_update_group (once) ──► per sync: /begin_weight_update ──► /update_weights_from_distributed
+             per bucket (receive, load by HF name) ──► /end_weight_update
 
 Endpoints (same routes, fields and response layout as SGLang 0.5.23): /generate, /health, /health_generate,
 /model_info, /flush_cache, /pause_generation, /continue_generation, /init_weights_update_group,
-/update_weights_from_distributed, /destroy_weights_update_group, /update_weights_from_disk.
+/begin_weight_update, /update_weights_from_distributed, /end_weight_update, /destroy_weights_update_group,
+/update_weights_from_disk.
 
 Log-probs follow SGLang's default: the log-softmax of logits / temperature at the sampled token, before
 top-p/top-k filtering (greedy, temperature 0: raw logits). At temperature 1.0 they are the model's own
 log-probs, which is what the trainer recomputes.
 
+Sampling seeds follow SGLang: a request's `sampling_seed` acts only on an engine started with
+`--enable-deterministic-inference`, which then seeds every sample (42 when the request gives none); without the
+flag the seed is ignored and samples draw from the engine's generator.
+
 Invariants:
+- SGLang's weight-update session: /update_weights_from_distributed outside a /begin_weight_update ..
+  /end_weight_update bracket is refused before anything is received (HTTP 400, SGLang's message), as are a second
+  begin and an end without a begin;
 - generation and weight loading never overlap (one lock); pause(abort) ends running sequences with
   finish_reason "abort", pause(retract) puts them back in the queue with their tokens, resumed on continue;
 - every received tensor must name a parameter of the model with the same shape, or the update fails
@@ -41,6 +50,16 @@ from megatron_dppo.rollout.weight_sync import (
 )
 
 TOP_K_ALL = -1
+# SGLang's seed for a sample without sampling_seed under --enable-deterministic-inference
+# (sampling/sampling_batch_info.py)
+DEFAULT_SAMPLING_SEED = 42
+# SGLang 0.5.23's weight-update session refusals (managers/scheduler_components/weight_updater.py), word for word;
+# tests/test_rollout_contract.py reads them from the wheel's source.
+UPDATE_OUTSIDE_SESSION = ("update_weights_from_distributed must run between begin_weight_update() and "
+                          "end_weight_update()")
+SESSION_ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
+NO_SESSION_OPEN = "no weight-update session is open; call begin_weight_update() first"
+SESSION_SELECTORS = ("target", "draft", "all")  # BeginWeightUpdateReqInput.selector
 
 
 class RequestError(ValueError):
@@ -55,7 +74,7 @@ class SequenceParams:
     max_new_tokens: int = 128
     stop_token_ids: set[int] = field(default_factory=set)
     ignore_eos: bool = False
-    sampling_seed: int | None = None  # SGLang's per-request seed: this sequence draws from its own generator
+    sampling_seed: int | None = None  # SGLang's per-request seed; acts only with --enable-deterministic-inference
 
     @classmethod
     def from_sglang(cls, params: dict) -> tuple[SequenceParams, int]:
@@ -100,11 +119,7 @@ class Sequence:
     input_logprobs: list[float | None] | None = None
     finish_reason: dict | None = None
     done: asyncio.Future | None = None
-    generator: torch.Generator | None = None  # set when params.sampling_seed is
-
-    def __post_init__(self):
-        if self.params.sampling_seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.params.sampling_seed)
+    generator: torch.Generator | None = None  # its own, seeded, under --enable-deterministic-inference
 
 
 def sample_next_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
@@ -144,7 +159,10 @@ class EmbeddedEngine:
     """Model, request queue, batch loop and weight-update state of one embedded rollout server."""
 
     def __init__(self, model_dir: str, dtype: str = "float32", max_batch_size: int = 64,
-                 batch_window_s: float = 0.005, seed: int = 0, model_name: str | None = None):
+                 batch_window_s: float = 0.005, seed: int = 0, model_name: str | None = None,
+                 deterministic_inference: bool = False):
+        """deterministic_inference: SGLang's --enable-deterministic-inference, without which sampling_seed is
+        ignored (see the module docstring)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if not Path(model_dir, "config.json").is_file():
@@ -166,6 +184,8 @@ class EmbeddedEngine:
         self.max_batch_size = max_batch_size
         self.batch_window_s = batch_window_s
         self.generator = torch.Generator().manual_seed(seed)
+        self.deterministic_inference = deterministic_inference
+        self.session_selector: str | None = None  # the open weight-update session's runners, as SGLang records it
         self.weight_version = "default"
         self.load_format = None
         self.groups: dict[str, object] = {}
@@ -334,8 +354,16 @@ class EmbeddedEngine:
                 if logprob_start_len >= len(prompt):
                     raise RequestError(f"logprob_start_len={logprob_start_len} >= prompt length {len(prompt)}")
                 sequences.append(Sequence(rid=uuid.uuid4().hex, prompt_ids=list(prompt), params=params,
-                                          return_logprob=return_logprob, logprob_start_len=logprob_start_len))
+                                          return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                                          generator=self._sample_generator(params)))
         return sequences, single and n == 1
+
+    def _sample_generator(self, params: SequenceParams) -> torch.Generator | None:
+        """As SGLang: without deterministic inference a sampling_seed is ignored; with it every sample is seeded."""
+        if not self.deterministic_inference:
+            return None
+        seed = DEFAULT_SAMPLING_SEED if params.sampling_seed is None else params.sampling_seed
+        return torch.Generator().manual_seed(seed)
 
     async def generate(self, body: dict):
         sequences, single = self._parse_generate(body)
@@ -382,6 +410,19 @@ class EmbeddedEngine:
             raise RequestError(f"no weight update group {name!r}")
         destroy_weight_update_group(self.groups.pop(name))
 
+    def begin_weight_update(self, body: dict) -> None:
+        selector = body.get("selector", "all")
+        if selector not in SESSION_SELECTORS:
+            raise RequestError(f"selector {selector!r} must be one of {list(SESSION_SELECTORS)}")
+        if self.session_selector is not None:
+            raise RequestError(SESSION_ALREADY_OPEN)
+        self.session_selector = selector
+
+    def end_weight_update(self, body: dict) -> None:
+        if self.session_selector is None:
+            raise RequestError(NO_SESSION_OPEN)
+        self.session_selector = None
+
     def update_from_distributed(self, body: dict) -> None:
         """Receive one bucket from group rank 0 and load it (flattened_bucket: one broadcast; null: one per tensor).
 
@@ -389,7 +430,10 @@ class EmbeddedEngine:
         it; the next sync with the same bucket layout broadcasts straight into that buffer, i.e. into the
         parameters. Per-tensor broadcasts go straight into the parameters. A tensor whose dtype differs from its
         parameter's, or that names a buffer, is copied (and converted) instead. Names and shapes are checked
-        before anything is loaded; a refused bucket is still received, so the group stays in step."""
+        before anything is loaded; a refused bucket is still received, so the group stays in step. Outside a
+        begin/end session nothing is received (SGLang's rule): the trainer's broadcast is left to its teardown."""
+        if self.session_selector is None:
+            raise RequestError(UPDATE_OUTSIDE_SESSION)
         name = body.get("group_name", "weight_update_group")
         if name not in self.groups:
             raise RequestError(f"weight update group {name!r} does not exist; call /init_weights_update_group")
@@ -576,13 +620,12 @@ def build_app(engine: EmbeddedEngine, api_key: str | None = None):
         async with engine.model_lock:
             await asyncio.get_running_loop().run_in_executor(None, fn, body)
 
-    async def init_group(request):
-        await locked_call(engine.join_group, await json_body(request))
-        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
-
-    async def destroy_group(request):
-        await locked_call(engine.leave_group, await json_body(request))
-        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+    def locked_route(method: str, message: str):
+        """A control route: `engine.<method>(body)` under the model lock, answered with SGLang's success body."""
+        async def route(request):
+            await locked_call(getattr(engine, method), await json_body(request))
+            return web.json_response({"success": True, "message": message})
+        return route
 
     async def update_distributed(request):
         body = await json_body(request)
@@ -611,9 +654,13 @@ def build_app(engine: EmbeddedEngine, api_key: str | None = None):
     app.router.add_route("*", "/flush_cache", handler(flush_cache))
     app.router.add_post("/pause_generation", handler(pause_generation))
     app.router.add_post("/continue_generation", handler(continue_generation))
-    app.router.add_post("/init_weights_update_group", handler(init_group))
-    app.router.add_post("/destroy_weights_update_group", handler(destroy_group))
+    app.router.add_post("/init_weights_update_group", handler(locked_route(
+        "join_group", "Succeeded to initialize custom process group.")))
+    app.router.add_post("/destroy_weights_update_group", handler(locked_route(
+        "leave_group", "Succeeded to destroy custom process group.")))
+    app.router.add_post("/begin_weight_update", handler(locked_route("begin_weight_update", "Success")))
     app.router.add_post("/update_weights_from_distributed", handler(update_distributed))
+    app.router.add_post("/end_weight_update", handler(locked_route("end_weight_update", "Success")))
     app.router.add_post("/update_weights_from_disk", handler(update_from_disk))
 
     async def start_batch_loop(app):
@@ -652,6 +699,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enable-deterministic-inference", action="store_true",
+                        help="as SGLang's flag: only then does a request's sampling_seed act (every sample is seeded, "
+                             "42 when the request gives none); without it sampling_seed is ignored")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: cores / 2)")
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="exit when the process that started this server dies (set by our launcher)")
@@ -662,7 +712,8 @@ def main(argv: list[str] | None = None) -> None:
     from aiohttp import web
 
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
-    engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed)
+    engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed,
+                            deterministic_inference=args.enable_deterministic_inference)
     start = time.perf_counter()
     print(f"embedded engine: model {args.model_dir} loaded, serving http://{args.host}:{args.port}", flush=True)
     web.run_app(build_app(engine, args.api_key), host=args.host, port=args.port, print=None,

@@ -129,11 +129,17 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 
 
+def server_env(environ=None) -> dict[str, str]:
+    """`environ` (default: this process's) without torchrun's and torchelastic's variables."""
+    environ = os.environ if environ is None else environ
+    return {key: value for key, value in environ.items()
+            if key not in TORCHRUN_VARIABLES and not key.startswith(("TORCHELASTIC_", "MASTER_"))}
+
+
 def python_env() -> dict[str, str]:
     """This environment, without torchrun's variables, with the package importable even from a source checkout."""
     repo_root = str(Path(__file__).resolve().parents[2])
-    env = {key: value for key, value in os.environ.items()
-           if key not in TORCHRUN_VARIABLES and not key.startswith("TORCHELASTIC_")}
+    env = server_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, os.environ.get("PYTHONPATH")]))
     return env
 
@@ -142,8 +148,11 @@ def embedded_engine_command(model_dir: str, host: str, port: int, **engine_optio
     command = [sys.executable, "-m", "megatron_dppo.rollout.engine", "--model-dir", str(model_dir),
                "--host", host, "--port", str(port), "--exit-with-parent"]
     for key, value in engine_options.items():
-        if value is not None:
-            command += [f"--{key.replace('_', '-')}", str(value)]
+        flag = f"--{key.replace('_', '-')}"
+        if value is True:
+            command.append(flag)
+        elif value is not None and value is not False:
+            command += [flag, str(value)]
     return command
 
 
@@ -172,32 +181,71 @@ def forward_sglang_args(argv: list[str]) -> list[str]:
     return forwarded
 
 
+# Every seeded request (the trainer seeds each sample) is reproducible only on an SGLang server started with this
+# flag: without it SGLang ignores sampling_seed (sampling/sampling_batch_info.py). With it SGLang also picks a
+# deterministic attention backend itself (fa3 on Hopper) and refuses a non-deterministic one given explicitly.
+SGLANG_DETERMINISTIC = "--enable-deterministic-inference"
+
+
 def sglang_command(model_path: str, host: str, port: int, sglang_args: list[str]) -> list[str]:
     reserved = {"--host", "--port", "--model-path"} & {arg.split("=")[0] for arg in sglang_args}
     if reserved:
         raise ValueError(f"{sorted(reserved)} are set by the launcher; drop them from the --sglang-* flags")
+    deterministic = [] if SGLANG_DETERMINISTIC in sglang_args else [SGLANG_DETERMINISTIC]
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
-            "--port", str(port), *sglang_args]
+            "--port", str(port), *deterministic, *sglang_args]
+
+
+def server_gpus(n: int, gpus_per_server: int, environ=None, colocate: bool = False) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each of n servers: the node's GPUs after the trainer's, which torchrun's local ranks
+    0 .. LOCAL_WORLD_SIZE-1 hold (each rank binds cuda:LOCAL_RANK), so trainer and servers never share a GPU;
+    `colocate`: from the first GPU on, shared with the trainer (a one-GPU machine)."""
+    environ = os.environ if environ is None else environ
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        visible = [gpu for gpu in environ["CUDA_VISIBLE_DEVICES"].split(",") if gpu.strip()]
+    else:
+        import torch
+
+        visible = [str(index) for index in range(torch.cuda.device_count())]
+    trainer_gpus = 0 if colocate else int(environ.get("LOCAL_WORLD_SIZE", "1"))
+    needed = trainer_gpus + n * gpus_per_server
+    if needed > len(visible):
+        raise RolloutServerError(
+            f"{trainer_gpus} trainer ranks and {n} SGLang servers x {gpus_per_server} GPUs need {needed} GPUs on this "
+            f"node, but {len(visible)} are visible ({','.join(visible) or 'none'}): run fewer trainer ranks "
+            "(--nproc-per-node) or servers (--rollout-num-servers), or start the servers elsewhere "
+            "(--rollout-backend external)")
+    free = visible[trainer_gpus:]
+    return [",".join(free[index * gpus_per_server:(index + 1) * gpus_per_server]) for index in range(n)]
+
+
+def sglang_servers(n: int, model_path: str, sglang_args: list[str], host: str = "127.0.0.1",
+                   ports: list[int] | None = None, gpus_per_server: int = 1, startup_timeout_s: float = 600.0,
+                   environ=None, colocate: bool = False) -> list[ServerHandle]:
+    """The n SGLang servers `launch_sglang_servers` starts, not started yet: each command is deterministic
+    (SGLANG_DETERMINISTIC), each environment is `environ` without torchrun's variables, on its own GPUs (see
+    `server_gpus`)."""
+    ports = ports or [free_port() for _ in range(n)]
+    if len(ports) != n:
+        raise ValueError(f"{len(ports)} ports given for {n} SGLang servers")
+    env = server_env(environ)
+    return [ServerHandle(f"http://{host}:{port}", sglang_command(model_path, host, port, sglang_args),
+                         env={**env, "CUDA_VISIBLE_DEVICES": gpus}, startup_timeout_s=startup_timeout_s)
+            for port, gpus in zip(ports, server_gpus(n, gpus_per_server, environ, colocate))]
 
 
 def launch_sglang_servers(n: int, model_path: str, sglang_args: list[str], host: str = "127.0.0.1",
                           ports: list[int] | None = None, gpus_per_server: int = 1,
-                          startup_timeout_s: float = 600.0) -> list[ServerHandle]:
-    """Start n `python -m sglang.launch_server` processes, each on its own GPUs (CUDA_VISIBLE_DEVICES)."""
+                          startup_timeout_s: float = 600.0, colocate: bool = False) -> list[ServerHandle]:
+    """Start the n `python -m sglang.launch_server` processes of `sglang_servers` and wait until they are healthy."""
     spec = importlib.util.find_spec("sglang")  # top-level only: importing sglang's server needs CUDA
     if spec is None or not any(Path(p, "launch_server.py").is_file() for p in spec.submodule_search_locations):
         raise RolloutServerError("sglang is not installed in this environment (pip install 'sglang[all]' on a "
                                  "GPU machine), or give --rollout-urls of servers started elsewhere")
-    ports = ports or [free_port() for _ in range(n)]
-    if len(ports) != n:
-        raise ValueError(f"{len(ports)} ports given for {n} SGLang servers")
     handles = []
     try:
-        for index, port in enumerate(ports):
-            gpus = ",".join(str(index * gpus_per_server + g) for g in range(gpus_per_server))
-            handle = ServerHandle(f"http://{host}:{port}", sglang_command(model_path, host, port, sglang_args),
-                                  env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus},
-                                  startup_timeout_s=startup_timeout_s)
+        for handle in sglang_servers(n, model_path, sglang_args, host, ports, gpus_per_server, startup_timeout_s,
+                                     colocate=colocate):
             handles.append(handle.start())
     except BaseException:
         for handle in handles:

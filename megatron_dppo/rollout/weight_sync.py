@@ -1,11 +1,17 @@
 """Trainer → rollout engines weight sync, SGLang's distributed update protocol.
 
 init (once): POST /init_weights_update_group to every engine ‖ trainer joins as group rank 0
-sync:        pause → flush → for each bucket: POST /update_weights_from_distributed (names, dtypes, shapes,
-             load_format="flattened_bucket") to every engine ‖ broadcast(one flat uint8 buffer) → continue
-             → check /model_info weight_version on every engine
+sync:        pause → flush → begin (/begin_weight_update) → for each bucket: POST /update_weights_from_distributed
+             (names, dtypes, shapes, load_format="flattened_bucket") to every engine ‖ broadcast(one flat uint8
+             buffer) → end (/end_weight_update, always) → continue → check /model_info weight_version on every engine
 
 Invariants:
+- SGLang 0.5.23 refuses a distributed update outside a begin/end session, before receiving anything; the syncer opens
+  one per sync and closes it in a `finally`, also when a bucket failed (an engine left with an open session would
+  refuse the next begin);
+- a failed update leaves no broadcast pending: an engine that refused never joins the broadcast, so the syncer
+  tears the group down (engines leave first, closing their ends, then this side aborts its communicator, which
+  ends the pending send) and the next sync builds a new one;
 - the group is created as SGLang creates its side (a TCPStore hosted by group rank 0, PrefixStore(group_name),
   torch's process-group helper), so the same code talks to SGLang (NCCL) and the embedded engine (gloo);
 - a bucket holds whole tensors, at most `bucket_bytes` (a larger tensor travels alone), each starting at a
@@ -56,6 +62,13 @@ def init_weight_update_group(backend: str, master_address: str, master_port: int
 
 def destroy_weight_update_group(group) -> None:
     torch.distributed.destroy_process_group(group)
+
+
+def abort_weight_update_group(group) -> None:
+    """End the group with work still pending (NCCL: the broadcast kernel is aborted, where a destroy would wait)."""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    _abort_process_group(group)
 
 
 def broadcast_from_trainer(group, tensor: torch.Tensor) -> None:
@@ -330,6 +343,9 @@ class WeightSyncer:
     def pause_payload(self) -> dict:
         return {"mode": self.pause_mode}
 
+    def begin_payload(self) -> dict:
+        return {"selector": "all"}
+
     def update_payload(self, bucket: Bucket, version: str) -> dict:
         return {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes,
                 "group_name": self.group_name, "flush_cache": False, "weight_version": version,
@@ -361,8 +377,9 @@ class WeightSyncer:
         if failures:
             raise RolloutServerError("init_weights_update_group failed on " + "; ".join(failures))
 
-    def destroy_group(self, tell_engines: bool = True) -> None:
-        """Leave the group; engines that cannot be reached (e.g. dead ones) are skipped."""
+    def destroy_group(self, tell_engines: bool = True, abort: bool = False) -> None:
+        """Leave the group; engines that cannot be reached (e.g. dead ones) are skipped. `abort`: work of this side
+        is still pending (a failed update), so its communicator is aborted instead of destroyed."""
         if tell_engines:
             for url in self.urls:
                 try:
@@ -371,7 +388,7 @@ class WeightSyncer:
                 except RolloutServerError:
                     pass  # a restarted engine has no group; a dead one cannot answer
         if self.group is not None:
-            destroy_weight_update_group(self.group)
+            (abort_weight_update_group if abort else destroy_weight_update_group)(self.group)
             self.group = None
 
     def resend(self) -> SyncStats:
@@ -398,16 +415,51 @@ class WeightSyncer:
                     time.sleep(0.2)
 
     def _send_bucket(self, bucket: Bucket, version: str) -> None:
-        payload = self.update_payload(bucket, version)
+        self._post_update(self.update_payload(bucket, version), [bucket.flat])
+
+    def _post_update(self, payload: dict, tensors: list[torch.Tensor]) -> None:
+        """POST /update_weights_from_distributed to every engine while broadcasting `tensors` in order; if any engine
+        refuses, tear the group down (see the module docstring) and raise."""
         with ThreadPoolExecutor(len(self.urls)) as pool:
             futures = [pool.submit(control_request, url, "/update_weights_from_distributed", payload, "POST",
                                    self.timeout_s, self.api_key) for url in self.urls]
-            broadcast_from_trainer(self.group, bucket.flat)
-            for future in futures:
-                future.result()
+            # ProcessGroup.broadcast(tensor, root) returns a Work at once (the list form raises in torch 2.13)
+            pending = [self.group.broadcast(tensor, 0) for tensor in tensors]
+            refusals = [f"{url}: {error}" for url, future in zip(self.urls, futures)
+                        if (error := future.exception()) is not None]
+            if refusals:
+                self._tear_down_after_failed_update(pending)
+                raise RolloutServerError(
+                    "update_weights_from_distributed failed on " + "; ".join(refusals) + "; the weight update group "
+                    "was torn down and the next sync builds a new one")
+            for work in pending:
+                work.wait()
+
+    def _tear_down_after_failed_update(self, pending: list) -> None:
+        """The engines leave the group first (an engine's end closes, so this side's pending sends fail instead of
+        waiting for a receive that never comes), then this side aborts; the sends' errors are the expected ones."""
+        self.destroy_group(abort=True)
+        for work in pending:
+            try:
+                work.wait(datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError:
+                pass  # "connection closed by peer" (gloo) or the abort (NCCL): the send ended
+
+    def _begin_update(self) -> None:
+        self._call_all("/begin_weight_update", self.begin_payload())
+
+    def _end_update(self, raise_errors: bool) -> None:
+        """Close the session on every engine; after a failure, an engine without one (its begin failed) is fine."""
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            futures = [pool.submit(control_request, url, "/end_weight_update", {}, "POST", self.timeout_s,
+                                   self.api_key) for url in self.urls]
+            failures = [f"{url}: {error}" for url, future in zip(self.urls, futures)
+                        if (error := future.exception()) is not None]
+        if failures and raise_errors:
+            raise RolloutServerError("end_weight_update failed on " + "; ".join(failures))
 
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | str) -> SyncStats:
-        """pause → flush → bucketed broadcast → continue → version check; returns timing and size."""
+        """pause → flush → begin → bucketed broadcast → end → continue → version check; returns timing and size."""
         if self.group is None:
             self.init_group()
         version = str(version)
@@ -424,11 +476,17 @@ class WeightSyncer:
                 try:
                     self._flush_all()
                     total_bytes = buckets = tensors = 0
-                    for bucket in prefetcher:
-                        self._send_bucket(bucket, version)
-                        total_bytes += bucket.nbytes
-                        buckets += 1
-                        tensors += len(bucket.names)
+                    updated = False
+                    try:
+                        self._begin_update()
+                        for bucket in prefetcher:
+                            self._send_bucket(bucket, version)
+                            total_bytes += bucket.nbytes
+                            buckets += 1
+                            tensors += len(bucket.names)
+                        updated = True
+                    finally:
+                        self._end_update(raise_errors=updated)
                 finally:
                     self._call_all("/continue_generation", {})
             self.staging.release_device_memory()

@@ -317,7 +317,65 @@ def check_d3s_tokens_over_data_parallel(args):
         f"{int(torch.cat([step[rank, m].loss_mask for m in range(2)]).sum())}; step {expected_counts}")
 
 
+def check_device_move(args):
+    """Every tensor the actor hands the model (tokens, positions, cu_seqlens) or the loss (labels, advantages, masks,
+    weights, log-probs) was moved to the model's device, in the forward-only pass and in the update; what the actor
+    returns is back on the host. The device is tests/workers/emulated_device.py's stand-in for CUDA."""
+    from megatron_dppo.actor.actor import Actor, OptimConfig
+    from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
+    from megatron_dppo.actor.step import logprob_loss_fn, next_token_targets
+    from megatron_dppo.algo.losses import LossConfig, policy_loss
+    from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
+    from megatron_dppo.packing import TrainingSample, build_thd_batch
+    from tests.workers.emulated_device import EmulatedDevice, require_on_device, strict, watch_model
+
+    reset_parallel(args.tp, args.pp)
+    checkpoint = HFCheckpoint(f"{args.models}/qwen3")
+    vocab = checkpoint.shape.vocab_size
+    actor = Actor(checkpoint.shape, args.tp, args.pp, "fp32", OptimConfig(lr=LR), hf_checkpoint=checkpoint)
+    watch_model(actor.model)
+    generator = torch.Generator().manual_seed(7)
+
+    def sample(prompt, response):
+        ids = torch.randint(0, vocab, (prompt + response,), generator=generator).tolist()
+        logprobs = lambda: (-torch.rand(response, generator=generator)).tolist()  # noqa: E731
+        return TrainingSample(ids[:prompt], ids[prompt:], advantage=float(torch.randn((), generator=generator)),
+                              sample_weight=1.5, old_logprobs=logprobs(), ref_logprobs=logprobs(),
+                              rollout_logprobs=logprobs())
+
+    samples = [sample(3, 4), sample(2, 6), sample(5, 2)]
+    batches = [build_thd_batch(samples, [0, 1], pad_multiple=4), build_thd_batch(samples, [2], pad_multiple=4)]
+    config = LossConfig(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0)
+
+    def checked(loss_fn):
+        def loss_on_device(micro_batch, logits):
+            require_on_device("loss input", [logits, *vars(micro_batch).values()])
+            with strict():
+                return loss_fn(micro_batch, logits)
+        return loss_on_device
+
+    def update_loss(micro_batch, logits):
+        logprobs, entropy = tensor_parallel_logprobs(logits, next_token_targets(micro_batch), vocab)
+        return policy_loss(config, logprobs=logprobs, old_logprobs=micro_batch.old_logprobs,
+                           advantages=micro_batch.advantages, loss_mask=micro_batch.loss_mask,
+                           sample_weights=micro_batch.sample_weights, sample_ids=micro_batch.sample_index,
+                           normalizer=4.0, ref_logprobs=micro_batch.ref_logprobs,
+                           rollout_logprobs=micro_batch.rollout_logprobs, entropy=entropy)
+
+    with EmulatedDevice():
+        forward = actor.forward(batches, checked(logprob_loss_fn(vocab, with_entropy=True)))
+        _, update = actor.train_step(batches, checked(update_loss))
+    for output in forward + update:
+        host = [key for key, value in output.items() if isinstance(value, torch.Tensor)
+                and type(value) is not torch.Tensor]
+        assert not host, f"the actor returned {host} on the device; its outputs must come back to the host"
+    if forward:
+        assert [len(o["logprobs"]) for o in forward] == [b.num_tokens for b in batches]
+        log(f"CHECK device_move ok {len(batches)} micro-batches, forward and update")
+
+
 CHECKS = {
+    "device_move": check_device_move,
     "hf_logits": check_hf_logits,
     "packed_equals_padded": check_packed_equals_padded,
     "vocab_parallel_logprobs": check_vocab_parallel_logprobs,

@@ -39,7 +39,7 @@ def build(model_dir, tp, pp):
 def check_trainer_loads_converted(args):
     """The converter's checkpoint (written under another TP/PP) loads through the trainer's load_sharded into this
     layout, and the loaded weights are bit-identical to the HF model it was converted from."""
-    from megatron_dppo.actor.checkpoint import load_sharded
+    from megatron_dppo.actor.checkpoint import load_module_state, load_sharded
     from megatron_dppo.convert.export import iter_hf_tensors
 
     model, _ = build(f"{args.models}/qwen3", args.tp, args.pp)
@@ -47,7 +47,7 @@ def check_trainer_loads_converted(args):
         for param in model.parameters():
             param.zero_()  # whatever passes below came from the checkpoint
     state = load_sharded(args.converted, {"model": model.sharded_state_dict()})
-    model.load_state_dict(state["model"])
+    load_module_state(model, state["model"])
     loaded = dict(iter_hf_tensors(model))
     if loaded:
         original = hf_state(f"{args.models}/qwen3")
@@ -108,7 +108,65 @@ def check_megatron_save(args):
     log(f"CHECK megatron_save ok tp={args.tp} pp={args.pp}")
 
 
-CHECKS = {"trainer_loads_converted": check_trainer_loads_converted, "trainer_checkpoint": check_trainer_checkpoint,
+def te_style_layer_spec(shape):
+    """The CPU layer spec, with core attention carrying `_extra_state` as Transformer Engine's DotProductAttention
+    does (its FP8 metadata): a checkpoint written by the converter (local spec) has no such key."""
+    from dataclasses import replace
+
+    from megatron_dppo.actor.model import SDPACoreAttention, cpu_layer_spec
+
+    class ExtraStateCoreAttention(SDPACoreAttention):
+        def get_extra_state(self) -> torch.Tensor:
+            return torch.empty(0, dtype=torch.uint8)  # what TE returns without FP8
+
+        def set_extra_state(self, state) -> None:
+            self.restored_extra_state = state
+
+    spec = cpu_layer_spec(shape)
+    attention = spec.submodules.self_attention
+    submodules = replace(attention.submodules, core_attention=ExtraStateCoreAttention)
+    return replace(spec, submodules=replace(spec.submodules, self_attention=replace(attention, submodules=submodules)))
+
+
+def check_converted_loads_into_extra_state_model(args):
+    """The trainer's Actor.load_sharded loads the converter's checkpoint into a model whose attention carries
+    Transformer Engine style `_extra_state` (absent from the checkpoint) with weights bit-identical to the HF model;
+    a model needing a tensor the checkpoint truly lacks (an untied output layer) fails naming that key."""
+    import dataclasses
+
+    import pytest
+
+    from megatron_dppo.actor import model as model_module
+    from megatron_dppo.actor.actor import Actor, OptimConfig
+    from megatron_dppo.convert.export import iter_hf_tensors
+    from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
+
+    shape = HFCheckpoint(f"{args.models}/qwen3").shape
+    default_spec, model_module.layer_spec = model_module.layer_spec, te_style_layer_spec  # for this Actor only
+    try:
+        actor = Actor(shape, args.tp, args.pp, "fp32", OptimConfig())
+    finally:
+        model_module.layer_spec = default_spec
+    extra_state_keys = [key for key in actor.model.state_dict() if key.endswith("core_attention._extra_state")]
+    assert extra_state_keys, "the TE-style spec must give core attention an _extra_state"
+    actor.load_sharded(args.converted, with_optimizer=False)
+    loaded = dict(iter_hf_tensors(actor.model))
+    if loaded:
+        original = hf_state(f"{args.models}/qwen3")
+        assert set(loaded) == set(original), set(loaded) ^ set(original)
+        for name, tensor in loaded.items():
+            assert torch.equal(tensor, original[name]), f"{name} differs after loading into the TE-style model"
+
+    untied = Actor(dataclasses.replace(shape, tie_word_embeddings=False), args.tp, args.pp, "fp32", OptimConfig())
+    with pytest.raises(KeyError, match="output_layer.weight") as error:
+        untied.load_sharded(args.converted, with_optimizer=False)
+    assert "damaged" not in str(error.value), error.value
+    log(f"CHECK converted_loads_into_extra_state_model ok tp={args.tp} pp={args.pp} {len(extra_state_keys)} "
+        f"_extra_state keys tolerated; missing key named: {str(error.value)[:120]}")
+
+
+CHECKS = {"converted_loads_into_extra_state_model": check_converted_loads_into_extra_state_model,
+          "trainer_loads_converted": check_trainer_loads_converted, "trainer_checkpoint": check_trainer_checkpoint,
           "megatron_save": check_megatron_save}
 
 
