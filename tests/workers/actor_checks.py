@@ -324,7 +324,7 @@ def check_device_move(args):
     from megatron_dppo.actor.actor import Actor, OptimConfig
     from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
     from megatron_dppo.actor.step import logprob_loss_fn, next_token_targets
-    from megatron_dppo.algo.losses import LossConfig, policy_loss
+    from megatron_dppo.algo.losses import LossConfig, packed_policy_loss
     from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
     from megatron_dppo.packing import TrainingSample, build_thd_batch
     from tests.workers.emulated_device import EmulatedDevice, require_on_device, strict, watch_model
@@ -354,13 +354,9 @@ def check_device_move(args):
                 return loss_fn(micro_batch, logits)
         return loss_on_device
 
-    def update_loss(micro_batch, logits):
+    def update_loss(micro_batch, logits):  # the trainer's update loss
         logprobs, entropy = tensor_parallel_logprobs(logits, next_token_targets(micro_batch), vocab)
-        return policy_loss(config, logprobs=logprobs, old_logprobs=micro_batch.old_logprobs,
-                           advantages=micro_batch.advantages, loss_mask=micro_batch.loss_mask,
-                           sample_weights=micro_batch.sample_weights, sample_ids=micro_batch.sample_index,
-                           normalizer=4.0, ref_logprobs=micro_batch.ref_logprobs,
-                           rollout_logprobs=micro_batch.rollout_logprobs, entropy=entropy)
+        return packed_policy_loss(config, micro_batch, logprobs, 4.0, entropy)
 
     with EmulatedDevice():
         forward = actor.forward(batches, checked(logprob_loss_fn(vocab, with_entropy=True)))
