@@ -48,6 +48,7 @@ def _answer_of_another_problem(examples):
     return others
 
 
+@pytest.mark.shared_data
 @pytest.mark.parametrize("name, expected_rows", [("math_test", 5000), ("math500", 500)])
 def test_every_math_reference_solution_scores_one_against_its_own_answer(pool, name, expected_rows):
     examples = load_dataset(name)
@@ -55,12 +56,14 @@ def test_every_math_reference_solution_scores_one_against_its_own_answer(pool, n
     assert _fraction_scoring(pool, examples, [e.answer for e in examples], 1.0) >= 0.995
 
 
+@pytest.mark.shared_data
 @pytest.mark.parametrize("name", ["math_test", "math500"])
 def test_math_reference_solution_scores_zero_against_another_problems_answer(pool, name):
     examples = load_dataset(name)
     assert _fraction_scoring(pool, examples, _answer_of_another_problem(examples), 0.0) >= 0.995
 
 
+@pytest.mark.shared_data
 @pytest.mark.parametrize("name", ["math_test", "math500"])
 def test_math_verify_route_accepts_every_reference_answer_against_itself(pool, name):
     """The pool alone, without the exact-match shortcut: no reference answer is unparsable or self-unequal."""
@@ -68,6 +71,7 @@ def test_math_verify_route_accepts_every_reference_answer_against_itself(pool, n
     assert pool.verify([(answer, answer) for answer in answers]) == [(True, "math-verify-equal")] * len(answers)
 
 
+@pytest.mark.shared_data
 def test_messy_restatements_of_math500_answers_score_one(pool):
     """The same answers written as a model would: in prose, spaced, with \\dfrac, after ####, in \\fbox."""
     examples = load_dataset("math500")
@@ -179,6 +183,7 @@ def test_scoring_works_from_worker_threads(pool):
     assert scores == [1.0] * 8
 
 
+@pytest.mark.shared_data
 @pytest.mark.parametrize("name", ["gsm8k_test", "gsm8k"])
 def test_every_gsm8k_test_reference_scores_one_with_the_gsm8k_scorer(name):
     examples = load_dataset(name)
