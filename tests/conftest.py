@@ -27,18 +27,19 @@ def _shared_data_problem() -> tuple[bool, str] | None:
 
 def pytest_collection_modifyitems(config, items):
     problem = _shared_data_problem()
-    if problem is None:
+    if problem is None or not problem[0]:
         return
-    skip, message = problem
     for item in items:
         if item.get_closest_marker("shared_data"):
-            # a data directory with a file missing is a broken setup (CI has them all): fail, never skip silently
-            item.add_marker(pytest.mark.skip(reason=message) if skip else pytest.mark.usefixtures("_fail_missing_data"))
+            item.add_marker(pytest.mark.skip(reason=problem[1]))
 
 
-@pytest.fixture
-def _fail_missing_data():
-    pytest.fail(_shared_data_problem()[1], pytrace=False)
+def pytest_runtest_setup(item):
+    """A data directory with a file missing is a broken setup (CI has them all): fail with the reason, never skip."""
+    if item.get_closest_marker("shared_data"):
+        problem = _shared_data_problem()
+        if problem is not None and not problem[0]:
+            pytest.fail(problem[1], pytrace=False)
 
 
 @pytest.fixture(scope="session")
