@@ -17,6 +17,7 @@ setup(
         "safetensors",
         "tokenizers",
         "math-verify>=0.9.0",
+        "datasets>=5.2",  # prompt data: JSON lines, Parquet, Hugging Face hub data sets
         "aiohttp",
         "tensorboard",
         "matplotlib",

@@ -69,9 +69,9 @@ RL_FLAGS = ["--lr", "1e-4", "--rollout-batch-size", "16", "--n-samples-per-promp
             "--loss-agg-mode", "token-mean", "--eps-clip", "0.2", "--eps-clip-high", "0.28", "--kl-coef", "0",
             "--ppo-epochs", "1", "--data-train-size", "800", "--dapo-filter"]
 WARM_START_FLAGS = ["--warm-start-lr", "3e-3", "--warm-start-batch-size", "128"]
-MATH_FLAGS = ["--data-prompts", "math", "--reward-fn", "math", "--lr", "1e-4", "--rollout-batch-size", "8",
+MATH_FLAGS = ["--prompt-data", "math", "--reward-type", "math", "--lr", "1e-4", "--rollout-batch-size", "8",
               "--n-samples-per-prompt", "8", "--rollout-max-response-len", "32", "--rollout-temperature", "1.0",
-              "--max-tokens-per-gpu", "8192", "--eval-size", "16", "--data-skip-bad-rows"]
+              "--max-tokens-per-gpu", "8192", "--eval-size", "16", "--skip-bad-rows"]
 MATH_MODEL = dict(architecture="qwen2", hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=4,
                   ffn_hidden_size=512, tie_word_embeddings=True, max_position_embeddings=4096)
 FINAL_WINDOW = 3  # evaluations averaged for "final accuracy" and for reaching the target

@@ -1,8 +1,8 @@
 """DPPO / GRPO-family RL on Megatron-Core. Launch with torchrun; see `--help` and the README.
 
     torchrun --nproc-per-node 2 examples/pretrain_dppo.py            # the embedded CPU default
-    torchrun --nproc-per-node 8 examples/pretrain_dppo.py --hf-checkpoint Qwen3-4B --data-prompts math \\
-        --rollout-backend external --rollout-urls http://node2:30000 ... # a real run (examples/configs/)
+    torchrun --nproc-per-node 8 examples/pretrain_dppo.py --hf-checkpoint Qwen3-4B --prompt-data math \\
+        --apply-chat-template --rollout-backend external --rollout-urls http://node2:30000 ...  # a real run
 
 The last line printed by rank 0 is a JSON summary.
 """
@@ -23,10 +23,15 @@ def main():
 
         print(format_plan(plan_from_environment(args)), flush=True)
         return
+    from megatron_dppo.data.datasets import PromptDataError
     from megatron_dppo.run import run
 
-    summary = run(args)
-    if int(os.environ.get("RANK", "0")) == 0:
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    try:
+        summary = run(args)
+    except PromptDataError as error:  # bad prompt data is the user's to fix: their message, not a traceback
+        sys.exit(f"pretrain_dppo.py: error: {error}" if rank0 else 1)
+    if rank0:
         print(json.dumps(summary), flush=True)
 
 

@@ -9,12 +9,15 @@ A bad combination is reported naming both flags and the fix.
 import argparse
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 ALGORITHMS = ("grpo", "dppo", "cppo", "d3s")
 # Clip ranges (eps_low, eps_high): DAPO's clip-higher for token-level ratios; a sequence-level (GSPO) ratio is the
 # geometric mean of the token ratios, so it moves far less and GSPO's paper clips it at (3e-4, 4e-4).
 TOKEN_CLIP, SEQUENCE_CLIP = (0.2, 0.28), (3e-4, 4e-4)
-PROMPT_DATA = ("synthetic", "math", "gsm8k")
+REWARD_TYPES = ("math", "gsm8k", "synthetic")  # megatron_dppo.rewards.REWARD_FUNCTIONS, named without importing it
+RENAMED_FLAGS = {"--data-prompts": "--prompt-data", "--reward-fn": "--reward-type",
+                 "--data-skip-bad-rows": "--skip-bad-rows"}
 
 # The embedded default (no --hf-checkpoint, embedded engine, synthetic prompts) starts from these unless a flag
 # says otherwise: a tiny model answering in a few tokens, and a wall-time budget instead of a step count.
@@ -25,7 +28,7 @@ EMBEDDED_DEFAULTS = dict(
 
 
 def is_embedded_default(args) -> bool:
-    return args.rollout_backend == "embedded" and not args.hf_checkpoint and args.data_prompts == "synthetic"
+    return args.rollout_backend == "embedded" and not args.hf_checkpoint and args.prompt_data == "synthetic"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,17 +149,34 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--history-ema-decay", type=float, default=0.5)
 
     reward = parser.add_argument_group("reward")
-    reward.add_argument("--reward-fn", choices=("synthetic", "math", "gsm8k"), default=None,
-                        help="default: the one matching --data-prompts")
+    reward.add_argument("--reward-type", choices=REWARD_TYPES, default=None,
+                        help="how a response is scored against its label: math (math-verify), gsm8k (final number), "
+                             "synthetic (exact '<integer>$'); default: the one of the built-in --prompt-data set, "
+                             "math for your own prompts")
     reward.add_argument("--reward-timeout-s", type=float, default=5.0)
 
-    data = parser.add_argument_group("data")
-    data.add_argument("--data-prompts", default="synthetic", help="synthetic | math | gsm8k")
+    data = parser.add_argument_group("data (prompts: the synthetic task, a built-in set, your files, a hub data set)")
+    data.add_argument("--prompt-data", default="synthetic", metavar="SOURCE",
+                      help="synthetic (the embedded default's task); math or gsm8k (built-in training sets, read from "
+                           "DPPO_DATA_DIR or ../shared/data); a .jsonl/.json/.parquet file or a directory of them; or "
+                           "a Hugging Face data set name (needs network access)")
+    data.add_argument("--prompt-data-split", default="train", help="split of a Hugging Face data set")
+    data.add_argument("--eval-prompt-data", default=None, metavar="SOURCE",
+                      help="held-out prompts, in the same forms (a built-in name: math500, gsm8k_test, aime24, ...); "
+                           "default: math500 for --reward-type math, gsm8k_test for gsm8k")
+    data.add_argument("--eval-prompt-data-split", default="test", help="split of a Hugging Face data set")
+    data.add_argument("--input-key", default="prompt",
+                      help="field of your rows holding the prompt: text, or chat messages [{role, content}]")
+    data.add_argument("--label-key", default="label", help="field of your rows holding the reference answer")
+    data.add_argument("--apply-chat-template", action="store_true",
+                      help="render prompts with the tokenizer's chat template (a text prompt becomes one user turn); "
+                           "without it a prompt is used as written")
+    data.add_argument("--skip-bad-rows", action="store_true",
+                      help="leave out rows without a usable prompt or label (counted and reported) instead of stopping")
     data.add_argument("--data-train-size", type=int, default=4000,
                       help="synthetic: size of the recurring training pool (prompts recur, so history can prune)")
     data.add_argument("--data-synthetic-cells", nargs="+", default=None, metavar="OxD",
                       help="synthetic difficulty cells: O operators x D max digits (default: all seven)")
-    data.add_argument("--data-skip-bad-rows", action="store_true")
     data.add_argument("--eval-size", type=int, default=500, help="held-out problems evaluated before and after")
     data.add_argument("--eval-interval", type=int, default=0, help="also evaluate every N steps (0: never)")
 
@@ -197,14 +217,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         else:
             rest.append(token)
     if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        renamed = [f"{flag} is now {RENAMED_FLAGS[flag]}" for flag in rest if flag in RENAMED_FLAGS]
+        parser.error(f"unrecognized arguments: {' '.join(rest)}" + (f" ({'; '.join(renamed)})" if renamed else ""))
     args.sglang_args = sglang_args
     validate(args, parser)
     return args
 
 
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Reject bad combinations with a message naming both flags and the fix."""
+    """Reject bad combinations, a missing model folder and unreadable prompt sources, each with one line naming the
+    flag and the fix; then fill in the defaults that depend on other flags."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     errors = []
@@ -226,8 +248,6 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         errors.append("--rollout-colocate places SGLang servers on the trainer's GPUs: use --rollout-backend sglang")
     if args.sglang_args and args.rollout_backend != "sglang":
         errors.append(f"--sglang-* flags ({args.sglang_args[0]}) need --rollout-backend sglang")
-    if args.rollout_backend == "sglang" and not (args.hf_checkpoint or args.load):
-        errors.append("--rollout-backend sglang needs --hf-checkpoint (the model SGLang starts from)")
     if args.algorithm != "dppo":
         touched = [flag for flag, value, default in (
             ("--dppo-prompt-prune-rate", args.dppo_prompt_prune_rate, 0.5),
@@ -247,18 +267,113 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.n_samples_per_prompt < 2 and args.advantage_estimator != "dr_grpo":
         errors.append(f"--n-samples-per-prompt {args.n_samples_per_prompt} gives every sample a zero "
                       f"--advantage-estimator {args.advantage_estimator} advantage: use G >= 2")
-    if args.data_prompts not in PROMPT_DATA and not os.path.isfile(args.data_prompts):
-        errors.append(f"--data-prompts {args.data_prompts!r} is neither one of {PROMPT_DATA} nor a JSONL file")
-    if (args.reward_fn == "synthetic") != (args.data_prompts == "synthetic") and args.reward_fn is not None:
-        errors.append(f"--reward-fn {args.reward_fn} does not score --data-prompts {args.data_prompts}: the synthetic "
-                      "reward goes with the synthetic prompts, math/gsm8k with MATH/GSM8K-style prompts")
+    errors.extend(model_and_data_errors(args))
     if errors:
-        parser.error("\n  ".join(["invalid arguments:", *errors]))
+        # No usage block: it would bury the message under every flag. Under torchrun every rank finds the same
+        # errors; rank 0 says them.
+        text = errors[0] if len(errors) == 1 else "\n  ".join(["invalid arguments:", *errors])
+        rank0 = int(os.environ.get("RANK", "0")) == 0
+        parser.exit(2, f"{parser.prog}: error: {text}\n(--help lists every flag)\n" if rank0 else None)
     if args.rl_seed is None:
         args.rl_seed = args.seed
     clip = SEQUENCE_CLIP if args.importance_level == "sequence" else TOKEN_CLIP
     args.eps_clip = clip[0] if args.eps_clip is None else args.eps_clip
     args.eps_clip_high = clip[1] if args.eps_clip_high is None else args.eps_clip_high
-    if args.reward_fn is None:
-        args.reward_fn = args.data_prompts if args.data_prompts in ("math", "gsm8k") else (
-            "synthetic" if args.data_prompts == "synthetic" else "math")
+    args.reward_type = args.reward_type or default_reward_type(args.prompt_data)
+    args.eval_prompt_data = args.eval_prompt_data or default_eval_prompt_data(args.prompt_data, args.reward_type)
+
+
+# ------------------------------------------------------------------------------------------------ model and data
+HF_MODEL_FILES = "config.json, tokenizer files and *.safetensors"
+
+
+def default_reward_type(prompt_data: str) -> str:
+    """The reward of a built-in set (synthetic for the synthetic task), math for the user's own prompts."""
+    from megatron_dppo.data.datasets import DATASETS, TRAINING_SETS
+
+    if prompt_data == "synthetic":
+        return "synthetic"
+    name = TRAINING_SETS.get(prompt_data, prompt_data)
+    return DATASETS[name].reward_type if name in DATASETS else "math"
+
+
+def default_eval_prompt_data(prompt_data: str, reward_type: str) -> str | None:
+    """The held-out set of the reward (math500, gsm8k_test); the synthetic task has its own."""
+    from megatron_dppo.data.datasets import HELDOUT_SETS
+
+    return None if prompt_data == "synthetic" else HELDOUT_SETS.get(reward_type)
+
+
+def hf_checkpoint_errors(path: str, flag: str = "--hf-checkpoint") -> list[str]:
+    """--hf-checkpoint must be a local Hugging Face model folder: the trainer reads its config, tokenizer and weights,
+    and the rollout servers load it."""
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        return [f"{flag} {path}: no such directory; pass the local folder of a Hugging Face model "
+                f"({HF_MODEL_FILES}), e.g. one written by save_pretrained or `huggingface-cli download --local-dir`"]
+    missing = [what for what, present in (
+        ("config.json", (directory / "config.json").is_file()),
+        ("tokenizer (tokenizer.json or tokenizer_config.json)",
+         any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))),
+        ("*.safetensors weights", any(directory.glob("*.safetensors")))) if not present]
+    if missing:
+        return [f"{flag} {path} has no {', no '.join(missing)}: pass the folder of a complete Hugging Face "
+                f"model ({HF_MODEL_FILES})"]
+    return []
+
+
+def model_and_data_errors(args: argparse.Namespace) -> list[str]:
+    """The model and prompt flags, checked before any process starts: the model folder, the prompt sources (built-in
+    files present, local files readable by suffix; a hub name is only checked when it is loaded), and which flags
+    apply to which source. With --dry-run the files are not checked: the plan may be printed where they are not."""
+    from megatron_dppo.data.datasets import DATASETS, TRAINING_SETS, PromptDataError, resolve_source
+
+    errors = []
+    if not is_embedded_default(args) and not args.hf_checkpoint:
+        reason = (f"--prompt-data {args.prompt_data}" if args.prompt_data != "synthetic"
+                  else f"--rollout-backend {args.rollout_backend}")
+        errors.append(f"{reason} needs --hf-checkpoint DIR, the Hugging Face model to train and serve "
+                      f"({HF_MODEL_FILES}); only the embedded default (--prompt-data synthetic with the embedded "
+                      "engine) runs without one, on its own tiny model")
+    if args.hf_checkpoint and not args.dry_run:
+        errors.extend(hf_checkpoint_errors(args.hf_checkpoint))
+    own_prompt_flags = (("--input-key", args.input_key != "prompt"), ("--label-key", args.label_key != "label"),
+                        ("--prompt-data-split", args.prompt_data_split != "train"))
+    if args.prompt_data == "synthetic":
+        if args.reward_type not in (None, "synthetic"):
+            errors.append(f"--reward-type {args.reward_type} does not score --prompt-data synthetic: drop it (the "
+                          "synthetic task has its own reward) or pass the prompts it scores")
+        for flag, given in (*own_prompt_flags, ("--apply-chat-template", args.apply_chat_template),
+                            ("--eval-prompt-data", args.eval_prompt_data is not None)):
+            if given:
+                errors.append(f"{flag} does not apply to --prompt-data synthetic (the task builds its own prompts and "
+                              "held-out set): drop it")
+        return errors
+    builtin = TRAINING_SETS.get(args.prompt_data, args.prompt_data) in DATASETS
+    if builtin and args.reward_type == "synthetic":
+        errors.append(f"--reward-type synthetic does not score --prompt-data {args.prompt_data}: the synthetic reward "
+                      "wants '<integer>$' answers; use math or gsm8k")
+    if builtin:
+        errors.extend(f"{flag} applies to your own prompt files; the built-in set {args.prompt_data} has its own "
+                      "fields: drop it" for flag, given in own_prompt_flags if given)
+    reward_type = args.reward_type or default_reward_type(args.prompt_data)
+    eval_prompt_data = args.eval_prompt_data or default_eval_prompt_data(args.prompt_data, reward_type)
+    if eval_prompt_data is None:
+        errors.append(f"--reward-type {reward_type} has no built-in held-out set: pass --eval-prompt-data SOURCE")
+    if args.dry_run:
+        return errors
+    sources = [("--prompt-data", args.prompt_data, args.prompt_data_split, "train", True)]
+    if eval_prompt_data is not None:
+        sources.append(("--eval-prompt-data", eval_prompt_data, args.eval_prompt_data_split, "test", False))
+    for flag, source, split, default_split, training in sources:
+        try:
+            resolved = resolve_source(source, flag, training=training)
+        except PromptDataError as error:
+            defaulted = "" if flag == "--prompt-data" or args.eval_prompt_data else (
+                f"held-out prompts (--eval-prompt-data defaults to {source} for --reward-type {reward_type}; pass "
+                "your own held-out file with --eval-prompt-data): ")
+            errors.append(f"{defaulted}{error}")
+            continue
+        if resolved.kind != "hub" and split != default_split:
+            errors.append(f"{flag}-split {split} applies to Hugging Face data sets; {source} is read whole: drop it")
+    return errors

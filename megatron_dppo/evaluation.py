@@ -1,7 +1,8 @@
-"""Benchmark evaluation: pass@1 (mean over k samples) and maj@k on the six math benchmarks.
+"""Benchmark evaluation: pass@1 (mean over k samples) and maj@k on the six math benchmarks or any prompt source.
 
-    load_dataset(benchmark)[:limit] ──► encode_prompt ──► RolloutClient.agenerate(n=k) (progress bar)
-        ──► decode ──► score each sample (math: math-verify pool; gsm8k: exact number) ──► aggregate
+    load_benchmarks: built-in name or file / directory / hub set (load_prompt_data)[:limit] ──► encode_examples
+        ──► RolloutClient.agenerate(n=k) (progress bar) ──► decode
+        ──► score each sample (math: math-verify pool; gsm8k: exact number) ──► aggregate
         ──► {"benchmarks": {name: {pass@1, maj@k, problems: [...]}}} and a markdown table
 
 - pass@1 is the mean over problems of the mean score of the k samples.
@@ -18,14 +19,18 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from megatron_dppo.data.datasets import BENCHMARKS, Example, load_dataset
-from megatron_dppo.data.templates import encode_prompt
+from megatron_dppo.data.datasets import DATASETS, Example, encode_examples, load_prompt_data
 from megatron_dppo.rewards import gsm8k as gsm8k_reward
 from megatron_dppo.rewards.math import VerifierPool, normalize_answer, score_batch
 from megatron_dppo.rollout.client import Completion, RolloutClient, SamplingParams
 
-# Which reward scores each benchmark.
-BENCHMARK_REWARDS = {name: "gsm8k" if name == "gsm8k" else "math" for name in BENCHMARKS}
+EVALUATION_REWARDS = ("math", "gsm8k")
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    examples: list[Example]
+    reward: str  # one of EVALUATION_REWARDS
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ def score_samples(
             vote_key = None if number is None else str(number)
             scores.append(SampleScore(gsm8k_reward.compute_score(text, reference), vote_key))
         return scores
-    raise ValueError(f"unknown reward {reward!r}; choose 'math' or 'gsm8k'")
+    raise ValueError(f"unknown reward {reward!r}; choose one of {EVALUATION_REWARDS}")
 
 
 def majority_score(samples: Sequence[SampleScore]) -> float:
@@ -85,19 +90,20 @@ def generate_grouped(client: RolloutClient, prompts: list[list[int]], params: Sa
     return asyncio.run(collect())
 
 
-def evaluate_benchmark(name: str, examples: Sequence[Example], client: RolloutClient, tokenizer, k: int,
-                       params: SamplingParams, template: str, pool: VerifierPool | None,
+def evaluate_benchmark(name: str, benchmark: Benchmark, client: RolloutClient, tokenizer, k: int,
+                       params: SamplingParams, apply_chat_template: bool, pool: VerifierPool | None,
                        show_progress: bool = True) -> dict:
     """Generate k samples per problem, score them, and return the summary with per-problem records."""
-    prompts = [encode_prompt(example.problem, template, tokenizer) for example in examples]
+    examples = benchmark.examples
+    prompts = encode_examples(examples, apply_chat_template, tokenizer)
     grouped = generate_grouped(client, prompts, params, k, name, show_progress)
     texts = [tokenizer.decode(c.output_ids, skip_special_tokens=True) for group in grouped for c in group]
     references = [example.answer for example in examples for _ in range(k)]
-    flat = score_samples(BENCHMARK_REWARDS[name], texts, references, pool)
+    flat = score_samples(benchmark.reward, texts, references, pool)
     per_problem = [flat[i * k : (i + 1) * k] for i in range(len(examples))]
     problems = [
         {
-            "line": example.line,
+            "row": example.row,
             "reference": example.answer,
             "scores": [s.score for s in samples],
             "answers": [s.vote_key for s in samples],
@@ -109,20 +115,28 @@ def evaluate_benchmark(name: str, examples: Sequence[Example], client: RolloutCl
     return {"num_problems": len(examples), "k": k, **aggregate(per_problem), "problems": problems}
 
 
-def evaluate(benchmarks: Sequence[str], client: RolloutClient, tokenizer, k: int, params: SamplingParams,
-             template: str = "auto", limit: int | None = None, pool: VerifierPool | None = None,
-             data_dir: str | None = None, show_progress: bool = True) -> dict:
-    unknown = [name for name in benchmarks if name not in BENCHMARK_REWARDS]
-    if unknown:
-        raise ValueError(f"unknown benchmarks {unknown}; choose from {list(BENCHMARKS)}")
+def load_benchmarks(sources: Sequence[str], reward_type: str = "math", input_key: str = "prompt",
+                    label_key: str = "label", split: str = "test", limit: int | None = None,
+                    skip_bad_rows: bool = False, data_dir: str | None = None) -> dict[str, Benchmark]:
+    """Each source's first `limit` problems and its reward: a built-in set's own (gsm8k for GSM8K, math for the
+    others), `reward_type` for the user's files and hub data sets (read with `input_key` / `label_key`)."""
+    if reward_type not in EVALUATION_REWARDS:
+        raise ValueError(f"unknown evaluation reward {reward_type!r}; choose one of {EVALUATION_REWARDS}")
+    benchmarks = {}
+    for source in sources:
+        reward = DATASETS[source].reward_type if source in DATASETS else reward_type
+        benchmarks[source] = Benchmark(
+            load_prompt_data(source, input_key, label_key, reward, split, skip_bad_rows, limit, "--benchmarks",
+                             data_dir), reward)
+    return benchmarks
+
+
+def evaluate(benchmarks: dict[str, Benchmark], client: RolloutClient, tokenizer, k: int, params: SamplingParams,
+             apply_chat_template: bool = False, pool: VerifierPool | None = None, show_progress: bool = True) -> dict:
     if k < 1:
         raise ValueError(f"k={k} samples per problem must be >= 1")
-    results = {}
-    for name in benchmarks:
-        examples = load_dataset(name, data_dir=data_dir, limit=limit)
-        results[name] = evaluate_benchmark(name, examples, client, tokenizer, k, params, template, pool,
-                                           show_progress)
-    return results
+    return {name: evaluate_benchmark(name, benchmark, client, tokenizer, k, params, apply_chat_template, pool,
+                                     show_progress) for name, benchmark in benchmarks.items()}
 
 
 def markdown_table(results: dict) -> str:

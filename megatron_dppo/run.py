@@ -1,8 +1,9 @@
 """Start everything a training run needs, run the trainer, shut everything down.
 
-    parse/validate args ─► torch.distributed + Megatron parallel state
-    ─► model source: --hf-checkpoint, or the embedded default (tiny model + cached warm start)
-    ─► actor (+ frozen reference when --kl-coef > 0) ─► task (prompts + reward)
+    parse/validate args ─► --hf-checkpoint: its tokenizer and the task (prompts + reward), read before anything starts
+    ─► torch.distributed + Megatron parallel state
+    ─► or the embedded default: tiny model + cached warm start, and the synthetic task
+    ─► actor (+ frozen reference when --kl-coef > 0)
     ─► rank 0: rollout servers (embedded engine | SGLang | external URLs), client, weight syncer, server pool
     ─► resume (--load) ─► initial weight sync ─► evaluate ─► RL steps ─► evaluate ─► save
 The last line on rank 0 is a JSON summary.
@@ -24,31 +25,30 @@ from megatron_dppo.convert.hf_checkpoint import HFCheckpoint, read_config
 from megatron_dppo.convert.mapping import model_shape
 from megatron_dppo.metrics import MetricsLogger
 from megatron_dppo.platform import distributed_backend
-from megatron_dppo.tasks import dataset_task, synthetic_task
+from megatron_dppo.tasks import Task, dataset_task, synthetic_task
 from megatron_dppo.trainer import Trainer
-
-DATASET_SPLITS = {"math": ("math_train", "math500"), "gsm8k": ("gsm8k_train", "gsm8k_test")}
 
 
 def load_tokenizer(model_dir: Path):
-    """The model directory's tokenizer: our character tokenizer when it is one, else transformers'."""
-    from megatron_dppo.data.tokenizer import CharTokenizer
+    """The model directory's own tokenizer, as transformers loads it (the tokenizer the rollout servers use)."""
+    from transformers import AutoTokenizer
 
-    try:
-        return CharTokenizer.from_pretrained(model_dir)
-    except (ValueError, KeyError, FileNotFoundError):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
-def build_task(args, tokenizer):
-    if args.data_prompts == "synthetic":
+def build_task(args, tokenizer) -> Task:
+    """The synthetic task, or prompts and held-out prompts read by load_prompt_data and scored by --reward-type."""
+    if args.prompt_data == "synthetic":
         return synthetic_task(tokenizer, args.rl_seed, args.data_train_size, args.eval_size, args.data_synthetic_cells)
-    # a JSONL file of prompts is held out against the benchmark of its reward's data set
-    train, heldout = DATASET_SPLITS.get(args.data_prompts, (args.data_prompts, DATASET_SPLITS[args.reward_fn][1]))
-    return dataset_task(train, tokenizer, args.rl_seed, heldout, args.eval_size, args.data_skip_bad_rows,
-                        args.reward_fn, timeout_s=args.reward_timeout_s)
+    from megatron_dppo.data.datasets import load_prompt_data
+
+    fields = dict(input_key=args.input_key, label_key=args.label_key, reward_type=args.reward_type,
+                  skip_bad_rows=args.skip_bad_rows)
+    train = load_prompt_data(args.prompt_data, split=args.prompt_data_split, training=True, **fields)
+    heldout = load_prompt_data(args.eval_prompt_data, split=args.eval_prompt_data_split, limit=args.eval_size,
+                               flag="--eval-prompt-data", **fields)
+    return dataset_task(train, heldout, tokenizer, args.rl_seed, args.reward_type, args.apply_chat_template,
+                        args.reward_timeout_s)
 
 
 def start_rollout(args, model_dir: Path):
@@ -98,16 +98,19 @@ def budget_spent(budget_s: float | None, elapsed_s: float) -> bool:
 
 def run(args) -> dict:
     start = time.perf_counter()
+    embedded_default = is_embedded_default(args)
+    if not embedded_default:  # the user's model and prompts: read before any process group starts, so bad data
+        model_dir = Path(args.hf_checkpoint)  # stops the run at once with its own error
+        tokenizer = load_tokenizer(model_dir)
+        task = build_task(args, tokenizer)
     init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed)
     rank0 = dist.get_rank() == 0
     warm_start = None
-    if is_embedded_default(args):
+    if embedded_default:
         from megatron_dppo import embedded
 
         model_dir, tokenizer, warm_start = embedded.prepare(args)
-    else:
-        model_dir = Path(args.hf_checkpoint)
-        tokenizer = load_tokenizer(model_dir)
+        task = build_task(args, tokenizer)
     hf_config = read_hf_config(resolve_checkpoint(args.load)) if args.load else read_config(model_dir)
     shape = model_shape(hf_config)
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
@@ -127,7 +130,6 @@ def run(args) -> dict:
                           checkpoint, args.sequence_parallel)
         if warm_start is not None:
             reference.load_sharded(warm_start, with_optimizer=False)
-    task = build_task(args, tokenizer)
     pool = client = syncer = None
     with contextlib.ExitStack() as stack:
         if rank0:

@@ -8,9 +8,10 @@ Prompt ids are stable integers (the row index in the data set, or the index in t
 DPPO's prompt history recognises a prompt when it comes back in a later epoch.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_dppo.data.datasets import PromptSampler
+from megatron_dppo.data.datasets import Example, PromptSampler
 
 
 @dataclass
@@ -59,40 +60,34 @@ def synthetic_task(tokenizer, seed: int, train_size: int, heldout_size: int, cel
     return Task(train, heldout, reward_scorer("synthetic"), seed)
 
 
-def dataset_task(name: str, tokenizer, seed: int, heldout_name: str, heldout_size: int, skip_bad_rows: bool,
-                 reward_fn: str, template: str = "auto", timeout_s: float = 5.0) -> Task:
-    """MATH / GSM8K training prompts, or a JSONL file in the layout of `reward_fn`'s training set (MATH: problem +
-    solution with a boxed answer; GSM8K: question + answer after ####), scored by that reward."""
-    from pathlib import Path
+def dataset_task(train: Sequence[Example], heldout: Sequence[Example], tokenizer, seed: int, reward_type: str,
+                 apply_chat_template: bool = False, timeout_s: float = 5.0) -> Task:
+    """Training and held-out prompts from loaded examples (megatron_dppo.data.datasets.load_prompt_data), encoded
+    with or without the tokenizer's chat template and scored by `reward_type`. Training ids are the row order
+    (0, 1, ...), held-out ids are negative (-1, -2, ...)."""
+    from megatron_dppo.data.datasets import encode_examples
 
-    from megatron_dppo.data.datasets import DATASETS, load_dataset, load_jsonl
-    from megatron_dppo.data.templates import encode_prompt
+    def as_prompts(examples, ids):
+        encoded = encode_examples(examples, apply_chat_template, tokenizer)
+        return [Prompt(prompt_id, input_ids, example.answer, tokenizer.decode(input_ids))
+                for prompt_id, input_ids, example in zip(ids, encoded, examples)]
 
-    def as_prompts(examples, offset=0, sign=1):
-        return [Prompt(sign * (offset + i), encode_prompt(e.problem, template, tokenizer), e.answer, e.problem)
-                for i, e in enumerate(examples)]
-
-    if name in DATASETS:
-        train = as_prompts(load_dataset(name, skip_bad_rows=skip_bad_rows))
-    else:
-        layout = DATASETS[f"{reward_fn}_train"].parse_row
-        train = as_prompts(load_jsonl(Path(name), layout, name, skip_bad_rows=skip_bad_rows))
-    heldout = as_prompts(load_dataset(heldout_name, skip_bad_rows=skip_bad_rows, limit=heldout_size), 1, -1)
-    return Task(train, heldout, reward_scorer(reward_fn, timeout_s), seed)
+    return Task(as_prompts(train, range(len(train))), as_prompts(heldout, range(-1, -1 - len(heldout), -1)),
+                reward_scorer(reward_type, timeout_s), seed)
 
 
-def reward_scorer(reward_fn: str, timeout_s: float = 5.0):
+def reward_scorer(reward_type: str, timeout_s: float = 5.0):
     """`scorer(responses, references) -> [float]` for a name of REWARD_FUNCTIONS; math checks go to one verifier
     pool per batch (with its per-check timeout) instead of one call at a time."""
     from megatron_dppo.rewards import REWARD_FUNCTIONS
 
-    if reward_fn not in REWARD_FUNCTIONS:
-        raise ValueError(f"unknown reward function {reward_fn!r}: choose one of {sorted(REWARD_FUNCTIONS)}")
-    if reward_fn == "math":
+    if reward_type not in REWARD_FUNCTIONS:
+        raise ValueError(f"unknown reward type {reward_type!r}: choose one of {sorted(REWARD_FUNCTIONS)}")
+    if reward_type == "math":
         from megatron_dppo.rewards.math import VerifierPool, score_batch
 
         pool = VerifierPool(timeout_s=timeout_s)
         return lambda responses, refs: [result.score for result in score_batch(responses, [str(a) for a in refs],
                                                                                 pool=pool)]
-    compute_score = REWARD_FUNCTIONS[reward_fn]
+    compute_score = REWARD_FUNCTIONS[reward_type]
     return lambda responses, refs: [compute_score(r, str(a)) for r, a in zip(responses, refs)]

@@ -6,6 +6,42 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "shared_data: reads the built-in data sets (DPPO_DATA_DIR or ../shared/data)")
+
+
+def _shared_data_problem() -> tuple[bool, str] | None:
+    """(skip, message) when built-in data files are missing, None when all are there. Without any data directory the
+    tests that need it are skipped and say how to get it; a data directory that lacks a file fails them."""
+    from megatron_dppo.data.datasets import missing_data_files
+    from megatron_dppo.data.paths import data_dir, where_data_is
+
+    missing = missing_data_files()
+    if not missing:
+        return None
+    names = ", ".join(str(path.relative_to(data_dir())) for path in missing)
+    how = ("put them there or set DPPO_DATA_DIR to the folder holding them (docs/data_and_rewards.md lists the files "
+           "and their public sources)")
+    return not data_dir().is_dir(), f"needs the built-in data sets, missing: {names} ({where_data_is()}); {how}"
+
+
+def pytest_collection_modifyitems(config, items):
+    problem = _shared_data_problem()
+    if problem is None or not problem[0]:
+        return
+    for item in items:
+        if item.get_closest_marker("shared_data"):
+            item.add_marker(pytest.mark.skip(reason=problem[1]))
+
+
+def pytest_runtest_setup(item):
+    """A data directory with a file missing is a broken setup (CI has them all): fail with the reason, never skip."""
+    if item.get_closest_marker("shared_data"):
+        problem = _shared_data_problem()
+        if problem is not None and not problem[0]:
+            pytest.fail(problem[1], pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Tiny random HF models saved with save_pretrained: Qwen2 (qkv bias), Qwen3 (q/k norm, head_dim 24 != hidden /

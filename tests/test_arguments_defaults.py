@@ -58,7 +58,9 @@ def test_clip_ranges_default_by_importance_level_and_explicit_flags_win():
 
 
 def test_d3s_without_a_run_length_is_refused_naming_the_flags(capsys):
-    external = ["--rollout-backend", "external", "--rollout-urls", "http://127.0.0.1:1"]  # no embedded budget
+    # a real run's flags (no embedded time budget); --dry-run leaves the model folder unchecked
+    external = ["--rollout-backend", "external", "--rollout-urls", "http://127.0.0.1:1", "--hf-checkpoint", "model",
+                "--dry-run"]
     with pytest.raises(SystemExit):
         parse_args([*external, "--algorithm", "d3s"])
     message = capsys.readouterr().err

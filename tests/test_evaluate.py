@@ -55,6 +55,7 @@ def test_markdown_table_has_one_row_per_benchmark():
     assert table.splitlines()[2] == "| aime24 | 30 | 4 | 12.5 | 20.0 |"
 
 
+@pytest.mark.shared_data
 def test_evaluate_tool_runs_end_to_end_with_the_embedded_engine_on_a_20_problem_slice(tmp_path):
     from megatron_dppo.convert.tiny import save_random_hf_model, tiny_hf_config
     from megatron_dppo.data.tokenizer import CharTokenizer
@@ -92,3 +93,34 @@ def test_evaluate_tool_runs_end_to_end_with_the_embedded_engine_on_a_20_problem_
     assert table[0].startswith("| benchmark | problems | k | pass@1")
     assert [row.split("|")[1].strip() for row in table[2:]] == ["gsm8k", "math500"]
     assert finished.stdout.splitlines()[-2:] == table[-2:]
+
+
+def test_evaluate_tool_scores_a_users_parquet_file_through_the_chat_template(tmp_path):
+    from datasets import Dataset
+
+    from tests.tiny_chat import save_tiny_chat_model
+
+    model_dir = tmp_path / "model"
+    save_tiny_chat_model(model_dir)
+    rows = [{"question": [{"role": "user", "content": f"What is {i}+{i}?"}], "final": 2 * i} for i in range(3)]
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "heldout.parquet"))
+    command = [sys.executable, str(PROJECT_ROOT / "tools" / "evaluate.py"), "--model-dir", str(model_dir),
+               "--benchmarks", str(tmp_path / "heldout.parquet"), "--input-key", "question", "--label-key", "final",
+               "--reward-type", "gsm8k", "--apply-chat-template", "--max-new-tokens", "4", "--output-dir",
+               str(tmp_path / "eval"), "--reward-workers", "1", "--no-progress"]
+    finished = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    (summary,) = json.loads((tmp_path / "eval" / "results.json").read_text())["benchmarks"].values()
+    assert [p["reference"] for p in summary["problems"]] == ["0", "2", "4"] and summary["num_problems"] == 3
+
+
+def test_evaluate_tool_reads_every_benchmark_before_starting_a_server(tmp_path):
+    (tmp_path / "heldout.jsonl").write_text('{"prompt": "What is 1+1?"}\n')
+    command = [sys.executable, str(PROJECT_ROOT / "tools" / "evaluate.py"), "--urls", "http://127.0.0.1:9",
+               "--tokenizer-dir", str(tmp_path), "--benchmarks", str(tmp_path / "heldout.jsonl"), "--output-dir",
+               str(tmp_path / "eval")]
+    finished = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 1
+    assert finished.stderr.strip().splitlines()[-1] == (
+        f"evaluate.py: error: {tmp_path / 'heldout.jsonl'}: has no field 'label' (its fields: ['prompt']): pass "
+        "--label-key with the name of the field that holds it")

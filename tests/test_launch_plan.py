@@ -17,8 +17,10 @@ SERVER_URLS = [f"http://{node}:{30000 + i}" for node in ("gpu03", "gpu04") for i
 
 def four_node_args(monkeypatch, urls=SERVER_URLS, tp=2, pp=2):
     monkeypatch.setenv("WORLD_SIZE", "16")
-    return parse_args(["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-                       "--hf-checkpoint", "Qwen3-4B", "--rollout-backend", "external", "--rollout-urls", *urls])
+    # --dry-run: the plan is printed where the model folder may not be visible, so the folder is not checked
+    return parse_args(["--dry-run", "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
+                       str(pp), "--hf-checkpoint", "Qwen3-4B", "--rollout-backend", "external", "--rollout-urls",
+                       *urls])
 
 
 def four_node_plan(monkeypatch):

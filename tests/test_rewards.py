@@ -3,6 +3,8 @@
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +22,8 @@ from megatron_dppo.rewards.math import (
     score_batch,
     score_with_details,
 )
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +48,7 @@ def _answer_of_another_problem(examples):
     return others
 
 
+@pytest.mark.shared_data
 @pytest.mark.parametrize("name, expected_rows", [("math_test", 5000), ("math500", 500)])
 def test_every_math_reference_solution_scores_one_against_its_own_answer(pool, name, expected_rows):
     examples = load_dataset(name)
@@ -51,12 +56,14 @@ def test_every_math_reference_solution_scores_one_against_its_own_answer(pool, n
     assert _fraction_scoring(pool, examples, [e.answer for e in examples], 1.0) >= 0.995
 
 
+@pytest.mark.shared_data
 @pytest.mark.parametrize("name", ["math_test", "math500"])
 def test_math_reference_solution_scores_zero_against_another_problems_answer(pool, name):
     examples = load_dataset(name)
     assert _fraction_scoring(pool, examples, _answer_of_another_problem(examples), 0.0) >= 0.995
 
 
+@pytest.mark.shared_data
 @pytest.mark.parametrize("name", ["math_test", "math500"])
 def test_math_verify_route_accepts_every_reference_answer_against_itself(pool, name):
     """The pool alone, without the exact-match shortcut: no reference answer is unparsable or self-unequal."""
@@ -64,6 +71,7 @@ def test_math_verify_route_accepts_every_reference_answer_against_itself(pool, n
     assert pool.verify([(answer, answer) for answer in answers]) == [(True, "math-verify-equal")] * len(answers)
 
 
+@pytest.mark.shared_data
 def test_messy_restatements_of_math500_answers_score_one(pool):
     """The same answers written as a model would: in prose, spaced, with \\dfrac, after ####, in \\fbox."""
     examples = load_dataset("math500")
@@ -175,6 +183,7 @@ def test_scoring_works_from_worker_threads(pool):
     assert scores == [1.0] * 8
 
 
+@pytest.mark.shared_data
 @pytest.mark.parametrize("name", ["gsm8k_test", "gsm8k"])
 def test_every_gsm8k_test_reference_scores_one_with_the_gsm8k_scorer(name):
     examples = load_dataset(name)
@@ -201,3 +210,65 @@ def test_gsm8k_scorer_on_messy_outputs(response, score):
 def test_gsm8k_reference_without_a_number_is_a_clear_error():
     with pytest.raises(ValueError, match="holds no number"):
         gsm8k.compute_score("#### 3", "#### none")
+
+
+# ------------------------------------------------------------------ compute_score wherever a user calls it
+# Each pair needs math-verify (no exact string match), so the batch really goes through the worker processes.
+_BATCH = [("so \\boxed{0.5}", "\\frac{1}{2}", 1.0), ("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}", 0.0),
+          ("the answer is $\\dfrac{6}{4}$.", "1.5", 1.0), ("\\boxed{x^2+1}", "x^2-1", 0.0)]
+_USER_SCRIPT = f"""
+print("user script body ran")
+from megatron_dppo.rewards.math import compute_score
+print("scores", [compute_score(response, reference) for response, reference, _ in {_BATCH!r}])
+"""
+_EXPECTED_SCORES = f"scores {[score for _, _, score in _BATCH]}"
+
+
+def _run_user_python(arguments: list[str], script: str | None = None) -> subprocess.CompletedProcess:
+    """python ARGS in a fresh interpreter, the project importable through PYTHONPATH as a user's checkout is."""
+    environment = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    return subprocess.run([sys.executable, *arguments], input=script, capture_output=True, text=True, timeout=300,
+                          env=environment, cwd=PROJECT_ROOT)
+
+
+def test_compute_score_works_from_a_script_read_on_standard_input():
+    finished = _run_user_python(["-"], _USER_SCRIPT)  # python - <<EOF: the main module has no file to re-import
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert finished.stdout.splitlines() == ["user script body ran", _EXPECTED_SCORES]
+
+
+def test_compute_score_from_a_script_without_a_main_guard_runs_the_script_once(tmp_path):
+    script = tmp_path / "score_my_answers.py"
+    script.write_text(_USER_SCRIPT)
+    finished = _run_user_python([str(script)])
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert finished.stdout.splitlines() == ["user script body ran", _EXPECTED_SCORES]  # workers never re-ran it
+
+
+def test_compute_score_works_from_a_thread_with_the_default_pool():
+    threaded = _USER_SCRIPT.split("print(\"scores\"")[0] + (
+        "import threading\n"
+        "scores = []\n"
+        f"work = lambda: scores.extend(compute_score(response, reference) for response, reference, _ in {_BATCH!r})\n"
+        "thread = threading.Thread(target=work)\n"
+        "thread.start()\n"
+        "thread.join()\n"
+        "print('scores', scores)\n")
+    finished = _run_user_python(["-"], threaded)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert finished.stdout.splitlines() == ["user script body ran", _EXPECTED_SCORES]
+
+
+def test_a_worker_that_dies_at_start_is_reported_with_its_own_error(tmp_path):
+    broken = tmp_path / "math_verify"  # shadows the real math_verify in the worker, which then fails to import
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('math_verify is broken on this machine')\n")
+    script = "from megatron_dppo.rewards.math import VerifierPool\nVerifierPool(num_workers=1)\n"
+    environment = {**os.environ, "PYTHONPATH": f"{PROJECT_ROOT}{os.pathsep}{tmp_path}"}
+    start = time.monotonic()
+    finished = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=300,
+                              env=environment, cwd=PROJECT_ROOT)
+    assert finished.returncode != 0
+    assert "math_verify is broken on this machine" in finished.stderr, finished.stderr[-3000:]
+    assert "did not start within" not in finished.stderr
+    assert time.monotonic() - start < 60  # reported when the worker died, not after the start-up timeout

@@ -18,6 +18,7 @@ def test_synthetic_tokenizer_has_one_id_per_character_and_dollar_as_eos():
     assert len({tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id}) == 3
 
 
+@pytest.mark.shared_data
 def test_saved_tokenizer_loads_offline_in_transformers_and_tokenizers_with_identical_ids(tmp_path):
     from transformers import AutoTokenizer
 
@@ -39,6 +40,7 @@ def test_saved_tokenizer_loads_offline_in_transformers_and_tokenizers_with_ident
     assert len(hf_tokenizer) == tokenizer.vocab_size
 
 
+@pytest.mark.shared_data
 def test_text_without_unknown_characters_round_trips_exactly():
     tokenizer = CharTokenizer.for_text()
     for example in load_dataset("math500"):

@@ -1,10 +1,14 @@
-"""Evaluate a model on the math benchmarks: pass@1 (mean over k samples) and maj@k.
+"""Evaluate a model on the math benchmarks, or on your own prompt files: pass@1 (mean over k samples) and maj@k.
 
+    --benchmarks: built-in names (from DPPO_DATA_DIR or ../shared/data, or --data-dir), .jsonl/.json/.parquet files,
+                  directories of them, or Hugging Face data set names; all read and checked before any server starts
     --urls (SGLang or any compatible server) or --model-dir (starts the embedded engine)
         ──► megatron_dppo.evaluation.evaluate ──► <output-dir>/results.json and results.md
 
-Example:
-    python tools/evaluate.py --model-dir ckpt/hf --benchmarks math500 gsm8k --k 4 --temperature 0.6
+Examples:
+    python tools/evaluate.py --model-dir ckpt/hf --benchmarks math500 gsm8k --k 4 --temperature 0.6 --output-dir eval
+    python tools/evaluate.py --model-dir ckpt/hf --benchmarks data/heldout.parquet --apply-chat-template \\
+        --output-dir eval
 """
 
 import argparse
@@ -13,9 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_dppo.data.datasets import BENCHMARKS
-from megatron_dppo.data.templates import TEMPLATES
-from megatron_dppo.evaluation import evaluate, markdown_table
+from megatron_dppo.arguments import hf_checkpoint_errors
+from megatron_dppo.data.datasets import BENCHMARKS, PromptDataError
+from megatron_dppo.evaluation import EVALUATION_REWARDS, evaluate, load_benchmarks, markdown_table
 from megatron_dppo.rewards.math import VerifierPool
 from megatron_dppo.rollout.client import RolloutClient, SamplingParams
 from megatron_dppo.rollout.launcher import launch_embedded_engine
@@ -23,7 +27,8 @@ from megatron_dppo.rollout.launcher import launch_embedded_engine
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--benchmarks", nargs="+", default=list(BENCHMARKS), choices=BENCHMARKS)
+    parser.add_argument("--benchmarks", nargs="+", default=list(BENCHMARKS), metavar="SOURCE",
+                        help=f"built-in names ({', '.join(BENCHMARKS)}, ...), files, directories or hub data sets")
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N problems of each")
     parser.add_argument("--k", type=int, default=1, help="samples per problem")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -34,9 +39,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     server.add_argument("--model-dir", help="HF model directory: start the embedded engine on it")
     parser.add_argument("--tokenizer-dir", help="HF tokenizer directory (default: --model-dir)")
     parser.add_argument("--output-dir", required=True, help="where results.json and results.md go")
-    parser.add_argument("--prompt-template", default="auto", choices=TEMPLATES)
+    parser.add_argument("--apply-chat-template", action="store_true",
+                        help="render prompts with the tokenizer's chat template (as the model was trained)")
+    parser.add_argument("--reward-type", choices=EVALUATION_REWARDS, default="math",
+                        help="the reward of your own files (built-in sets bring their own)")
+    parser.add_argument("--input-key", default="prompt", help="prompt field of your own files")
+    parser.add_argument("--label-key", default="label", help="reference answer field of your own files")
+    parser.add_argument("--split", default="test", help="split of Hugging Face data sets")
+    parser.add_argument("--skip-bad-rows", action="store_true", help="leave out rows without a usable prompt or label")
     parser.add_argument("--data-dir", default=None,
-                        help="shared data directory (default: DPPO_DATA_DIR or ../shared/data)")
+                        help="folder of the built-in sets (default: DPPO_DATA_DIR or ../shared/data)")
     parser.add_argument("--reward-workers", type=int, default=None, help="math-verify worker processes")
     parser.add_argument("--reward-timeout-s", type=float, default=5.0, help="deadline for one math-verify check")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -45,11 +57,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--urls needs --tokenizer-dir (the tokenizer the servers' model uses)")
     if args.k < 1 or (args.limit is not None and args.limit < 1):
         parser.error(f"--k ({args.k}) and --limit ({args.limit}) must be >= 1")
+    errors = hf_checkpoint_errors(args.model_dir, "--model-dir") if args.model_dir else []
+    if errors:
+        parser.error(errors[0])
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    try:  # read every benchmark before a server starts, so a bad file stops the run at once
+        benchmarks = load_benchmarks(args.benchmarks, args.reward_type, args.input_key, args.label_key, args.split,
+                                     args.limit, args.skip_bad_rows, args.data_dir)
+    except PromptDataError as error:
+        sys.exit(f"evaluate.py: error: {error}")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir or args.model_dir)
@@ -62,8 +82,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             urls = args.urls
         pool = stack.enter_context(VerifierPool(args.reward_workers, timeout_s=args.reward_timeout_s))
-        results = evaluate(args.benchmarks, RolloutClient(urls), tokenizer, args.k, params, args.prompt_template,
-                           args.limit, pool, args.data_dir, show_progress=not args.no_progress)
+        try:
+            results = evaluate(benchmarks, RolloutClient(urls), tokenizer, args.k, params, args.apply_chat_template,
+                               pool, show_progress=not args.no_progress)
+        except PromptDataError as error:  # a prompt the chat template (or its absence) cannot render
+            sys.exit(f"evaluate.py: error: {error}")
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     config = {key: value for key, value in vars(args).items() if key != "no_progress"}

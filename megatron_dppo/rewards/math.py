@@ -14,20 +14,26 @@ Invariants
   (the worker's main thread), and the parent kills a worker that overruns `ceil(timeout_s) + HARD_DEADLINE_GRACE_S`
   (C-level big-integer arithmetic ignores signals). The parent never uses signals, so the pool can be driven from
   any thread or process.
+- The workers are `python -m megatron_dppo.rewards.verifier_worker` processes: they never import the caller's main
+  module, so compute_score works from a script on standard input or one without a main guard; a worker that dies
+  at start is reported with its own output.
 """
 
 import atexit
 import logging
 import math
-import multiprocessing
 import os
 import re
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -145,62 +151,59 @@ def normalize_answer(answer: str) -> str:
     return "".join(text.split()).rstrip(".")
 
 
-def _verify_pair(answer: str, reference: str, timeout_seconds: int) -> tuple[bool | None, str]:
-    """Runs in a worker process: math-verify equivalence of two extracted answers."""
-    from math_verify import parse, verify
-    from math_verify.errors import TimeoutException
-
-    try:
-        gold = parse(f"\\boxed{{{reference}}}", parsing_timeout=timeout_seconds, raise_on_error=True)
-        predicted = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout_seconds, raise_on_error=True)
-        if not gold or not predicted:
-            return False, "math-verify-unparsable"
-        equal = verify(gold, predicted, timeout_seconds=timeout_seconds, raise_on_error=True)
-    except TimeoutException:
-        return None, "timeout"
-    except Exception as error:  # sympy raises many exception types on odd input; all mean "not verified"
-        return False, f"error: {type(error).__name__}"
-    return bool(equal), "math-verify-equal" if equal else "math-verify-different"
-
-
-def _worker_main(connection: Connection, timeout_seconds: int) -> None:
-    """Import math-verify, say ready, then serve (answer, reference) pairs until the parent closes the pipe."""
-    import math_verify  # noqa: F401  (imported before "ready", so no deadline pays for the import)
-
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
-    connection.send("ready")
-    while True:
-        try:
-            answer, reference = connection.recv()
-        except EOFError:
-            return
-        connection.send(_verify_pair(answer, reference, timeout_seconds))
-
-
 class _Worker:
+    """A verifier_worker process and the two pipe ends the parent keeps; its output goes to a temporary file that
+    is read back when it dies, so its own error can be reported."""
+
     def __init__(self, timeout_seconds: int):
-        context = multiprocessing.get_context("spawn")
-        self.connection, child_connection = context.Pipe()
-        self.process = context.Process(target=_worker_main, args=(child_connection, timeout_seconds), daemon=True)
-        self.process.start()
-        child_connection.close()
+        request_read, request_write = os.pipe()
+        reply_read, reply_write = os.pipe()
+        self.output = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(
+            [sys.executable, "-P", "-m", "megatron_dppo.rewards.verifier_worker", str(request_read), str(reply_write),
+             str(timeout_seconds)],
+            pass_fds=(request_read, reply_write), stdin=subprocess.DEVNULL, stdout=self.output,
+            stderr=subprocess.STDOUT, env=_worker_environment())
+        os.close(request_read)
+        os.close(reply_write)
+        self.requests = Connection(request_write, readable=False)
+        self.replies = Connection(reply_read, writable=False)
 
     def wait_ready(self) -> None:
+        if not self.replies.poll(WORKER_STARTUP_TIMEOUT_S):
+            self.kill()
+            raise RuntimeError(
+                f"a math-verify worker process did not start within {WORKER_STARTUP_TIMEOUT_S:.0f} s; check that "
+                "the machine is not out of memory or overloaded")
         try:
-            if self.connection.poll(WORKER_STARTUP_TIMEOUT_S) and self.connection.recv() == "ready":
+            if self.replies.recv() == "ready":
                 return
         except EOFError:
             pass
+        exit_code = self.process.wait()
+        output = self.last_output()
         self.kill()
-        raise RuntimeError(
-            f"a math-verify worker process did not start within {WORKER_STARTUP_TIMEOUT_S:.0f} s; check that "
-            "math_verify imports (`python -c 'import math_verify'`) and that the machine is not out of memory"
-        )
+        raise RuntimeError(f"a math-verify worker process exited at start (exit code {exit_code}); its output ends "
+                           f"with:\n{output}")
+
+    def last_output(self, characters: int = 4000) -> str:
+        self.output.seek(0)
+        return self.output.read().decode(errors="replace")[-characters:]
 
     def kill(self) -> None:
         self.process.kill()
-        self.process.join()
-        self.connection.close()
+        self.process.wait()
+        self.requests.close()
+        self.replies.close()
+        self.output.close()
+
+
+def _worker_environment() -> dict[str, str]:
+    """The caller's environment, with this package importable in the worker however the caller found it (an
+    installed package, PYTHONPATH, or a sys.path entry added by the calling script)."""
+    package_parent = str(Path(__file__).resolve().parents[2])
+    inherited = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([package_parent, inherited] if inherited else [package_parent])}
 
 
 class VerifierPool:
@@ -241,22 +244,24 @@ class VerifierPool:
         while pending or busy:
             for slot in range(len(self._workers)):
                 if slot not in busy and pending:
-                    if not self._workers[slot].process.is_alive():
+                    if self._workers[slot].process.poll() is not None:
                         self._replace(slot)
                     index = pending.popleft()
-                    self._workers[slot].connection.send(pairs[index])
+                    self._workers[slot].requests.send(pairs[index])
                     busy[slot] = (index, time.monotonic() + self._hard_deadline_s)
             nearest_deadline = min(deadline for _, deadline in busy.values())
-            wait([self._workers[slot].connection for slot in busy], max(0.0, nearest_deadline - time.monotonic()))
+            wait([self._workers[slot].replies for slot in busy], max(0.0, nearest_deadline - time.monotonic()))
             for slot in list(busy):
                 index, deadline = busy.pop(slot)
-                connection = self._workers[slot].connection
+                replies = self._workers[slot].replies
                 # poll() again rather than trusting wait(): a replacement below may take seconds.
-                if connection.poll():
+                if replies.poll():
                     try:
-                        results[index] = connection.recv()
+                        results[index] = replies.recv()
                     except (EOFError, OSError):
                         results[index] = (False, "error: verifier worker died")
+                        logger.warning("math reward: a verifier worker died during a check; its output ends with:\n%s",
+                                       self._workers[slot].last_output())
                         self._replace(slot)
                 elif time.monotonic() >= deadline:
                     results[index] = (None, "timeout")

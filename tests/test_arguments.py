@@ -1,0 +1,111 @@
+"""Model and prompt-data flags are checked before any process group or model starts, as a new user meets them:
+through examples/pretrain_dppo.py and under torchrun, each problem one line naming the flag and the fix."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_dppo.arguments import parse_args
+from tests.launch import REPO_ROOT, finish, start_torchrun
+
+ENTRY = REPO_ROOT / "examples" / "pretrain_dppo.py"
+
+
+def run_entry(*flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ENTRY), *flags], capture_output=True, text=True, timeout=300,
+                          cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})})
+
+
+def error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("pretrain_dppo.py: error:")]
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "What is 2+2?", "label": "4"}) + "\n")
+    return path
+
+
+def test_prompt_file_without_a_model_and_a_missing_model_folder_are_one_line_each(prompts_file):
+    finished = run_entry("--prompt-data", str(prompts_file))
+    assert finished.returncode == 2
+    assert finished.stderr.splitlines() == [
+        f"pretrain_dppo.py: error: --prompt-data {prompts_file} needs --hf-checkpoint DIR, the Hugging Face model to "
+        "train and serve (config.json, tokenizer files and *.safetensors); only the embedded default (--prompt-data "
+        "synthetic with the embedded engine) runs without one, on its own tiny model",
+        "(--help lists every flag)"]
+    finished = run_entry("--hf-checkpoint", "/nonexistent")
+    assert finished.returncode == 2
+    assert error_lines(finished.stderr) == [
+        "pretrain_dppo.py: error: --hf-checkpoint /nonexistent: no such directory; pass the local folder of a Hugging "
+        "Face model (config.json, tokenizer files and *.safetensors), e.g. one written by save_pretrained or "
+        "`huggingface-cli download --local-dir`"]
+
+
+def test_under_torchrun_the_flag_error_is_said_once_and_nothing_starts(prompts_file):
+    process = start_torchrun(ENTRY, 2, ["--prompt-data", str(prompts_file)])
+    output = finish(process, 300, "torchrun with a bad flag")
+    assert process.returncode != 0
+    assert len(error_lines(output)) == 1 and "needs --hf-checkpoint DIR" in error_lines(output)[0]
+
+
+def test_a_bad_prompt_row_stops_the_run_with_its_file_row_and_fix(tmp_path):
+    from tests.tiny_chat import save_tiny_chat_model
+
+    model = tmp_path / "model"
+    save_tiny_chat_model(model)
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text(json.dumps({"prompt": "What is 2+2?", "label": "4"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    process = start_torchrun(ENTRY, 2, ["--hf-checkpoint", model, "--prompt-data", bad, "--eval-prompt-data", bad])
+    output = finish(process, 300, "torchrun with a bad prompt file")
+    assert process.returncode != 0
+    assert error_lines(output) == [f"pretrain_dppo.py: error: {bad}, row 2: field 'label' is missing or null (fix the "
+                                   "row, or leave bad rows out with --skip-bad-rows)"]
+    # no traceback through our code (torchrun still prints its own failure summary)
+    assert f"{REPO_ROOT / 'megatron_dppo'}{os.sep}" not in output
+
+
+def test_renamed_flags_say_their_new_names():
+    finished = run_entry("--data-prompts", "math", "--reward-fn", "math")
+    assert finished.returncode == 2
+    assert ("unrecognized arguments: --data-prompts math --reward-fn math (--data-prompts is now --prompt-data; "
+            "--reward-fn is now --reward-type)") in finished.stderr
+
+
+def parse_errors(capsys, flags: list[str]) -> str:
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    return capsys.readouterr().err
+
+
+def test_flags_that_do_not_apply_to_the_chosen_prompts_are_named(capsys, tmp_path, prompts_file, monkeypatch):
+    from tests.tiny_chat import save_tiny_chat_model
+
+    save_tiny_chat_model(tmp_path / "model")
+    model = ["--hf-checkpoint", str(tmp_path / "model")]
+    assert "--apply-chat-template does not apply to --prompt-data synthetic" in parse_errors(
+        capsys, ["--apply-chat-template"])
+    assert "--input-key applies to your own prompt files; the built-in set math has its own fields" in parse_errors(
+        capsys, [*model, "--prompt-data", "math", "--input-key", "question"])
+    assert "--reward-type synthetic has no built-in held-out set: pass --eval-prompt-data SOURCE" in parse_errors(
+        capsys, [*model, "--prompt-data", str(prompts_file), "--reward-type", "synthetic"])
+    assert f"--prompt-data-split validation applies to Hugging Face data sets; {prompts_file} is read whole" in \
+        parse_errors(capsys, [*model, "--prompt-data", str(prompts_file), "--prompt-data-split", "validation"])
+    monkeypatch.setenv("DPPO_DATA_DIR", str(tmp_path / "nowhere"))
+    message = parse_errors(capsys, [*model, "--prompt-data", str(prompts_file)])
+    assert "held-out prompts (--eval-prompt-data defaults to math500 for --reward-type math; pass your own " in message
+    args = parse_args([*model, "--prompt-data", str(prompts_file), "--eval-prompt-data", str(prompts_file)])
+    assert (args.reward_type, args.eval_prompt_data) == ("math", str(prompts_file))
+
+
+@pytest.mark.shared_data
+def test_built_in_prompt_data_brings_its_reward_and_held_out_set(tmp_path):
+    from tests.tiny_chat import save_tiny_chat_model
+
+    save_tiny_chat_model(tmp_path / "model")
+    args = parse_args(["--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", "gsm8k"])
+    assert (args.reward_type, args.eval_prompt_data) == ("gsm8k", "gsm8k_test")
