@@ -22,9 +22,10 @@ import datetime
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -286,10 +287,13 @@ class WeightSyncer:
                  backend: str = "gloo", group_name: str = DEFAULT_GROUP_NAME,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0, api_key: str | None = None,
                  pause_mode: str = "retract", engine_ranks: list[int] | None = None,
-                 keep_host_copy: bool = False, first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES):
+                 keep_host_copy: bool = False, first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+                 control: Callable[..., Any] = control_request):
         """first_bucket_bytes: the first bucket's limit, growing to bucket_bytes (see group_into_buckets).
         keep_host_copy: remember the last synced tensors (host memory, one model copy) so that `resend()` can
-        restore a restarted engine without the trainer ranks' help (they may be busy in a collective)."""
+        restore a restarted engine without the trainer ranks' help (they may be busy in a collective).
+        control: how each SGLang control route reaches a server, `control(url, path, payload, method, timeout_s,
+        api_key)`; the default posts it as is, rollout/vllm.VLLMControl carries it out on vLLM."""
         if not urls:
             raise ValueError("WeightSyncer needs at least one rollout server URL")
         if backend not in ("gloo", "nccl"):
@@ -318,6 +322,7 @@ class WeightSyncer:
         self.keep_host_copy = keep_host_copy
         self.host_copy: list[tuple[str, torch.Tensor]] = []
         self.staging = StagingBuffers()
+        self.control = control
 
     # Request bodies, one builder per SGLang request dataclass (checked by tests/test_rollout_contract.py).
     def init_group_payload(self, master_port: int, rank_offset: int, world_size: int) -> dict:
@@ -337,7 +342,7 @@ class WeightSyncer:
 
     def _call_all(self, path: str, payload: dict | None = None, method: str = "POST") -> list:
         with ThreadPoolExecutor(len(self.urls)) as pool:
-            futures = [pool.submit(control_request, url, path, payload, method, self.timeout_s, self.api_key)
+            futures = [pool.submit(self.control, url, path, payload, method, self.timeout_s, self.api_key)
                        for url in self.urls]
             return [future.result() for future in futures]
 
@@ -349,7 +354,7 @@ class WeightSyncer:
         port = self.master_port or free_port()
         offsets, world_size = sync_rank_offsets(self.engine_ranks)
         with ThreadPoolExecutor(len(self.urls)) as pool:
-            futures = [pool.submit(control_request, url, "/init_weights_update_group",
+            futures = [pool.submit(self.control, url, "/init_weights_update_group",
                                    self.init_group_payload(port, offset, world_size), "POST", self.timeout_s,
                                    self.api_key) for url, offset in zip(self.urls, offsets)]
             try:
@@ -366,8 +371,8 @@ class WeightSyncer:
         if tell_engines:
             for url in self.urls:
                 try:
-                    control_request(url, "/destroy_weights_update_group", self.destroy_group_payload(),
-                                    timeout_s=min(self.timeout_s, 10.0), api_key=self.api_key)
+                    self.control(url, "/destroy_weights_update_group", self.destroy_group_payload(),
+                                 timeout_s=min(self.timeout_s, 10.0), api_key=self.api_key)
                 except RolloutServerError:
                     pass  # a restarted engine has no group; a dead one cannot answer
         if self.group is not None:
@@ -390,7 +395,7 @@ class WeightSyncer:
         for url in self.urls:
             while True:
                 try:
-                    control_request(url, "/flush_cache", None, "GET", self.timeout_s, self.api_key)
+                    self.control(url, "/flush_cache", None, "GET", self.timeout_s, self.api_key)
                     break
                 except RolloutServerError:
                     if time.monotonic() > deadline:  # SGLang refuses to flush while requests are running
@@ -400,7 +405,7 @@ class WeightSyncer:
     def _send_bucket(self, bucket: Bucket, version: str) -> None:
         payload = self.update_payload(bucket, version)
         with ThreadPoolExecutor(len(self.urls)) as pool:
-            futures = [pool.submit(control_request, url, "/update_weights_from_distributed", payload, "POST",
+            futures = [pool.submit(self.control, url, "/update_weights_from_distributed", payload, "POST",
                                    self.timeout_s, self.api_key) for url in self.urls]
             broadcast_from_trainer(self.group, bucket.flat)
             for future in futures:
