@@ -353,6 +353,7 @@ class WeightSyncer:
 
         port = self.master_port or free_port()
         offsets, world_size = sync_rank_offsets(self.engine_ranks)
+        joining_error = None
         with ThreadPoolExecutor(len(self.urls)) as pool:
             futures = [pool.submit(self.control, url, "/init_weights_update_group",
                                    self.init_group_payload(port, offset, world_size), "POST", self.timeout_s,
@@ -360,11 +361,14 @@ class WeightSyncer:
             try:
                 self.group = init_weight_update_group(self.backend, self.master_address, port, 0, world_size,
                                                       self.group_name, self.timeout_s)
-            finally:
-                results = [future.exception() or future.result() for future in futures]
+            except Exception as error:  # a store timeout says only that someone did not join: the servers say why
+                joining_error = error
+            results = [future.exception() or future.result() for future in futures]
         failures = [f"{url}: {result}" for url, result in zip(self.urls, results) if isinstance(result, Exception)]
         if failures:
-            raise RolloutServerError("init_weights_update_group failed on " + "; ".join(failures))
+            raise RolloutServerError("init_weights_update_group failed on " + "; ".join(failures)) from joining_error
+        if joining_error is not None:
+            raise joining_error
 
     def destroy_group(self, tell_engines: bool = True) -> None:
         """Leave the group; engines that cannot be reached (e.g. dead ones) are skipped."""
