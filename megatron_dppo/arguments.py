@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_dppo.rollout.launcher import VLLM_PYTHON_VARIABLE
+
 ALGORITHMS = ("grpo", "dppo", "cppo", "d3s")
 # Clip ranges (eps_low, eps_high): DAPO's clip-higher for token-level ratios; a sequence-level (GSPO) ratio is the
 # geometric mean of the token ratios, so it moves far less and GSPO's paper clips it at (3e-4, 4e-4).
@@ -28,7 +30,8 @@ EMBEDDED_DEFAULTS = dict(
 
 
 def is_embedded_default(args) -> bool:
-    return args.rollout_backend == "embedded" and not args.hf_checkpoint and args.prompt_data == "synthetic"
+    """The tiny model and synthetic task of the no-argument run, served by the embedded engine or by vLLM."""
+    return args.rollout_backend in ("embedded", "vllm") and not args.hf_checkpoint and args.prompt_data == "synthetic"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,8 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
                           help="stop RL when this many seconds have passed since start (after the current step)")
 
     rollout = parser.add_argument_group("rollout")
-    rollout.add_argument("--rollout-backend", choices=("embedded", "sglang", "external"), default="embedded",
-                         help="embedded: our CPU engine; sglang: start SGLang servers; external: --rollout-urls")
+    rollout.add_argument("--rollout-backend", choices=("embedded", "sglang", "vllm", "external"), default="embedded",
+                         help="embedded: our CPU engine; sglang: start SGLang servers; vllm: start vLLM servers from "
+                              "--rollout-python's environment; external: SGLang servers at --rollout-urls")
+    rollout.add_argument("--rollout-python", default=None,
+                         help=f"--rollout-backend vllm: the interpreter of the environment vLLM is installed in "
+                              f"(default: ${VLLM_PYTHON_VARIABLE}; tools/install_vllm_cpu.sh builds one on CPU)")
     rollout.add_argument("--rollout-urls", nargs="*", default=[], help="servers started elsewhere (Slurm)")
     rollout.add_argument("--rollout-num-servers", type=int, default=1)
     rollout.add_argument("--rollout-batch-size", type=int, default=16, help="prompts per RL step")
@@ -248,6 +255,12 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         errors.append("--rollout-colocate places SGLang servers on the trainer's GPUs: use --rollout-backend sglang")
     if args.sglang_args and args.rollout_backend != "sglang":
         errors.append(f"--sglang-* flags ({args.sglang_args[0]}) need --rollout-backend sglang")
+    if args.rollout_backend == "vllm" and not (args.rollout_python or os.environ.get(VLLM_PYTHON_VARIABLE)):
+        errors.append(f"--rollout-backend vllm needs --rollout-python PATH (or {VLLM_PYTHON_VARIABLE}=PATH): the "
+                      "interpreter of vLLM's environment; tools/install_vllm_cpu.sh builds one on CPU")
+    if args.rollout_python and args.rollout_backend != "vllm":
+        errors.append(f"--rollout-python is for --rollout-backend vllm, but --rollout-backend is "
+                      f"{args.rollout_backend}: drop it or use --rollout-backend vllm")
     if args.algorithm != "dppo":
         touched = [flag for flag, value, default in (
             ("--dppo-prompt-prune-rate", args.dppo_prompt_prune_rate, 0.5),

@@ -152,6 +152,8 @@ def _rollout_servers(args, nodes: list[str], rollout_nodes: list[str], gpus_per_
     if args.rollout_backend == "sglang":
         return [(head, tuple(range(i * sglang_tp, (i + 1) * sglang_tp)), None, "http://127.0.0.1:<free port>",
                  sglang_tp) for i in range(args.rollout_num_servers)]
+    if args.rollout_backend == "vllm":  # the launcher starts each vLLM server on one device
+        return [(head, (i,), None, "http://127.0.0.1:<free port>", 1) for i in range(args.rollout_num_servers)]
     return [(urlsplit(url).hostname or url, tuple(range(sglang_tp)), urlsplit(url).port, url.rstrip("/"), sglang_tp)
             for url in args.rollout_urls]
 

@@ -4,7 +4,7 @@
     ─► torch.distributed + Megatron parallel state
     ─► or the embedded default: tiny model + cached warm start, and the synthetic task
     ─► actor (+ frozen reference when --kl-coef > 0)
-    ─► rank 0: rollout servers (embedded engine | SGLang | external URLs), client, weight syncer, server pool
+    ─► rank 0: rollout servers (embedded engine | SGLang | vLLM | external URLs), client, weight syncer, server pool
     ─► resume (--load) ─► initial weight sync ─► evaluate ─► RL steps ─► evaluate ─► save
 The last line on rank 0 is a JSON summary.
 """
@@ -24,7 +24,7 @@ from megatron_dppo.arguments import is_embedded_default
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint, read_config
 from megatron_dppo.convert.mapping import model_shape
 from megatron_dppo.metrics import MetricsLogger
-from megatron_dppo.platform import distributed_backend
+from megatron_dppo.platform import distributed_backend, is_cpu
 from megatron_dppo.tasks import Task, dataset_task, synthetic_task
 from megatron_dppo.trainer import Trainer
 
@@ -53,17 +53,20 @@ def build_task(args, tokenizer) -> Task:
 
 def start_rollout(args, model_dir: Path):
     """rank 0: the servers, a client on them, a weight syncer, and the pool that restarts dead servers."""
-    from megatron_dppo.rollout.client import RolloutClient
+    from megatron_dppo.rollout.client import RolloutClient, SGLangGenerateAPI, control_request
     from megatron_dppo.rollout.launcher import (
         ServerPool,
         external_servers,
         launch_embedded_engine,
         launch_sglang_servers,
+        launch_vllm_servers,
     )
+    from megatron_dppo.rollout.vllm import VLLMCompletionsAPI, VLLMControl
     from megatron_dppo.rollout.weight_sync import WeightSyncer
 
     # Servers started here are deterministic (SGLang's --enable-deterministic-inference, which the embedded engine
     # mirrors): only then does the trainer's per-sample sampling_seed act, which exact resume relies on.
+    api, control = SGLangGenerateAPI(), control_request
     if args.rollout_backend == "embedded":
         handles = [launch_embedded_engine(str(model_dir), threads=args.rollout_engine_threads,
                                           enable_deterministic_inference=True)
@@ -71,6 +74,11 @@ def start_rollout(args, model_dir: Path):
     elif args.rollout_backend == "sglang":
         handles = launch_sglang_servers(args.rollout_num_servers, str(model_dir), args.sglang_args,
                                         gpus_per_server=args.rollout_server_gpus, colocate=args.rollout_colocate)
+    elif args.rollout_backend == "vllm":
+        handles = launch_vllm_servers(args.rollout_num_servers, str(model_dir), args.rollout_python,
+                                      dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
+                                      enforce_eager=is_cpu())  # vLLM's CPU build: no minutes-long compile warm-up
+        api, control = VLLMCompletionsAPI(), VLLMControl()
     else:
         handles = external_servers(args.rollout_urls)
     urls = [handle.url for handle in handles]
@@ -80,10 +88,10 @@ def start_rollout(args, model_dir: Path):
                           backend="gloo" if args.rollout_colocate else distributed_backend(),
                           bucket_bytes=args.rollout_weight_bucket_mb * 2**20, timeout_s=args.rollout_timeout_s,
                           engine_ranks=[args.rollout_server_gpus] * len(urls),
-                          keep_host_copy=args.rollout_backend != "external")
+                          keep_host_copy=args.rollout_backend != "external", control=control)
     pool = ServerPool(handles, weight_syncer=syncer, resync=syncer.resend)
     client = RolloutClient(urls, max_concurrency=args.rollout_max_concurrency, request_timeout_s=args.rollout_timeout_s,
-                           supervisor=pool)
+                           supervisor=pool, api=api)
     return pool, client, syncer
 
 

@@ -148,16 +148,21 @@ def test_flattened_bucket_layout_matches_sglang_tensor_bucket_reader():
     assert bucket.nbytes == 3 * 4 + 4 * 2
 
 
-def test_vllm_backend_without_a_server_raises_a_clear_error():
-    from megatron_dppo.rollout.client import RolloutServerError
+def test_vllm_api_seeds_each_request_as_sglang_seeds_its_samples_and_no_server_is_a_clear_error():
+    """The request layout without a server (tests/test_vllm_backend.py runs it against a real vLLM): vLLM seeds
+    sample i of a request with seed + i, so prompt p's request carries the seed of its sample 0."""
+    from megatron_dppo.rollout.client import RolloutClient, RolloutServerError
     from megatron_dppo.rollout.launcher import free_port
-    from megatron_dppo.rollout.vllm import VLLMRolloutClient, completions_payload
+    from megatron_dppo.rollout.vllm import VLLMCompletionsAPI
 
-    payload = completions_payload("m", [1, 2], SamplingParams(max_new_tokens=4), n=2)
-    assert payload["prompt"] == [1, 2] and payload["n"] == 2 and payload["return_tokens_as_token_ids"] is True
+    params = SamplingParams(max_new_tokens=4, seed=3, stop_token_ids=[2])
+    payload = VLLMCompletionsAPI().request([1, 2], params, n=2, prompt_index=5)
+    assert payload["prompt"] == [1, 2] and payload["n"] == 2 and payload["stop_token_ids"] == [2]
+    assert [payload["seed"] + i for i in range(2)] == [params.sample_seed(5, i, 2) for i in range(2)]
+    assert "seed" not in VLLMCompletionsAPI().request([1], SamplingParams(), n=1, prompt_index=0)
     url = f"http://127.0.0.1:{free_port()}"
-    client = VLLMRolloutClient([url], model="m", max_retries=1, retry_backoff_s=0.01)
-    with pytest.raises(RolloutServerError, match=f"vLLM generate for prompt 0 failed: {url}"):
+    client = RolloutClient([url], api=VLLMCompletionsAPI(), max_retries=1, retry_backoff_s=0.01)
+    with pytest.raises(RolloutServerError, match=f"prompt 0 failed after 2 attempts.*{url}: ClientConnectorError"):
         client.generate([[1, 2]], SamplingParams(max_new_tokens=4))
 
 

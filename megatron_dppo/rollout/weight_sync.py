@@ -28,9 +28,10 @@ import datetime
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -299,10 +300,13 @@ class WeightSyncer:
                  backend: str = "gloo", group_name: str = DEFAULT_GROUP_NAME,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0, api_key: str | None = None,
                  pause_mode: str = "retract", engine_ranks: list[int] | None = None,
-                 keep_host_copy: bool = False, first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES):
+                 keep_host_copy: bool = False, first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+                 control: Callable[..., Any] = control_request):
         """first_bucket_bytes: the first bucket's limit, growing to bucket_bytes (see group_into_buckets).
         keep_host_copy: remember the last synced tensors (host memory, one model copy) so that `resend()` can
-        restore a restarted engine without the trainer ranks' help (they may be busy in a collective)."""
+        restore a restarted engine without the trainer ranks' help (they may be busy in a collective).
+        control: how each SGLang control route reaches a server, `control(url, path, payload, method, timeout_s,
+        api_key)`; the default posts it as is, rollout/vllm.VLLMControl carries it out on vLLM."""
         if not urls:
             raise ValueError("WeightSyncer needs at least one rollout server URL")
         if backend not in ("gloo", "nccl"):
@@ -331,6 +335,7 @@ class WeightSyncer:
         self.keep_host_copy = keep_host_copy
         self.host_copy: list[tuple[str, torch.Tensor]] = []
         self.staging = StagingBuffers()
+        self.control = control
 
     # Request bodies, one builder per SGLang request dataclass (checked by tests/test_rollout_contract.py).
     def init_group_payload(self, master_port: int, rank_offset: int, world_size: int) -> dict:
@@ -353,7 +358,7 @@ class WeightSyncer:
 
     def _call_all(self, path: str, payload: dict | None = None, method: str = "POST") -> list:
         with ThreadPoolExecutor(len(self.urls)) as pool:
-            futures = [pool.submit(control_request, url, path, payload, method, self.timeout_s, self.api_key)
+            futures = [pool.submit(self.control, url, path, payload, method, self.timeout_s, self.api_key)
                        for url in self.urls]
             return [future.result() for future in futures]
 
@@ -364,18 +369,22 @@ class WeightSyncer:
 
         port = self.master_port or free_port()
         offsets, world_size = sync_rank_offsets(self.engine_ranks)
+        joining_error = None
         with ThreadPoolExecutor(len(self.urls)) as pool:
-            futures = [pool.submit(control_request, url, "/init_weights_update_group",
+            futures = [pool.submit(self.control, url, "/init_weights_update_group",
                                    self.init_group_payload(port, offset, world_size), "POST", self.timeout_s,
                                    self.api_key) for url, offset in zip(self.urls, offsets)]
             try:
                 self.group = init_weight_update_group(self.backend, self.master_address, port, 0, world_size,
                                                       self.group_name, self.timeout_s)
-            finally:
-                results = [future.exception() or future.result() for future in futures]
+            except Exception as error:  # a store timeout says only that someone did not join: the servers say why
+                joining_error = error
+            results = [future.exception() or future.result() for future in futures]
         failures = [f"{url}: {result}" for url, result in zip(self.urls, results) if isinstance(result, Exception)]
         if failures:
-            raise RolloutServerError("init_weights_update_group failed on " + "; ".join(failures))
+            raise RolloutServerError("init_weights_update_group failed on " + "; ".join(failures)) from joining_error
+        if joining_error is not None:
+            raise joining_error
 
     def destroy_group(self, tell_engines: bool = True, abort: bool = False) -> None:
         """Leave the group; engines that cannot be reached (e.g. dead ones) are skipped. `abort`: work of this side
@@ -383,8 +392,8 @@ class WeightSyncer:
         if tell_engines:
             for url in self.urls:
                 try:
-                    control_request(url, "/destroy_weights_update_group", self.destroy_group_payload(),
-                                    timeout_s=min(self.timeout_s, 10.0), api_key=self.api_key)
+                    self.control(url, "/destroy_weights_update_group", self.destroy_group_payload(),
+                                 timeout_s=min(self.timeout_s, 10.0), api_key=self.api_key)
                 except RolloutServerError:
                     pass  # a restarted engine has no group; a dead one cannot answer
         if self.group is not None:
@@ -407,7 +416,7 @@ class WeightSyncer:
         for url in self.urls:
             while True:
                 try:
-                    control_request(url, "/flush_cache", None, "GET", self.timeout_s, self.api_key)
+                    self.control(url, "/flush_cache", None, "GET", self.timeout_s, self.api_key)
                     break
                 except RolloutServerError:
                     if time.monotonic() > deadline:  # SGLang refuses to flush while requests are running
@@ -421,7 +430,7 @@ class WeightSyncer:
         """POST /update_weights_from_distributed to every engine while broadcasting `tensors` in order; if any engine
         refuses, tear the group down (see the module docstring) and raise."""
         with ThreadPoolExecutor(len(self.urls)) as pool:
-            futures = [pool.submit(control_request, url, "/update_weights_from_distributed", payload, "POST",
+            futures = [pool.submit(self.control, url, "/update_weights_from_distributed", payload, "POST",
                                    self.timeout_s, self.api_key) for url in self.urls]
             # ProcessGroup.broadcast(tensor, root) returns a Work at once (the list form raises in torch 2.13)
             pending = [self.group.broadcast(tensor, 0) for tensor in tensors]
@@ -451,7 +460,7 @@ class WeightSyncer:
     def _end_update(self, raise_errors: bool) -> None:
         """Close the session on every engine; after a failure, an engine without one (its begin failed) is fine."""
         with ThreadPoolExecutor(len(self.urls)) as pool:
-            futures = [pool.submit(control_request, url, "/end_weight_update", {}, "POST", self.timeout_s,
+            futures = [pool.submit(self.control, url, "/end_weight_update", {}, "POST", self.timeout_s,
                                    self.api_key) for url in self.urls]
             failures = [f"{url}: {error}" for url, future in zip(self.urls, futures)
                         if (error := future.exception()) is not None]

@@ -90,12 +90,27 @@ def train_one_step(actor, vocab, seed):
     actor.train_step([packed_batch(sequences)], loss_fn)
 
 
+def sync_from_actor(actor, syncer, version):
+    """Every rank iterates actor.hf_tensors() (TP gathers and PP sends run inside the generator) while the rank that
+    exports runs syncer.sync; returns its SyncStats there, None elsewhere."""
+    from megatron_dppo.convert.export import is_export_source
+
+    tensors = actor.hf_tensors()
+    stats = None
+    if is_export_source():
+        stats = syncer.sync(tensors, version)
+    else:
+        for _ in tensors:
+            pass
+    dist.barrier()
+    return stats
+
+
 def check_layout(model_dir, tp, pp, version, engine, syncer, hf_tensor_count):
     """One layout: train, sync, and compare the engine with the Megatron actor (see the module docstring)."""
     from megatron.core import parallel_state
 
     from megatron_dppo.actor.actor import Actor, OptimConfig
-    from megatron_dppo.convert.export import is_export_source
     from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
     from megatron_dppo.rollout.client import control_request
 
@@ -109,13 +124,7 @@ def check_layout(model_dir, tp, pp, version, engine, syncer, hf_tensor_count):
     rank0 = dist.get_rank() == 0
     before = engine_probe_logprobs(engine.url) if rank0 else None
 
-    tensors = actor.hf_tensors()  # every rank iterates: TP gathers and PP sends run inside the generator
-    if is_export_source():
-        stats = syncer.sync(tensors, version)
-    else:
-        for _ in tensors:
-            pass
-    dist.barrier()
+    stats = sync_from_actor(actor, syncer, version)
     if rank0:
         assert stats.tensors == hf_tensor_count and stats.buckets > 1, stats
         after = engine_probe_logprobs(engine.url)
