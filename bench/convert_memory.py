@@ -49,7 +49,7 @@ def write_random_hf_model(out_dir: Path, config: dict) -> int:
     """An HF directory of random bf16 weights, written one tensor at a time; returns the parameter count."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_dppo.convert.conversion import ShardedSafetensorsWriter
+    from megatron_dppo.conversion import ShardedSafetensorsWriter
 
     out_dir.mkdir(parents=True)
     with torch.device("meta"):
@@ -67,7 +67,7 @@ def write_random_hf_model(out_dir: Path, config: dict) -> int:
 def largest_unit_bytes(megatron_dir: Path) -> int:
     """The largest unit of the checkpoint in bytes (in bf16): the embedding, or all the parameters of one layer."""
     from megatron_dppo.actor.checkpoint import read_hf_config, resolve_checkpoint
-    from megatron_dppo.convert.conversion import DistCheckpointReader, _nbytes, _plan_parameters
+    from megatron_dppo.conversion import DistCheckpointReader, _nbytes, _plan_parameters
     from megatron_dppo.convert.mapping import model_shape
 
     path = resolve_checkpoint(megatron_dir)
@@ -85,8 +85,8 @@ def import_child(hf_dir: str, out: str) -> None:
 
     import megatron_dppo.actor.model  # noqa: F401
     import megatron_dppo.actor.parallel  # noqa: F401
-    from megatron_dppo.convert.conversion import _convert_rank
-    from megatron_dppo.rollout.launcher import free_port
+    from megatron_dppo.conversion import _convert_rank
+    from megatron_dppo.platform.network import free_port
 
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     Path(out).mkdir()
@@ -104,7 +104,7 @@ def export_child(megatron_dir: str, out: str, shard_mb: float) -> None:
     from transformers import GenerationConfig  # noqa: F401  (imports before the baseline)
 
     import megatron_dppo.actor.checkpoint  # noqa: F401
-    from megatron_dppo.convert.conversion import megatron_to_hf
+    from megatron_dppo.conversion import megatron_to_hf
 
     baseline = rss_bytes()
     start = time.perf_counter()

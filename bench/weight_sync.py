@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from megatron_dppo.rollout.launcher import free_port, launch_embedded_engine, python_env
+from megatron_dppo.platform.network import free_port
+from megatron_dppo.rollout.launcher import launch_embedded_engine, python_env
 from megatron_dppo.rollout.weight_sync import WeightSyncer, broadcast_from_trainer, init_weight_update_group
 
 RAW_RECEIVER = """

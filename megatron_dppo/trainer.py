@@ -27,10 +27,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dppo.actor.checkpoint import load_trainer_state, resolve_checkpoint, save_checkpoint
+from megatron_dppo.actor.export import is_export_source
 from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
 from megatron_dppo.actor.step import logprob_loss_fn, next_token_targets
 from megatron_dppo.algo.losses import loss_normalizer, packed_policy_loss
-from megatron_dppo.convert.export import is_export_source
 from megatron_dppo.experience import Experience, ExperienceMaker, Rollouts, run_progress
 from megatron_dppo.packing import pack_micro_batches, sequence_pad_multiple
 from megatron_dppo.rollout.client import SamplingParams

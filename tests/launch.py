@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_dppo.rollout.launcher import free_port
+from megatron_dppo.platform.network import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

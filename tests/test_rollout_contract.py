@@ -151,8 +151,8 @@ def test_flattened_bucket_layout_matches_sglang_tensor_bucket_reader():
 def test_vllm_api_seeds_each_request_as_sglang_seeds_its_samples_and_no_server_is_a_clear_error():
     """The request layout without a server (tests/test_vllm_backend.py runs it against a real vLLM): vLLM seeds
     sample i of a request with seed + i, so prompt p's request carries the seed of its sample 0."""
+    from megatron_dppo.platform.network import free_port
     from megatron_dppo.rollout.client import RolloutClient, RolloutServerError
-    from megatron_dppo.rollout.launcher import free_port
     from megatron_dppo.rollout.vllm import VLLMCompletionsAPI
 
     params = SamplingParams(max_new_tokens=4, seed=3, stop_token_ids=[2])

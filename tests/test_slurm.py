@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dppo.rollout.launcher import free_port
+from megatron_dppo.platform.network import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_SLURM = REPO / "tests" / "slurm" / "local_slurm.sh"

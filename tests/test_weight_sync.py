@@ -17,9 +17,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from megatron_dppo.platform.network import free_port
 from megatron_dppo.rollout.client import RolloutClient, RolloutServerError, SamplingParams, control_request
 from megatron_dppo.rollout.engine import UPDATE_OUTSIDE_SESSION, EmbeddedEngine, build_app
-from megatron_dppo.rollout.launcher import free_port, launch_embedded_engine, python_env
+from megatron_dppo.rollout.launcher import launch_embedded_engine, python_env
 from megatron_dppo.rollout.weight_sync import (
     DEFAULT_FIRST_BUCKET_BYTES,
     RAMP,

@@ -13,9 +13,9 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_dppo.actor.export import iter_hf_tensors
 from megatron_dppo.actor.model import build_gpt_model, build_transformer_config, load_hf_weights
 from megatron_dppo.actor.step import LossFn, finalize_grads_without_token_scaling, run_micro_batches
-from megatron_dppo.convert.export import iter_hf_tensors
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
 from megatron_dppo.convert.mapping import ModelShape
 

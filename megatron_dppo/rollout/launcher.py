@@ -18,7 +18,6 @@ import contextlib
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,18 +26,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from megatron_dppo.platform.network import free_port
 from megatron_dppo.rollout.client import RolloutServerError, control_request
 
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
 LOG_TAIL_LINES, LOG_LINE_CHARS = 40, 300  # what a start-up failure shows of the server's log
 # The interpreter of the vLLM server's environment (tools/install_vllm_cpu.sh prints it), unless --rollout-python
 VLLM_PYTHON_VARIABLE = "MEGATRON_DPPO_VLLM_PYTHON"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = None,

@@ -365,7 +365,7 @@ class WeightSyncer:
     def init_group(self) -> None:
         """Every engine joins at its rank offset while this process joins as rank 0 (all concurrently)."""
         from megatron_dppo.launch_plan import sync_rank_offsets
-        from megatron_dppo.rollout.launcher import free_port
+        from megatron_dppo.platform.network import free_port
 
         port = self.master_port or free_port()
         offsets, world_size = sync_rank_offsets(self.engine_ranks)

@@ -181,8 +181,8 @@ def check_vocab_parallel_logprobs(args):
 
 
 def export_hf_state(model):
-    """The model as HF-named full tensors on the export source rank ({} elsewhere), through convert/export.py."""
-    from megatron_dppo.convert.export import iter_hf_tensors
+    """The model as HF-named full tensors on the export source rank ({} elsewhere), through actor/export.py."""
+    from megatron_dppo.actor.export import iter_hf_tensors
 
     return dict(iter_hf_tensors(model))
 

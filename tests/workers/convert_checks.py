@@ -40,7 +40,7 @@ def check_trainer_loads_converted(args):
     """The converter's checkpoint (written under another TP/PP) loads through the trainer's load_sharded into this
     layout, and the loaded weights are bit-identical to the HF model it was converted from."""
     from megatron_dppo.actor.checkpoint import load_module_state, load_sharded
-    from megatron_dppo.convert.export import iter_hf_tensors
+    from megatron_dppo.actor.export import iter_hf_tensors
 
     model, _ = build(f"{args.models}/qwen3", args.tp, args.pp)
     with torch.no_grad():
@@ -138,7 +138,7 @@ def check_converted_loads_into_extra_state_model(args):
 
     from megatron_dppo.actor import model as model_module
     from megatron_dppo.actor.actor import Actor, OptimConfig
-    from megatron_dppo.convert.export import iter_hf_tensors
+    from megatron_dppo.actor.export import iter_hf_tensors
     from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
 
     shape = HFCheckpoint(f"{args.models}/qwen3").shape

@@ -93,7 +93,7 @@ def train_one_step(actor, vocab, seed):
 def sync_from_actor(actor, syncer, version):
     """Every rank iterates actor.hf_tensors() (TP gathers and PP sends run inside the generator) while the rank that
     exports runs syncer.sync; returns its SyncStats there, None elsewhere."""
-    from megatron_dppo.convert.export import is_export_source
+    from megatron_dppo.actor.export import is_export_source
 
     tensors = actor.hf_tensors()
     stats = None

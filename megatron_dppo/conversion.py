@@ -63,7 +63,7 @@ from megatron_dppo.convert.mapping import (
     model_shape,
     padded_vocab_size,
 )
-from megatron_dppo.rollout.launcher import free_port
+from megatron_dppo.platform.network import free_port
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
