@@ -173,17 +173,21 @@ def prepare_warm_start(settings: Settings) -> tuple[Path, float]:
     return found[0], timing["steps"] / seconds
 
 
-def run_rl(settings: Settings, method: str, seed: int, warm_start: Path) -> Path:
+def rl_flags(settings: Settings, method: str, seed: int, warm_start: Path) -> list[str]:
+    """The trainer flags of one RL run (bench/peer_grpo.py gives the TRL peer these very settings)."""
     # --load pins the start to the shared warm start and --seed stays the warm start's, so every run shares one
     # embedded init (the rollout engine's starting file, overwritten by the first weight sync); --rl-seed varies the
     # RL randomness only.
-    return launch_unless_finished(
-        [*RL_FLAGS, *METHODS[method], "--seed", str(settings.seeds[0]), "--rl-seed", str(seed),
-         "--load", str(warm_start),
-         "--cache-dir", str(settings.out_dir / "cache" / "init"), "--warm-start-steps", "0",
-         "--time-budget-s", str(settings.budget_s), "--eval-interval", str(settings.eval_interval),
-         "--eval-size", str(settings.eval_size)], settings.out_dir / "runs" / method / f"seed_{seed}",
-        settings.processes)
+    return [*RL_FLAGS, *METHODS[method], "--seed", str(settings.seeds[0]), "--rl-seed", str(seed),
+            "--load", str(warm_start),
+            "--cache-dir", str(settings.out_dir / "cache" / "init"), "--warm-start-steps", "0",
+            "--time-budget-s", str(settings.budget_s), "--eval-interval", str(settings.eval_interval),
+            "--eval-size", str(settings.eval_size)]
+
+
+def run_rl(settings: Settings, method: str, seed: int, warm_start: Path) -> Path:
+    return launch_unless_finished(rl_flags(settings, method, seed, warm_start),
+                                  settings.out_dir / "runs" / method / f"seed_{seed}", settings.processes)
 
 
 def run_control(settings: Settings, steps_per_second: float) -> tuple[Path, int]:
