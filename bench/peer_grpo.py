@@ -420,7 +420,8 @@ def run_peer(settings, seed: int, warm_start: Path, hf_dir: Path, ours_dir: Path
         "eval_interval": settings.eval_interval,
         "expected_accuracy_before": json.loads((ours_dir / "summary.json").read_text())["heldout_accuracy_before"],
         "trl": trl_config(args, steps, str(run_dir / "trl_output")),
-        "pool": {str(i): {"text": p.text, "input_ids": p.input_ids} for i, p in pool.items()},
+        # the text TRL tokenizes is what the ids spell (a templated prompt's Prompt.text would not be)
+        "pool": {str(i): {"text": tokenizer.decode(p.input_ids), "input_ids": p.input_ids} for i, p in pool.items()},
         "stream": [p.prompt_id for batch in draws for p in batch],
         "heldout": [{"prompt_id": p.prompt_id, "input_ids": p.input_ids} for p in heldout],
     }
@@ -620,6 +621,30 @@ def time_to_accuracy_settings(options: argparse.Namespace):
     return tta.parse_args(argv)
 
 
+def generation_table(generation: dict, args, threads: int) -> tuple[str, dict]:
+    """Rows of the generation benchmark and the engine / `generate` tokens/s ratios."""
+    from bench.time_to_accuracy import markdown
+
+    hf_key = f"hf_generate_{threads}_threads"
+    engine_key, same_threads_key = f"engine_{args.rollout_engine_threads}_threads", f"engine_{threads}_threads"
+    names = {hf_key: f"in-process HF generate, {threads} thread(s) (TRL's path)",
+             engine_key: f"embedded engine, {args.rollout_engine_threads} thread(s) (the trainer's "
+                         "--rollout-engine-threads)",
+             same_threads_key: f"embedded engine, {threads} thread(s)"}
+    rows = [[name, f"{generation[key]['tokens_per_s']:.0f}", f"{generation[key]['tokens']:.0f}"]
+            for key, name in names.items()]
+    hf_rate = generation[hf_key]["tokens_per_s"]
+    ratios = {"embedded_engine_vs_hf_generate_tokens_per_s": generation[engine_key]["tokens_per_s"] / hf_rate,
+              "embedded_engine_same_threads_vs_hf_generate_tokens_per_s":
+                  generation[same_threads_key]["tokens_per_s"] / hf_rate}
+    return markdown(["generator", "tokens/s", "tokens per call"], rows), ratios
+
+
+def load_average() -> str:
+    """The machine's 1-minute load average over its cores: timings mean little on a loaded machine."""
+    return f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+
+
 def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
     if options.trl_worker is not None:
@@ -629,15 +654,17 @@ def main(argv: list[str] | None = None) -> None:
     from tools.plot_metrics import load_run, plot_runs
 
     settings = time_to_accuracy_settings(options)
-    started = time.perf_counter()
+    started, load_at_start = time.perf_counter(), load_average()
     warm_start, _ = tta.prepare_warm_start(settings)
     hf_dir = export_warm_start(warm_start, settings.out_dir / "peer")
+    size = tta.model_size(hf_dir)
     runs = {"grpo": [], PEER_METHOD: []}
     for seed in settings.seeds:
         ours_dir = tta.run_rl(settings, "grpo", seed, warm_start)
         peer_dir = run_peer(settings, seed, warm_start, hf_dir, ours_dir, Path(options.peer_python), options.threads)
-        runs["grpo"].append(load_run(ours_dir, "ours (GRPO)"))
-        runs[PEER_METHOD].append(load_run(peer_dir, "TRL peer"))
+        # seconds_steps: RL time without evaluations, the results page's x axis
+        runs["grpo"].append(tta.with_costs(load_run(ours_dir, "ours (GRPO)"), size, old_logprob_pass=False))
+        runs[PEER_METHOD].append(tta.with_costs(load_run(peer_dir, "TRL peer"), size, old_logprob_pass=False))
         print(f"finished seed {seed} ({time.perf_counter() - started:.0f} s so far)", flush=True)
     args = parse_run_flags(tta.rl_flags(settings, "grpo", settings.seeds[0], warm_start))
     generation = generation_benchmark(args, hf_dir, options.threads, options.generate_repeats)
@@ -647,38 +674,28 @@ def main(argv: list[str] | None = None) -> None:
                             for s in trl_settings(args)])
     records = {method: [r for run in group for r in run.records] for method, group in runs.items()}
     costs_table, ratios = step_cost_table(step_costs(records["grpo"]), step_costs(records[PEER_METHOD]))
+    generation_rows, generation_ratios = generation_table(generation, args, options.threads)
     accuracy = tta.markdown(
         ["run (seed)", "steps", "RL step time (s)", "held-out before", "held-out after"],
-        accuracy_rows({f"{run.label} ({seed})": (run, sum(r["seconds_step"] for r in run.records))
+        accuracy_rows({f"{run.label} ({seed})": (run, run.records[-1]["seconds_steps"])
                        for method in runs for seed, run in zip(settings.seeds, runs[method])}))
-    hf_key, threads = f"hf_generate_{options.threads}_threads", options.threads
-    engine_key, same_threads_key = f"engine_{args.rollout_engine_threads}_threads", f"engine_{threads}_threads"
-    generation_rows = [[name, f"{generation[key]['tokens_per_s']:.0f}", f"{generation[key]['tokens']:.0f}"]
-                       for name, key in ((f"in-process HF generate, {threads} threads (TRL's path)", hf_key),
-                                         (f"embedded engine, {args.rollout_engine_threads} thread(s) (the trainer's "
-                                          "--rollout-engine-threads)", engine_key),
-                                         (f"embedded engine, {threads} threads", same_threads_key))]
-    ratios["embedded_engine_vs_hf_generate_tokens_per_s"] = (generation[engine_key]["tokens_per_s"]
-                                                             / generation[hf_key]["tokens_per_s"])
-    ratios["embedded_engine_same_threads_vs_hf_generate_tokens_per_s"] = (
-        generation[same_threads_key]["tokens_per_s"] / generation[hf_key]["tokens_per_s"])
     figures = plot_runs([run for group in runs.values() for run in group], settings.out_dir / "figures",
-                        ("heldout_accuracy", "reward_mean"), ("seconds_wall", "step"), smooth=10,
+                        ("heldout_accuracy", "reward_mean"), ("seconds_steps", "step"), smooth=10,
                         title="ours (GRPO) vs TRL's GRPOTrainer, same warm start")
     print("\n\n".join([
         f"Settings: seeds {settings.seeds}, RL budget {settings.budget_s:.0f} s per run, {settings.eval_size} held-out "
-        f"problems every {settings.eval_interval} steps; peer: TRL {TRL_VERSION}, one process, {threads} threads; "
-        f"ours: {settings.processes} processes + the embedded engine.",
+        f"problems every {settings.eval_interval} steps; peer: TRL {TRL_VERSION}, one process, {options.threads} "
+        f"thread(s); ours: {settings.processes} processes + the embedded engine. Load average at start "
+        f"{load_at_start}, at the end {load_average()}.",
         f"### Hyper-parameters (ours -> TRL)\n\n{mapping}",
-        f"### Step cost, median over every step of every seed\n\n{costs_table}",
+        f"### Step cost, median over every step of every seed (ms)\n\n{costs_table}",
         f"### Generation alone: {generation['sequences']} sequences (one step's prompts x samples), median of "
-        f"{options.generate_repeats} interleaved rounds after a warm-up\n\n"
-        + tta.markdown(["generator", "tokens/s", "tokens per call"], generation_rows),
+        f"{options.generate_repeats} interleaved rounds after a warm-up\n\n{generation_rows}",
         f"### Accuracy\n\n{accuracy}",
         "Figures: " + ", ".join(str(path) for path in figures),
         f"Bench wall time: {time.perf_counter() - started:.0f} s",
     ]))
-    for name, value in ratios.items():
+    for name, value in {**ratios, **generation_ratios}.items():
         print(f"{name}: {value:.3f}")
 
 

@@ -224,3 +224,18 @@ def test_the_peer_env_script_refuses_a_directory_inside_the_repository():
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "inside the repository" in result.stderr
     assert not (REPO / "peer-env").exists()
+
+
+def test_generation_ratios_divide_the_engine_by_in_process_generate(tmp_path):
+    args = grpo_args(tmp_path, "--rollout-engine-threads", "1")
+    generation = {"hf_generate_2_threads": {"tokens_per_s": 4000.0, "tokens": 400},
+                  "engine_1_threads": {"tokens_per_s": 2000.0, "tokens": 410},
+                  "engine_2_threads": {"tokens_per_s": 5000.0, "tokens": 405}}
+    table, ratios = peer.generation_table(generation, args, threads=2)
+    assert ratios == {"embedded_engine_vs_hf_generate_tokens_per_s": 0.5,
+                      "embedded_engine_same_threads_vs_hf_generate_tokens_per_s": 1.25}
+    assert table.count("embedded engine") == 2
+    # with the trainer's engine threads equal to generate's, the engine is timed (and listed) once
+    same = {key: generation[key] for key in ("hf_generate_2_threads", "engine_2_threads")}
+    table, ratios = peer.generation_table(same, grpo_args(tmp_path, "--rollout-engine-threads", "2"), threads=2)
+    assert table.count("embedded engine") == 1 and set(ratios.values()) == {1.25}
