@@ -655,7 +655,7 @@ def main(argv: list[str] | None = None) -> None:
 
     settings = time_to_accuracy_settings(options)
     started, load_at_start = time.perf_counter(), load_average()
-    warm_start, _ = tta.prepare_warm_start(settings)
+    warm_start, _ = tta.prepare_warm_start(settings, measure_rate=False)
     hf_dir = export_warm_start(warm_start, settings.out_dir / "peer")
     size = tta.model_size(hf_dir)
     runs = {"grpo": [], PEER_METHOD: []}
