@@ -151,21 +151,24 @@ def launch_unless_finished(flags: list[str], run_dir: Path, processes: int) -> P
     return run_dir
 
 
-def prepare_warm_start(settings: Settings) -> tuple[Path, float]:
-    """The shared warm-start checkpoint and the measured supervised steps per second of building it."""
+def prepare_warm_start(settings: Settings, measure_rate: bool = True) -> tuple[Path, float | None]:
+    """The shared warm-start checkpoint and the measured supervised steps per second of building it (None without
+    measure_rate: bench/peer_grpo.py needs the checkpoint only)."""
     root, cache = settings.out_dir / "warm_start", settings.out_dir / "cache" / "warm"
     flags = ["--seed", str(settings.seeds[0]), "--cache-dir", str(cache), "--warm-start-steps",
              str(settings.warm_start_steps), *WARM_START_FLAGS, "--train-iters", "0", "--eval-size",
              str(settings.eval_size), *RL_FLAGS]
     # Both runs time themselves the same way (the trainer's summary "seconds"); the difference is the supervised part.
     timing = {"steps": settings.warm_start_steps}
-    for name in ("build", "cached"):
+    for name in ("build", "cached") if measure_rate else ("build",):
         run_dir = launch_unless_finished(flags, root / name, settings.processes)
         timing[f"seconds_{name}"] = json.loads((run_dir / "summary.json").read_text())["seconds"]
     found = sorted(cache.glob("embedded_*/warm_start"))
     if len(found) != 1:
         raise RuntimeError(f"expected one warm start under {cache}, found {len(found)} (a changed warm-start "
                            f"setting or cache key): delete {cache} and {root} and run again")
+    if not measure_rate:
+        return found[0], None
     seconds = timing["seconds_build"] - timing["seconds_cached"]
     if seconds <= 0:
         raise RuntimeError(f"the warm start built faster than it loaded from cache ({timing}): the machine was too "
@@ -173,17 +176,21 @@ def prepare_warm_start(settings: Settings) -> tuple[Path, float]:
     return found[0], timing["steps"] / seconds
 
 
-def run_rl(settings: Settings, method: str, seed: int, warm_start: Path) -> Path:
+def rl_flags(settings: Settings, method: str, seed: int, warm_start: Path) -> list[str]:
+    """The trainer flags of one RL run (bench/peer_grpo.py gives the TRL peer these very settings)."""
     # --load pins the start to the shared warm start and --seed stays the warm start's, so every run shares one
     # embedded init (the rollout engine's starting file, overwritten by the first weight sync); --rl-seed varies the
     # RL randomness only.
-    return launch_unless_finished(
-        [*RL_FLAGS, *METHODS[method], "--seed", str(settings.seeds[0]), "--rl-seed", str(seed),
-         "--load", str(warm_start),
-         "--cache-dir", str(settings.out_dir / "cache" / "init"), "--warm-start-steps", "0",
-         "--time-budget-s", str(settings.budget_s), "--eval-interval", str(settings.eval_interval),
-         "--eval-size", str(settings.eval_size)], settings.out_dir / "runs" / method / f"seed_{seed}",
-        settings.processes)
+    return [*RL_FLAGS, *METHODS[method], "--seed", str(settings.seeds[0]), "--rl-seed", str(seed),
+            "--load", str(warm_start),
+            "--cache-dir", str(settings.out_dir / "cache" / "init"), "--warm-start-steps", "0",
+            "--time-budget-s", str(settings.budget_s), "--eval-interval", str(settings.eval_interval),
+            "--eval-size", str(settings.eval_size)]
+
+
+def run_rl(settings: Settings, method: str, seed: int, warm_start: Path) -> Path:
+    return launch_unless_finished(rl_flags(settings, method, seed, warm_start),
+                                  settings.out_dir / "runs" / method / f"seed_{seed}", settings.processes)
 
 
 def run_control(settings: Settings, steps_per_second: float) -> tuple[Path, int]:

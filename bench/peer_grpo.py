@@ -1,0 +1,703 @@
+"""The peer baseline: Hugging Face TRL's GRPOTrainer against our GRPO, same warm start, prompts, reward, held-out set.
+
+    1. warm start: bench/time_to_accuracy.py's (cached) ─► tools/convert_megatron_to_hf.py ─► HF directory
+    2. ours: examples/pretrain_dppo.py --algorithm grpo with time_to_accuracy's flags, budget and evaluations
+    3. peer: those flags mapped onto TRL's GRPOConfig (the mapping is printed), run by TRL 1.16 in its own environment
+       (tools/setup_peer_env.sh): one process, 2 threads, in-process `generate`. Its prompts are the draws of our
+       run's task in our order; its rewards and held-out scores are our task.score, computed in this process and
+       sent over a socket pair; greedy held-out accuracy every --eval-interval steps, wall-time budget as ours
+       ─► <out>/runs/trl-peer/seed_<n>/metrics.jsonl + summary.json, the layout our trainer writes
+    4. generation alone, on one step's 16 prompts x 8 samples: in-process HF `generate` as TRL calls it, against the
+       embedded engine as the trainer starts it (and with the same threads as `generate`)
+    5. tables (medians over steps and repeats), curves (tools/plot_metrics.py), `name: value` lines
+
+The bench times what each trainer times: a step of ours is the trainer's seconds_step (rollout, reward, update,
+weight sync); a step of TRL's runs from the end of one optimizer step to the end of the next (generation, reward,
+forward/backward, clip, optimizer, its per-step logging), evaluations excluded. Both stop after the step that
+crosses the budget, evaluations counted in the budget as the trainer counts them.
+Runs are resumable: a finished run (summary.json, same command or config) is read, not run again; pointing --out-dir
+at a time_to_accuracy output reuses its warm start and GRPO runs.
+
+Examples:
+    bash tools/setup_peer_env.sh                                    # once: TRL's environment, outside the repo
+    python bench/peer_grpo.py                                       # 200 s each, like the results page
+    python bench/peer_grpo.py --budget-s 1 --warm-start-steps 50 --eval-size 32 --out-dir runs/peer_smoke
+Last lines: our_grpo_step_vs_trl, embedded_engine_vs_hf_generate_tokens_per_s and their parts, as `name: value`.
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PEER_METHOD = "trl-peer"
+TRL_VERSION = "1.16.0"
+THREADS = 2  # the peer as a user would run it on this 2-core machine: one process, both cores
+# The peer reads a precomputed stream of prompts: enough for the budget at this many seconds per step at the fastest.
+MIN_STEP_SECONDS = 0.02
+# Both sides evaluate the same weights greedily; batch padding may flip a few argmaxes, never more than this many.
+WARM_START_MISMATCH_PROBLEMS = 3
+GENERATE_BATCH = 128  # held-out prompts per greedy `generate` call in the peer
+# Our loss aggregations in TRL's names (algo/losses.py and TRL's GRPOConfig.loss_type: the same normalisers).
+LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"}
+# Our advantage estimators in TRL's scale_rewards: (r - mean) / (std + eps), or r - mean. Both use the unbiased std.
+SCALE_REWARDS = {"grpo": "group", "dr_grpo": "none"}
+
+
+def default_peer_env() -> Path:
+    """Where tools/setup_peer_env.sh puts TRL's environment when given no directory."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "megatron_dppo" / "trl-peer-env"
+
+
+# ------------------------------------------------------------------------------------------------ hyper-parameters
+@dataclass
+class Setting:
+    """One of our settings and what the peer is given for it."""
+
+    ours: str  # our flag(s)
+    value: str  # their value in our run
+    trl: dict  # GRPOConfig fields
+    note: str = ""
+
+
+def trl_settings(args) -> list[Setting]:
+    """Our parsed GRPO flags as GRPOConfig fields, one row per setting; refuses what TRL cannot mirror."""
+    refusals = [
+        (args.algorithm != "grpo", f"--algorithm {args.algorithm}: the peer is GRPO; give the GRPO run's flags"),
+        (args.kl_coef != 0, f"--kl-coef {args.kl_coef}: the peer mirrors runs without a KL term (TRL's beta is k3 "
+                            "only); use --kl-coef 0"),
+        (args.entropy_coef != 0, f"--entropy-coef {args.entropy_coef}: the peer mirrors runs without an entropy "
+                                 "bonus; use --entropy-coef 0"),
+        (args.eps_clip_c is not None, f"--eps-clip-c {args.eps_clip_c}: TRL has no dual clip; drop the flag"),
+        (args.advantage_estimator not in SCALE_REWARDS,
+         f"--advantage-estimator {args.advantage_estimator}: TRL's GRPOTrainer has {sorted(SCALE_REWARDS)} only"),
+        (args.dapo_oversample != 1.0, f"--dapo-oversample {args.dapo_oversample}: TRL has no over-sampling; use 1"),
+        (args.async_rollout, "--async: TRL's GRPOTrainer generates on-policy in-process; drop --async"),
+        (args.lr_decay_style != "constant", f"--lr-decay-style {args.lr_decay_style}: the peer maps only constant"),
+        (args.rollout_top_k == 0, "--rollout-top-k 0 is not a valid top-k"),
+    ]
+    problems = [message for refused, message in refusals if refused]
+    if problems:
+        raise ValueError("the TRL peer cannot mirror this run: " + "; ".join(problems))
+    batch, group = args.rollout_batch_size, args.n_samples_per_prompt
+    warmup = args.lr_warmup_iters
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    return [
+        Setting("--rollout-batch-size x --n-samples-per-prompt", f"{batch} x {group}",
+                {"per_device_train_batch_size": batch * group, "generation_batch_size": batch * group,
+                 "gradient_accumulation_steps": 1, "num_generations": group},
+                "one generation batch, one optimizer step"),
+        Setting("--ppo-epochs", str(args.ppo_epochs), {"num_iterations": args.ppo_epochs}),
+        Setting("--lr, --lr-decay-style, --lr-warmup-iters", f"{args.lr}, constant, {warmup}",
+                {"learning_rate": args.lr, "lr_scheduler_type": "constant_with_warmup" if warmup else "constant",
+                 "warmup_steps": warmup}, "TRL's default schedule is linear decay"),
+        Setting("--adam-beta1, --adam-beta2, --adam-eps, --weight-decay",
+                f"{args.adam_beta1}, {args.adam_beta2}, {args.adam_eps}, {args.weight_decay}",
+                {"optim": "adamw_torch", "adam_beta1": args.adam_beta1, "adam_beta2": args.adam_beta2,
+                 "adam_epsilon": args.adam_eps, "weight_decay": args.weight_decay}),
+        Setting("--clip-grad", str(args.clip_grad), {"max_grad_norm": args.clip_grad}),
+        Setting("--rollout-temperature, --rollout-top-p, --rollout-top-k",
+                f"{args.rollout_temperature}, {args.rollout_top_p}, {args.rollout_top_k}",
+                {"temperature": args.rollout_temperature, "top_p": args.rollout_top_p,
+                 "top_k": 0 if args.rollout_top_k == -1 else args.rollout_top_k}, "top-k off: -1 ours, 0 TRL's"),
+        Setting("--rollout-max-response-len", str(args.rollout_max_response_len),
+                {"max_completion_length": args.rollout_max_response_len}),
+        Setting("--loss-agg-mode", args.loss_agg_mode, {"loss_type": LOSS_TYPES[args.loss_agg_mode]},
+                "same normaliser: the full batch's response tokens (token-mean), sequences, or sequences x L_max"),
+        Setting("--eps-clip, --eps-clip-high", f"{args.eps_clip}, {args.eps_clip_high}",
+                {"epsilon": args.eps_clip, "epsilon_high": args.eps_clip_high}),
+        Setting("--importance-level", args.importance_level, {"importance_sampling_level": args.importance_level}),
+        Setting("--kl-coef, --entropy-coef", f"{args.kl_coef}, {args.entropy_coef}",
+                {"beta": 0.0, "entropy_coef": 0.0}, "no reference model"),
+        Setting("--advantage-estimator", args.advantage_estimator,
+                {"scale_rewards": SCALE_REWARDS[args.advantage_estimator]},
+                "both divide by the unbiased group std; + 1e-6 ours, + 1e-4 TRL's"),
+        Setting("--dapo-filter", str(args.dapo_filter), {},
+                "TRL has no filter: its zero-variance groups get advantage 0 and count in the normaliser, as ours "
+                "do, so the update is the same; TRL still runs forward/backward on them" if args.dapo_filter
+                else "off on both sides"),
+        Setting("--tis-cap", str(args.tis_cap), {},
+                "no TRL equivalent without vLLM: its sampler is the trained model itself"),
+        Setting("precision (--bf16/--fp16)", precision,
+                {"bf16": args.bf16, "fp16": args.fp16, "model_init_kwargs": {"dtype": "float32"}},
+                "fp32 weights; TRL's default is bf16"),
+        Setting("activation recompute", "none", {"gradient_checkpointing": False}, "TRL's default is on"),
+        Setting("--rl-seed", str(args.rl_seed), {"seed": args.rl_seed, "shuffle_dataset": False},
+                "TRL's sampling seed; the prompts are our run's draws, in order"),
+    ]
+
+
+def trl_config(args, max_steps: int, output_dir: str) -> dict:
+    """GRPOConfig keyword arguments: the mapped settings plus the run's bookkeeping."""
+    config = {"output_dir": output_dir, "max_steps": max_steps, "use_cpu": True, "logging_steps": 1,
+              "report_to": "none", "save_strategy": "no", "disable_dropout": True, "dataloader_num_workers": 0}
+    for setting in trl_settings(args):
+        config.update(setting.trl)
+    return config
+
+
+def trl_generation_kwargs(max_new_tokens: int, temperature: float, top_p: float, top_k: int, pad_token_id: int,
+                          bos_token_id: int | None, eos_token_ids: list[int]) -> dict:
+    """The GenerationConfig TRL 1.16's GRPOTrainer builds for in-process `generate` (its __init__, no vLLM)."""
+    return {"max_new_tokens": max_new_tokens, "do_sample": True, "pad_token_id": pad_token_id,
+            "bos_token_id": bos_token_id, "eos_token_id": eos_token_ids, "temperature": temperature, "top_p": top_p,
+            "top_k": top_k, "min_p": None, "repetition_penalty": 1.0, "cache_implementation": None,
+            "disable_compile": True}
+
+
+# ------------------------------------------------------------------------------------------------ metrics layout
+def completion_up_to_eos(token_ids: list[int], eos_ids: set[int], pad_token_id: int) -> list[int]:
+    """A generated row cut after its first eos (kept, as the engine keeps its stop token), else its padding."""
+    for index, token in enumerate(token_ids):
+        if token in eos_ids:
+            return token_ids[:index + 1]
+    while token_ids and token_ids[-1] == pad_token_id:
+        token_ids = token_ids[:-1]
+    return token_ids
+
+
+def peer_step_record(step: int, seconds_wall: float, seconds_step: float, phases: dict, rewards: list[float],
+                     completion_lengths: list[int], prompt_lengths: list[int], group: int) -> dict:
+    """One TRL step in our trainer's metrics.jsonl layout (experience.step_statistics and Trainer.update's names).
+
+    phases: seconds_rollout (generate), seconds_reward, seconds_experience (TRL's whole experience making);
+    update is what the step spends after the experience is made. TRL trains every sample: kept fractions are 1."""
+    if not rewards or len(rewards) != len(completion_lengths) or len(rewards) % group:
+        raise ValueError(f"a step needs one reward and one length per completion, in full groups of {group}: got "
+                         f"{len(rewards)} rewards and {len(completion_lengths)} lengths")
+    groups = [rewards[start:start + group] for start in range(0, len(rewards), group)]
+    generated = sum(completion_lengths)
+    return {
+        "step": step, "seconds_wall": seconds_wall, "seconds_step": seconds_step,
+        "seconds_rollout": phases["seconds_rollout"], "seconds_reward": phases["seconds_reward"],
+        "seconds_update": max(seconds_step - phases["seconds_experience"], 0.0),
+        "tokens_generated": generated,
+        "tokens_per_second_rollout": generated / max(phases["seconds_rollout"], 1e-9),
+        "response_length_mean": generated / len(completion_lengths),
+        "tokens_trained": generated + sum(prompt_lengths),
+        "reward_mean": statistics.fmean(rewards),
+        "accuracy": sum(reward == 1 for reward in rewards) / len(rewards),
+        "zero_variance_group_fraction": sum(len(set(g)) == 1 for g in groups) / len(groups),
+        "kept_fraction": 1.0, "kept_fraction_prompts": 1.0, "kept_fraction_completions": 1.0,
+        "sequences_trained": len(rewards),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ reward service
+def score_completions(task, tokenizer, prompts_by_id: dict, prompt_ids: list[int],
+                      completion_ids: list[list[int]]) -> list[float]:
+    """Our reward, as the trainer computes it: decode with our tokenizer (special tokens kept), then task.score."""
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"{len(prompt_ids)} prompt ids for {len(completion_ids)} completions")
+    return task.score([tokenizer.decode(ids) for ids in completion_ids],
+                      [prompts_by_id[prompt_id].reference for prompt_id in prompt_ids])
+
+
+def serve_scores(connection: Connection, score, process: subprocess.Popen, deadline: float) -> None:
+    """Answer (prompt_ids, completion_ids) requests with score(...) until the peer closes its end or exits."""
+    while True:
+        if connection.poll(1.0):
+            try:
+                prompt_ids, completion_ids = connection.recv()
+            except EOFError:
+                return
+            connection.send(score(prompt_ids, completion_ids))
+        elif process.poll() is not None:
+            return
+        elif time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError("the TRL peer ran past its deadline (budget + start-up + evaluations); it was killed")
+
+
+def remote_scores(connection: Connection, prompt_ids: list[int], completion_ids: list[list[int]]) -> list[float]:
+    connection.send((list(prompt_ids), [list(ids) for ids in completion_ids]))
+    return connection.recv()
+
+
+# ------------------------------------------------------------------------------------------------ the peer (TRL env)
+@dataclass
+class StepRecorder:
+    """What the timed trainer and the reward function saw during the current step."""
+
+    phases: dict = field(default_factory=lambda: dict.fromkeys(
+        ("seconds_rollout", "seconds_reward", "seconds_experience"), 0.0))
+    rewards: list = field(default_factory=list)
+    completion_lengths: list = field(default_factory=list)
+    prompt_lengths: list = field(default_factory=list)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] += seconds
+
+    def drain(self) -> dict:
+        """This step's observations; the recorder starts the next step empty."""
+        taken = vars(self).copy()
+        self.__init__()
+        return taken
+
+
+def greedy_accuracy(model, heldout: list[dict], max_new_tokens: int, eos_ids: list[int], pad_token_id: int,
+                    connection: Connection) -> float:
+    """Our evaluation (Trainer.evaluate) with in-process `generate`: greedy, our stop token, task.score."""
+    import torch
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_ids,
+                              pad_token_id=pad_token_id, disable_compile=True)
+    was_training = model.training
+    model.eval()
+    completions = []
+    for start in range(0, len(heldout), GENERATE_BATCH):
+        rows = [p["input_ids"] for p in heldout[start:start + GENERATE_BATCH]]
+        width = max(map(len, rows))
+        input_ids = torch.tensor([[pad_token_id] * (width - len(r)) + r for r in rows])  # [B, width], left-padded
+        attention_mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(r) for r in rows])[:, None])
+        with torch.no_grad():
+            output = model.generate(input_ids=input_ids, attention_mask=attention_mask.long(),
+                                    generation_config=config)
+        completions += [completion_up_to_eos(row[width:].tolist(), set(eos_ids), pad_token_id) for row in output]
+    model.train(was_training)
+    scores = remote_scores(connection, [p["prompt_id"] for p in heldout], completions)
+    return statistics.fmean(scores)
+
+
+def run_trl_worker(config_path: Path, socket_fd: int) -> None:
+    """The peer's training run; runs in TRL's environment and imports nothing of this project."""
+    config = json.loads(config_path.read_text())
+    import torch
+
+    torch.set_num_threads(config["threads"])
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    if trl.__version__ != TRL_VERSION:
+        raise SystemExit(f"the peer environment has trl {trl.__version__}, not {TRL_VERSION}: run "
+                         "tools/setup_peer_env.sh")
+    started = time.perf_counter()
+    connection = Connection(socket_fd)
+    run_dir = Path(config["run_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(config["model_dir"])
+    pool = {int(key): prompt for key, prompt in config["pool"].items()}
+    mismatched = [key for key, prompt in pool.items()
+                  if tokenizer(text=[prompt["text"]])["input_ids"][0] != prompt["input_ids"]]
+    if mismatched:
+        raise SystemExit(f"TRL's tokenization of {len(mismatched)} prompts (first: prompt id {mismatched[0]}) differs "
+                         "from our task's input_ids: the exported tokenizer is not the one the task encodes with")
+    stream = config["stream"]
+    dataset = Dataset.from_dict({"prompt": [pool[i]["text"] for i in stream], "prompt_id": stream})
+    recorder = StepRecorder()
+
+    def task_score(prompts, completions, completion_ids, prompt_id, **_):
+        scores = remote_scores(connection, prompt_id, completion_ids)
+        recorder.rewards += scores
+        return scores
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer with timers around its own phases; what it computes is unchanged."""
+
+        def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+            start = time.perf_counter()
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            recorder.add("seconds_rollout", time.perf_counter() - start)
+            recorder.completion_lengths += [len(ids) for ids in completion_ids]
+            recorder.prompt_lengths += [len(ids) for ids in prompt_ids]
+            return completion_ids, logprobs
+
+        def _calculate_rewards(self, *args, **kwargs):
+            start = time.perf_counter()
+            rewards = super()._calculate_rewards(*args, **kwargs)
+            recorder.add("seconds_reward", time.perf_counter() - start)
+            return rewards
+
+        def _generate_and_score_completions(self, *args, **kwargs):
+            start = time.perf_counter()
+            output = super()._generate_and_score_completions(*args, **kwargs)
+            recorder.add("seconds_experience", time.perf_counter() - start)
+            return output
+
+    evaluation = dict(heldout=config["heldout"], max_new_tokens=config["trl"]["max_completion_length"],
+                      eos_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, connection=connection)
+    metrics_file = run_dir / "metrics.jsonl"
+    metrics_file.write_text("")
+
+    class BudgetAndEvaluation(TrainerCallback):
+        """Per step: our record, greedy held-out accuracy every eval_interval steps, stop once past the budget."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.rl_start = self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            now = time.perf_counter()
+            seen = recorder.drain()
+            record = peer_step_record(state.global_step, now - self.rl_start, now - self.last, seen["phases"],
+                                      seen["rewards"], seen["completion_lengths"], seen["prompt_lengths"],
+                                      config["trl"]["num_generations"])
+            if config["eval_interval"] and state.global_step % config["eval_interval"] == 0:
+                record["heldout_accuracy"] = greedy_accuracy(model, **evaluation)
+            with open(metrics_file, "a") as log:
+                log.write(json.dumps(record) + "\n")
+            if time.perf_counter() - self.rl_start > config["budget_s"]:
+                control.should_training_stop = True
+            self.last = time.perf_counter()
+
+    timer = BudgetAndEvaluation()
+    trainer = TimedGRPOTrainer(model=config["model_dir"], reward_funcs=task_score, args=GRPOConfig(**config["trl"]),
+                               train_dataset=dataset, processing_class=tokenizer, callbacks=[timer])
+    (run_dir / "trl_args.json").write_text(trainer.args.to_json_string())  # every field TRL ran with
+    before = greedy_accuracy(trainer.model, **evaluation)
+    expected = config["expected_accuracy_before"]
+    if expected is not None and abs(before - expected) * len(config["heldout"]) > WARM_START_MISMATCH_PROBLEMS:
+        raise SystemExit(f"the exported warm start scores {before:.4f} held-out accuracy in TRL's environment, ours "
+                         f"{expected:.4f}: the export or the evaluation differs; the comparison would be void")
+    trainer.train()
+    seconds_rl = time.perf_counter() - timer.rl_start
+    steps = trainer.state.global_step
+    if seconds_rl <= config["budget_s"] and steps >= config["trl"]["max_steps"]:
+        raise SystemExit(f"the peer used up its {steps}-step prompt stream before the budget: lower "
+                         "MIN_STEP_SECONDS in bench/peer_grpo.py")
+    after = greedy_accuracy(trainer.model, **evaluation)
+    summary = {"heldout_accuracy_before": round(before, 4), "heldout_accuracy_after": round(after, 4), "steps": steps,
+               "seconds": round(time.perf_counter() - started, 1), "seconds_rl": seconds_rl}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    print(json.dumps(summary), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ orchestration
+def export_warm_start(warm_start: Path, out_dir: Path) -> Path:
+    """The warm start as an HF directory (tokenizer from its embedded init), once per warm start."""
+    from tools.convert_megatron_to_hf import main as convert
+
+    hf_dir = out_dir / f"{warm_start.parent.name}_hf"  # embedded_<cache key>: a new warm start gets a new export
+    if not (hf_dir / "config.json").is_file():
+        if convert(["--megatron-dir", str(warm_start), "--out", str(hf_dir), "--tokenizer-dir",
+                    str(warm_start.parent / "init")]) != 0:
+            raise RuntimeError(f"exporting {warm_start} to {hf_dir} failed (the converter's error is above)")
+    return hf_dir
+
+
+def parse_run_flags(flags: list[str]):
+    from megatron_dppo.arguments import parse_args
+
+    return parse_args(flags)
+
+
+def load_task(args, hf_dir: Path):
+    """The task our trainer builds from these flags, with the exported tokenizer (the warm start's)."""
+    from megatron_dppo.run import build_task, load_tokenizer
+
+    tokenizer = load_tokenizer(hf_dir)
+    return build_task(args, tokenizer), tokenizer
+
+
+def run_peer(settings, seed: int, warm_start: Path, hf_dir: Path, ours_dir: Path, peer_python: Path,
+             threads: int) -> Path:
+    """The TRL run of one seed, unless finished with the same config; its directory."""
+    import bench.time_to_accuracy as tta
+
+    run_dir = settings.out_dir / "runs" / PEER_METHOD / f"seed_{seed}"
+    args = parse_run_flags(tta.rl_flags(settings, "grpo", seed, warm_start))
+    task, tokenizer = load_task(args, hf_dir)
+    steps = math.ceil(settings.budget_s / MIN_STEP_SECONDS)
+    draws = [task.next_prompts(args.rollout_batch_size) for _ in range(steps)]  # the trainer's draws, in order
+    heldout = task.heldout(args.eval_size)
+    pool = {p.prompt_id: p for p in [*(p for batch in draws for p in batch), *heldout]}
+    config = {
+        "model_dir": str(hf_dir), "run_dir": str(run_dir), "threads": threads, "budget_s": settings.budget_s,
+        "eval_interval": settings.eval_interval,
+        "expected_accuracy_before": json.loads((ours_dir / "summary.json").read_text())["heldout_accuracy_before"],
+        "trl": trl_config(args, steps, str(run_dir / "trl_output")),
+        # the text TRL tokenizes is what the ids spell (a templated prompt's Prompt.text would not be)
+        "pool": {str(i): {"text": tokenizer.decode(p.input_ids), "input_ids": p.input_ids} for i, p in pool.items()},
+        "stream": [p.prompt_id for batch in draws for p in batch],
+        "heldout": [{"prompt_id": p.prompt_id, "input_ids": p.input_ids} for p in heldout],
+    }
+    config_file = run_dir / "config.json"
+    if (run_dir / "summary.json").is_file() and config_file.is_file() and json.loads(config_file.read_text()) == config:
+        return run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "summary.json").unlink(missing_ok=True)
+    config_file.write_text(json.dumps(config))
+    ours_end, peers_end = socket.socketpair()
+    with open(run_dir / "stdout.log", "w") as log:
+        process = subprocess.Popen([str(peer_python), __file__, "--trl-worker", str(config_file), "--socket-fd",
+                                    str(peers_end.fileno())], pass_fds=[peers_end.fileno()], stdout=log,
+                                   stderr=subprocess.STDOUT, cwd=REPO)
+    peers_end.close()
+    connection = Connection(ours_end.detach())
+    deadline = time.monotonic() + 3 * settings.budget_s + 900  # start-up, evaluations, a slow loaded machine
+
+    def score(prompt_ids, completion_ids):
+        return score_completions(task, tokenizer, pool, prompt_ids, completion_ids)
+
+    try:
+        serve_scores(connection, score, process, deadline)
+    finally:
+        connection.close()
+        returncode = process.wait()
+    if returncode != 0 or not (run_dir / "summary.json").is_file():
+        raise RuntimeError(f"the TRL peer failed (exit {returncode}); its output is in {run_dir / 'stdout.log'}")
+    return run_dir
+
+
+def interleaved_rates(generators: dict, repeats: int) -> dict:
+    """generators: name -> generate(repeat) returning tokens generated. One untimed warm-up call each (repeat 0),
+    then `repeats` rounds that call every generator in turn, so a load change on a shared machine hits all alike.
+    Per generator: the median tokens/s and tokens per call over the rounds."""
+    for generate in generators.values():
+        generate(0)
+    rates = {name: [] for name in generators}
+    tokens = {name: [] for name in generators}
+    for repeat in range(1, repeats + 1):
+        for name, generate in generators.items():
+            start = time.perf_counter()
+            count = generate(repeat)
+            rates[name].append(count / (time.perf_counter() - start))
+            tokens[name].append(count)
+    return {name: {"tokens_per_s": statistics.median(rates[name]), "tokens": statistics.median(tokens[name])}
+            for name in generators}
+
+
+def hf_generator(hf_dir: Path, args, tokenizer, prompts: list, threads: int):
+    """In-process HF `generate` of every prompt G times, with the GenerationConfig TRL builds; -> generate(repeat)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.set_num_threads(threads)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    generation = GenerationConfig(**trl_generation_kwargs(
+        args.rollout_max_response_len, args.rollout_temperature, args.rollout_top_p,
+        0 if args.rollout_top_k == -1 else args.rollout_top_k, pad, tokenizer.bos_token_id, [eos]))
+    rows = [p.input_ids for p in prompts for _ in range(args.n_samples_per_prompt)]  # TRL's order: G in a row
+    width = max(map(len, rows))
+    input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])  # [B*G, width], left-padded
+    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+
+    def generate(repeat: int) -> int:
+        torch.manual_seed(repeat)
+        with torch.no_grad():
+            output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation)
+        return sum(len(completion_up_to_eos(row[width:].tolist(), {eos}, pad)) for row in output)
+
+    return generate
+
+
+def engine_generator(url: str, args, task, tokenizer, prompts: list):
+    """The embedded engine asked as the trainer asks it (its client settings, seeded, n=G); -> generate(repeat)."""
+    from megatron_dppo.experience import ExperienceMaker
+    from megatron_dppo.rollout.client import RolloutClient
+
+    client = RolloutClient([url], max_concurrency=args.rollout_max_concurrency,
+                           request_timeout_s=args.rollout_timeout_s)
+    maker = ExperienceMaker(args, task, tokenizer, client)
+
+    def generate(repeat: int) -> int:
+        completions = client.generate([p.input_ids for p in prompts], maker.sampling_for_step(repeat),
+                                      args.n_samples_per_prompt)
+        return sum(len(c.output_ids) for c in completions)
+
+    return generate
+
+
+def generation_benchmark(args, hf_dir: Path, threads: int, repeats: int) -> dict:
+    """One step's prompts x G samples: in-process HF `generate` as TRL calls it, and the embedded engine started as
+    run.start_rollout starts it, with the trainer's --rollout-engine-threads and with `generate`'s threads."""
+    from megatron_dppo.rollout.launcher import launch_embedded_engine
+
+    task, tokenizer = load_task(args, hf_dir)
+    prompts = task.next_prompts(args.rollout_batch_size)  # the first step's draw of the GRPO run
+    generators = {f"hf_generate_{threads}_threads": hf_generator(hf_dir, args, tokenizer, prompts, threads)}
+    with contextlib.ExitStack() as engines:
+        for engine_threads in dict.fromkeys([args.rollout_engine_threads, threads]):
+            handle = engines.enter_context(launch_embedded_engine(str(hf_dir), threads=engine_threads))
+            generators[f"engine_{engine_threads}_threads"] = engine_generator(handle.url, args, task, tokenizer,
+                                                                             prompts)
+        rates = interleaved_rates(generators, repeats)
+    return {"sequences": len(prompts) * args.n_samples_per_prompt, **rates}
+
+
+# ------------------------------------------------------------------------------------------------ report
+def median_of(records: list[dict], key: str) -> float:
+    values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+    return statistics.median(values) if values else float("nan")
+
+
+def step_costs(records: list[dict]) -> dict:
+    """Median per-step costs of one method's records (all seeds pooled)."""
+    return {
+        "seconds_step": median_of(records, "seconds_step"),
+        "seconds_rollout": median_of(records, "seconds_rollout"),
+        "seconds_update": median_of(records, "seconds_update"),
+        "seconds_reward": median_of(records, "seconds_reward"),
+        "seconds_sync": median_of(records, "seconds_sync"),
+        "tokens_per_second_rollout": median_of(records, "tokens_per_second_rollout"),
+        "tokens_generated": median_of(records, "tokens_generated"),
+    }
+
+
+def step_cost_table(ours: dict, peer: dict) -> tuple[str, dict]:
+    """Markdown rows of median step costs and the ratios the issue names (ours / TRL's; > 1: ours is slower)."""
+    from bench.time_to_accuracy import markdown
+
+    def ms(value):
+        return "-" if math.isnan(value) else f"{1000 * value:.0f}"
+
+    rows = [[name, ms(c["seconds_step"]), ms(c["seconds_rollout"]), ms(c["seconds_reward"]), ms(c["seconds_update"]),
+             ms(c["seconds_sync"]), f"{c['tokens_generated']:.0f}", f"{c['tokens_per_second_rollout']:.0f}"]
+            for name, c in (("ours (GRPO)", ours), ("TRL peer", peer))]
+    ratios = {"our_grpo_step_vs_trl": ours["seconds_step"] / peer["seconds_step"],
+              "our_rollout_vs_trl_generation": ours["seconds_rollout"] / peer["seconds_rollout"],
+              "our_update_vs_trl_update": ours["seconds_update"] / peer["seconds_update"],
+              "our_generation_tokens_per_s_vs_trl": ours["tokens_per_second_rollout"]
+              / peer["tokens_per_second_rollout"]}
+    header = ["run", "ms/step", "generation", "reward", "update", "weight sync", "tokens gen/step",
+              "generation tokens/s"]
+    return markdown(header, rows), ratios
+
+
+def accuracy_rows(runs: dict) -> list[list[str]]:
+    rows = []
+    for name, (run, seconds_steps) in runs.items():
+        rows.append([name, str(len(run.records)), f"{seconds_steps:.0f}",
+                     f"{run.summary.get('heldout_accuracy_before', float('nan')):.3f}",
+                     f"{run.summary.get('heldout_accuracy_after', float('nan')):.3f}"])
+    return rows
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", default="runs/peer_grpo",
+                        help="runs and caches; a time_to_accuracy --out-dir reuses its warm start and GRPO runs")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="RL seeds (default 1)")
+    parser.add_argument("--budget-s", type=float, default=None, help="RL wall time per run (default 200)")
+    parser.add_argument("--warm-start-steps", type=int, default=None, help="default 900")
+    parser.add_argument("--eval-interval", type=int, default=None, help="steps between evaluations (default 25)")
+    parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 512)")
+    parser.add_argument("--processes", type=int, default=2, help="our trainer's torchrun --nproc-per-node")
+    parser.add_argument("--peer-python", default=str(default_peer_env() / "bin" / "python"),
+                        help="python of TRL's environment (tools/setup_peer_env.sh)")
+    parser.add_argument("--threads", type=int, default=THREADS, help="torch threads of the peer and of `generate`")
+    parser.add_argument("--generate-repeats", type=int, default=5, help="timed repeats of the generation benchmark")
+    parser.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--socket-fd", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.trl_worker is None:
+        if not Path(args.peer_python).is_file():
+            parser.error(f"--peer-python {args.peer_python} does not exist: run `bash tools/setup_peer_env.sh` "
+                         "(or pass the python of an environment it built)")
+        if args.threads < 1 or args.generate_repeats < 1:
+            parser.error(f"--threads {args.threads} and --generate-repeats {args.generate_repeats} must be >= 1")
+    return args
+
+
+def time_to_accuracy_settings(options: argparse.Namespace):
+    """time_to_accuracy's Settings for our GRPO runs: only the options given here override its defaults."""
+    import bench.time_to_accuracy as tta
+
+    argv = ["--out-dir", options.out_dir, "--methods", "grpo", "--no-control", "--math-budget-s", "0",
+            "--processes", str(options.processes)]
+    for flag, value in (("--budget-s", options.budget_s), ("--warm-start-steps", options.warm_start_steps),
+                        ("--eval-interval", options.eval_interval), ("--eval-size", options.eval_size)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if options.seeds:
+        argv += ["--seeds", *map(str, options.seeds)]
+    else:
+        argv += ["--seeds", "1"]
+    return tta.parse_args(argv)
+
+
+def generation_table(generation: dict, args, threads: int) -> tuple[str, dict]:
+    """Rows of the generation benchmark and the engine / `generate` tokens/s ratios."""
+    from bench.time_to_accuracy import markdown
+
+    hf_key = f"hf_generate_{threads}_threads"
+    engine_key, same_threads_key = f"engine_{args.rollout_engine_threads}_threads", f"engine_{threads}_threads"
+    names = {hf_key: f"in-process HF generate, {threads} thread(s) (TRL's path)",
+             engine_key: f"embedded engine, {args.rollout_engine_threads} thread(s) (the trainer's "
+                         "--rollout-engine-threads)",
+             same_threads_key: f"embedded engine, {threads} thread(s)"}
+    rows = [[name, f"{generation[key]['tokens_per_s']:.0f}", f"{generation[key]['tokens']:.0f}"]
+            for key, name in names.items()]
+    hf_rate = generation[hf_key]["tokens_per_s"]
+    ratios = {"embedded_engine_vs_hf_generate_tokens_per_s": generation[engine_key]["tokens_per_s"] / hf_rate,
+              "embedded_engine_same_threads_vs_hf_generate_tokens_per_s":
+                  generation[same_threads_key]["tokens_per_s"] / hf_rate}
+    return markdown(["generator", "tokens/s", "tokens per call"], rows), ratios
+
+
+def load_average() -> str:
+    """The machine's 1-minute load average over its cores: timings mean little on a loaded machine."""
+    return f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+
+
+def main(argv: list[str] | None = None) -> None:
+    options = parse_args(argv)
+    if options.trl_worker is not None:
+        run_trl_worker(Path(options.trl_worker), options.socket_fd)
+        return
+    import bench.time_to_accuracy as tta
+    from tools.plot_metrics import load_run, plot_runs
+
+    settings = time_to_accuracy_settings(options)
+    started, load_at_start = time.perf_counter(), load_average()
+    warm_start, _ = tta.prepare_warm_start(settings, measure_rate=False)
+    hf_dir = export_warm_start(warm_start, settings.out_dir / "peer")
+    size = tta.model_size(hf_dir)
+    runs = {"grpo": [], PEER_METHOD: []}
+    for seed in settings.seeds:
+        ours_dir = tta.run_rl(settings, "grpo", seed, warm_start)
+        peer_dir = run_peer(settings, seed, warm_start, hf_dir, ours_dir, Path(options.peer_python), options.threads)
+        # seconds_steps: RL time without evaluations, the results page's x axis
+        runs["grpo"].append(tta.with_costs(load_run(ours_dir, "ours (GRPO)"), size, old_logprob_pass=False))
+        runs[PEER_METHOD].append(tta.with_costs(load_run(peer_dir, "TRL peer"), size, old_logprob_pass=False))
+        print(f"finished seed {seed} ({time.perf_counter() - started:.0f} s so far)", flush=True)
+    args = parse_run_flags(tta.rl_flags(settings, "grpo", settings.seeds[0], warm_start))
+    generation = generation_benchmark(args, hf_dir, options.threads, options.generate_repeats)
+
+    mapping = tta.markdown(["our setting", "value", "TRL GRPOConfig", "note"],
+                           [[s.ours, s.value, ", ".join(f"{k}={v}" for k, v in s.trl.items()) or "-", s.note]
+                            for s in trl_settings(args)])
+    records = {method: [r for run in group for r in run.records] for method, group in runs.items()}
+    costs_table, ratios = step_cost_table(step_costs(records["grpo"]), step_costs(records[PEER_METHOD]))
+    generation_rows, generation_ratios = generation_table(generation, args, options.threads)
+    accuracy = tta.markdown(
+        ["run (seed)", "steps", "RL step time (s)", "held-out before", "held-out after"],
+        accuracy_rows({f"{run.label} ({seed})": (run, run.records[-1]["seconds_steps"])
+                       for method in runs for seed, run in zip(settings.seeds, runs[method])}))
+    figures = plot_runs([run for group in runs.values() for run in group], settings.out_dir / "figures",
+                        ("heldout_accuracy", "reward_mean"), ("seconds_steps", "step"), smooth=10,
+                        title="ours (GRPO) vs TRL's GRPOTrainer, same warm start")
+    print("\n\n".join([
+        f"Settings: seeds {settings.seeds}, RL budget {settings.budget_s:.0f} s per run, {settings.eval_size} held-out "
+        f"problems every {settings.eval_interval} steps; peer: TRL {TRL_VERSION}, one process, {options.threads} "
+        f"thread(s); ours: {settings.processes} processes + the embedded engine. Load average at start "
+        f"{load_at_start}, at the end {load_average()}.",
+        f"### Hyper-parameters (ours -> TRL)\n\n{mapping}",
+        f"### Step cost, median over every step of every seed (ms)\n\n{costs_table}",
+        f"### Generation alone: {generation['sequences']} sequences (one step's prompts x samples), median of "
+        f"{options.generate_repeats} interleaved rounds after a warm-up\n\n{generation_rows}",
+        f"### Accuracy\n\n{accuracy}",
+        "Figures: " + ", ".join(str(path) for path in figures),
+        f"Bench wall time: {time.perf_counter() - started:.0f} s",
+    ]))
+    for name, value in {**ratios, **generation_ratios}.items():
+        print(f"{name}: {value:.3f}")
+
+
+if __name__ == "__main__":
+    main()
