@@ -44,7 +44,8 @@ def load_tokenizer(model_dir: Path):
 
 def build_task(args, tokenizer):
     if args.data_prompts == "synthetic":
-        return synthetic_task(tokenizer, args.rl_seed, args.data_train_size, args.eval_size, args.data_synthetic_cells)
+        return synthetic_task(tokenizer, args.rl_seed, args.data_train_size, args.eval_size, args.data_synthetic_cells,
+                              args.synthetic_task)
     # a JSONL file of prompts is held out against the benchmark of its reward's data set
     train, heldout = DATASET_SPLITS.get(args.data_prompts, (args.data_prompts, DATASET_SPLITS[args.reward_fn][1]))
     return dataset_task(train, tokenizer, args.rl_seed, heldout, args.eval_size, args.data_skip_bad_rows,

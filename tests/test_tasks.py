@@ -22,6 +22,7 @@ def test_a_jsonl_file_in_gsm8k_layout_trains_with_the_gsm8k_reward_and_stable_id
 
 
 def test_reward_scorer_names_the_choices_for_an_unknown_reward():
-    assert reward_scorer("synthetic")(["12$", "12"], [12, 12]) == [1.0, 0.0]
+    assert reward_scorer("synthetic")(["5+7=12#12$", "12$"], [12, 12]) == [1.0, 0.0]
+    assert reward_scorer("synthetic_answer")(["12$", "12"], [12, 12]) == [1.0, 0.0]
     with pytest.raises(ValueError, match="unknown reward function 'f1'.*gsm8k.*math.*synthetic"):
         reward_scorer("f1")
