@@ -26,7 +26,7 @@ EMBEDDED_DEFAULTS = dict(
 # while RL draws answer-only prompts from every cell, so RL has something to earn (docs/trainer.md, calibration).
 EMBEDDED_TASK_DEFAULTS = {
     "worked": dict(rollout_max_response_len=176, warm_start_steps=600, warm_start_lr=3e-3, warm_start_batch_size=64,
-                   warm_start_problems=2000, warm_start_cells=None),
+                   warm_start_problems=500, warm_start_cells=None),
     "answer": dict(rollout_max_response_len=8, warm_start_steps=900, warm_start_lr=3e-3, warm_start_batch_size=128,
                    warm_start_problems=0, warm_start_cells=None),
 }

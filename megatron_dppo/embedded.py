@@ -12,6 +12,7 @@ trains a new warm start and an unchanged one is reused.
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from megatron_dppo.data.tokenizer import CharTokenizer
 from megatron_dppo.packing import TrainingSample, build_thd_batch, pack
 
 POSITION_MULTIPLE = 64
+WARM_START_RECORD = "warm_start.json"  # beside the warm-start checkpoint: its steps and training seconds
 
 
 def rl_cells(args) -> tuple[str, ...]:
@@ -98,6 +100,7 @@ def supervised_warm_start(args, model_dir: Path, tokenizer: CharTokenizer, out_d
         from tqdm import tqdm
 
         progress = tqdm(total=args.warm_start_steps, desc="warm start", unit="step")
+    start = time.perf_counter()
     for _ in range(args.warm_start_steps):
         samples = [TrainingSample(tokenizer.encode(p.prompt), tokenizer.encode(format_target(p, args.synthetic_task)))
                    for p in problems.sample(args.warm_start_batch_size)]
@@ -112,6 +115,9 @@ def supervised_warm_start(args, model_dir: Path, tokenizer: CharTokenizer, out_d
         actor.train_step(batches, loss_fn)
         if progress is not None:
             progress.update(1)
+    seconds = time.perf_counter() - start
     if progress is not None:
         progress.close()
     save_checkpoint(out_dir, 0, {"model": actor.model.sharded_state_dict()}, hf_config)
+    if dist.get_rank() == 0:  # its own cost, for a supervised control that spends the same time (bench/)
+        (out_dir / WARM_START_RECORD).write_text(json.dumps({"steps": args.warm_start_steps, "seconds": seconds}))
