@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def embedded_errors(args: argparse.Namespace) -> list[str]:
     """The synthetic task's and the tiny model's flags, checked where they are used (the embedded default)."""
-    from megatron_dppo.data.synthetic import parse_cell
+    from megatron_dppo.data.synthetic import TASK_CELLS, max_target_length, parse_cell
 
     errors = []
     for flag, cells in (("--data-synthetic-cells", args.data_synthetic_cells),
@@ -192,8 +192,13 @@ def embedded_errors(args: argparse.Namespace) -> list[str]:
                 parse_cell(cell)
             except ValueError as error:
                 errors.append(f"{flag}: {error}")
-    if not is_embedded_default(args):
+    if errors or not is_embedded_default(args):
         return errors
+    longest = max_target_length(args.data_synthetic_cells or TASK_CELLS[args.synthetic_task], args.synthetic_task)
+    if args.rollout_max_response_len < longest:
+        errors.append(f"--rollout-max-response-len {args.rollout_max_response_len} cuts the longest "
+                      f"{args.synthetic_task} responses of the cells ({longest} tokens), which could never score: "
+                      f"raise it to {longest} or choose shorter --data-synthetic-cells")
     hidden = args.embedded_hidden_size
     if hidden < EMBEDDED_HEAD_DIM or hidden % EMBEDDED_HEAD_DIM:
         errors.append(f"--embedded-hidden-size {hidden} must be a positive multiple of {EMBEDDED_HEAD_DIM}")

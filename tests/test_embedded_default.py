@@ -70,6 +70,8 @@ def test_cache_key_changes_with_every_warm_start_setting_and_only_with_them():
     (["--warm-start-batch-size", "0"], "--warm-start-batch-size 0 must be >= 1"),
     (["--warm-start-cells", "2y1"], "--warm-start-cells: difficulty cell '2y1' must read"),
     (["--synthetic-task", "proof"], "invalid choice: 'proof'"),
+    (["--data-synthetic-cells", "16x1", "--rollout-max-response-len", "100"],
+     "--rollout-max-response-len 100 cuts the longest worked responses of the cells (175 tokens)"),
 ])
 def test_bad_embedded_flags_are_named(flags, message, capsys):
     with pytest.raises(SystemExit):

@@ -6,11 +6,11 @@
 
 - Two tasks (`TASKS`). `worked` (the default) writes every intermediate result before the final answer, as a
   math solution does: one step `<running total><op><operand>=<new total>` per operator, steps separated by `,`, then
-  the final-answer marker `#`, the answer and the end marker `$`. Responses grow with the cell from about 15 to about
-  150 characters (one token each). `answer` is the older task: the answer alone, then `$`.
+  the final-answer marker `#`, the answer and the end marker `$`. Responses grow with the cell from 14 to about
+  160 characters (one token each). `answer` is the older task: the answer alone, then `$`.
 - Difficulty cells `OxD`: O operators (O+1 operands), each operand with at most D digits. Each task has its own
-  default cells (`TASK_CELLS`); the worked task's reach longer chains and wider numbers, so its hardest responses
-  come near 150 tokens.
+  default cells (`TASK_CELLS`); the worked task's reach chains of 16 operations, so its longest responses come near
+  160 tokens.
 - Held-out split: a prompt is held out when a stable hash of its string falls in a reserved bucket
   (1/`HELDOUT_BUCKETS` of all prompts). The training stream skips those prompts, and `heldout(n, seed)` draws only
   from them, so no held-out prompt string ever appears in training, whatever n, seed or stream length.
@@ -45,8 +45,8 @@ class Problem:
     prompt: str  # "Q:37+58-12=?A:"
     answer: int
     cell: str  # "2x2": operators x max digits
-    operands: tuple[int, ...] = ()  # (37, 58, 12)
-    operators: str = ""  # "+-", one per operand after the first
+    operands: tuple[int, ...]  # (37, 58, 12)
+    operators: str  # "+-", one per operand after the first
 
 
 def parse_cell(cell: str) -> tuple[int, int]:
@@ -197,7 +197,7 @@ class WarmStartData:
             raise ValueError(f"warm-start problems {problems} must be >= 0 (0: a fresh problem every time)")
         self._stream = SyntheticArithmetic(seed, cells)
         self.pool = self._stream.distinct(problems) if problems else None
-        self._order_rng = random.Random(seed + 1)
+        self._order_rng = random.Random(f"warm-start order {seed}")  # apart from the stream of problems
         self._order: list[int] = []
 
     def sample(self, count: int) -> list[Problem]:

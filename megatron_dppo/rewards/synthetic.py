@@ -22,22 +22,20 @@ _WORKED_SHAPE = re.compile(_NOT_MARKERS + re.escape(ANSWER_MARKER) + _INTEGER + 
 _ANSWER_SHAPE = re.compile(_INTEGER + re.escape(END_MARKER))
 
 
-def _reference_integer(reference: int | str) -> int:
+def _final_answer_score(shape: re.Pattern, response: str, reference: int | str) -> float:
     try:
-        return int(reference)
+        expected = int(reference)
     except (TypeError, ValueError) as error:
         raise ValueError(f"synthetic reference {reference!r} is not an integer; pass Problem.answer") from error
+    match = shape.fullmatch(response)
+    return 1.0 if match is not None and int(match.group(1)) == expected else 0.0
 
 
 def compute_score(response: str, reference: int | str) -> float:
     """Worked task: 1.0 when `response` is '<work>#<reference>$' (the work unchecked), else 0.0."""
-    expected = _reference_integer(reference)
-    match = _WORKED_SHAPE.fullmatch(response)
-    return 1.0 if match is not None and int(match.group(1)) == expected else 0.0
+    return _final_answer_score(_WORKED_SHAPE, response, reference)
 
 
 def compute_answer_only_score(response: str, reference: int | str) -> float:
     """Answer-only task: 1.0 when `response` is exactly '<reference>$' as an integer, else 0.0."""
-    expected = _reference_integer(reference)
-    match = _ANSWER_SHAPE.fullmatch(response)
-    return 1.0 if match is not None and int(match.group(1)) == expected else 0.0
+    return _final_answer_score(_ANSWER_SHAPE, response, reference)
