@@ -5,13 +5,16 @@ control.
        to measure its supervised steps per second
     2. RL: every method x seed starts from that checkpoint (--load) with the same flags and time budget;
        --rl-seed varies the RL randomness (training pool, its order, sampling, pruning draws), never the start
-    3. control: a longer supervised warm start that spends the RL budget on more supervised steps instead
+    3. control: a longer supervised warm start that spends the RL budget on more supervised steps instead, on the
+       same warm-start data (the worked task's warm start sees a limited set: --warm-start-problems problems
+       from --warm-start-cells; RL sees answer-only prompts from every cell)
     4. analysis: accuracy curves against RL wall time (sum of step times, evaluations excluded) and cost proxies
        ─► tables, figures (tools/plot_metrics.py), the generated part of docs/results.md
     5. optional: the same methods on MATH train prompts (tiny random model, character tokenizer, fixed budget)
 
 Runs are resumable: a run whose directory holds summary.json is read, not re-run; --methods/--seeds/--budget-s
-restrict a run. Definitions (also on the results page):
+restrict a run. --synthetic-task picks the task (worked, the embedded default; or the older answer-only task), whose
+response limit and warm-start settings are the embedded default's for that task. Definitions (also on the results page):
 - final accuracy: mean of the last 3 held-out evaluations (the trainer's --eval-interval ones and the final one)
 - target: GRPO's final accuracy, averaged over seeds
 - time to target: first RL second at which the mean of the last 3 evaluations (warm-start evaluation at 0
@@ -25,6 +28,7 @@ Examples:
     python bench/time_to_accuracy.py --quick                                   # smoke check, < 10 min
     python bench/time_to_accuracy.py --write-page docs/results.md              # the full benchmark and the page
     python bench/time_to_accuracy.py --methods grpo dppo-proportional --seeds 1 2 --budget-s 120
+    python bench/time_to_accuracy.py --synthetic-task answer                   # the older answer-only task
 Last line: dppo_speedup_vs_grpo: X (stochastic-proportional DPPO, the default mode; median over seeds).
 """
 
@@ -43,6 +47,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_dppo.arguments import EMBEDDED_TASK_DEFAULTS  # noqa: E402
 from tools.plot_metrics import Run, load_run, plot_runs, smoothed  # noqa: E402
 
 METHODS = {
@@ -65,10 +70,9 @@ CONTROL = "sft-control"
 # --dapo-filter (drop zero-variance groups, exact) is the embedded default, kept for every method: GRPO is the
 # strong baseline that already skips them. The MATH runs go without it: there each pruner meets them itself.
 RL_FLAGS = ["--lr", "1e-4", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
-            "--rollout-max-response-len", "8", "--rollout-temperature", "1.0", "--max-tokens-per-gpu", "4096",
+            "--rollout-temperature", "1.0", "--max-tokens-per-gpu", "4096",
             "--loss-agg-mode", "token-mean", "--eps-clip", "0.2", "--eps-clip-high", "0.28", "--kl-coef", "0",
             "--ppo-epochs", "1", "--data-train-size", "800", "--dapo-filter"]
-WARM_START_FLAGS = ["--warm-start-lr", "3e-3", "--warm-start-batch-size", "128"]
 MATH_FLAGS = ["--prompt-data", "math", "--reward-type", "math", "--lr", "1e-4", "--rollout-batch-size", "8",
               "--n-samples-per-prompt", "8", "--rollout-max-response-len", "32", "--rollout-temperature", "1.0",
               "--max-tokens-per-gpu", "8192", "--eval-size", "16", "--skip-bad-rows"]
@@ -78,12 +82,29 @@ FINAL_WINDOW = 3  # evaluations averaged for "final accuracy" and for reaching t
 PHASES = ("seconds_rollout", "seconds_reward", "seconds_logprobs", "seconds_update", "seconds_sync")
 
 
+def task_flags(task: str) -> list[str]:
+    """The synthetic task and its response limit (the embedded default's), for every run of the bench."""
+    return ["--synthetic-task", task, "--rollout-max-response-len",
+            str(EMBEDDED_TASK_DEFAULTS[task]["rollout_max_response_len"])]
+
+
+def warm_start_flags(task: str) -> list[str]:
+    """The embedded default's warm-start settings of `task`, written out: the warm start and the supervised control
+    both use them, so the control trains on exactly the warm start's data (the same pool, cells and seed)."""
+    defaults = EMBEDDED_TASK_DEFAULTS[task]
+    cells = defaults["warm_start_cells"]
+    return ["--warm-start-lr", str(defaults["warm_start_lr"]), "--warm-start-batch-size",
+            str(defaults["warm_start_batch_size"]), "--warm-start-problems", str(defaults["warm_start_problems"]),
+            *(["--warm-start-cells", *cells] if cells else [])]
+
+
 @dataclass
 class Settings:
     out_dir: Path
     methods: list[str]
     seeds: list[int]
     budget_s: float
+    task: str
     warm_start_steps: int
     eval_interval: int
     eval_size: int
@@ -156,8 +177,8 @@ def prepare_warm_start(settings: Settings, measure_rate: bool = True) -> tuple[P
     measure_rate: bench/peer_grpo.py needs the checkpoint only)."""
     root, cache = settings.out_dir / "warm_start", settings.out_dir / "cache" / "warm"
     flags = ["--seed", str(settings.seeds[0]), "--cache-dir", str(cache), "--warm-start-steps",
-             str(settings.warm_start_steps), *WARM_START_FLAGS, "--train-iters", "0", "--eval-size",
-             str(settings.eval_size), *RL_FLAGS]
+             str(settings.warm_start_steps), *warm_start_flags(settings.task), "--train-iters", "0", "--eval-size",
+             str(settings.eval_size), *RL_FLAGS, *task_flags(settings.task)]
     # Both runs time themselves the same way (the trainer's summary "seconds"); the difference is the supervised part.
     timing = {"steps": settings.warm_start_steps}
     for name in ("build", "cached") if measure_rate else ("build",):
@@ -181,8 +202,8 @@ def rl_flags(settings: Settings, method: str, seed: int, warm_start: Path) -> li
     # --load pins the start to the shared warm start and --seed stays the warm start's, so every run shares one
     # embedded init (the rollout engine's starting file, overwritten by the first weight sync); --rl-seed varies the
     # RL randomness only.
-    return [*RL_FLAGS, *METHODS[method], "--seed", str(settings.seeds[0]), "--rl-seed", str(seed),
-            "--load", str(warm_start),
+    return [*RL_FLAGS, *task_flags(settings.task), *METHODS[method], "--seed", str(settings.seeds[0]),
+            "--rl-seed", str(seed), "--load", str(warm_start),
             "--cache-dir", str(settings.out_dir / "cache" / "init"), "--warm-start-steps", "0",
             "--time-budget-s", str(settings.budget_s), "--eval-interval", str(settings.eval_interval),
             "--eval-size", str(settings.eval_size)]
@@ -194,13 +215,14 @@ def run_rl(settings: Settings, method: str, seed: int, warm_start: Path) -> Path
 
 
 def run_control(settings: Settings, steps_per_second: float) -> tuple[Path, int]:
-    """More supervised steps in place of RL: the warm start lengthened by the RL budget's worth of steps."""
+    """More supervised steps in place of RL: the warm start lengthened by the RL budget's worth of steps, on the same
+    warm-start data (same flags and seed, so the same problems in the same order, then more epochs of them)."""
     extra_steps = round(settings.budget_s * steps_per_second)
     run_dir = launch_unless_finished(
         ["--seed", str(settings.seeds[0]), "--cache-dir", str(settings.out_dir / "cache" / "control"),
-         "--warm-start-steps", str(settings.warm_start_steps + extra_steps), *WARM_START_FLAGS, "--train-iters", "0",
-         "--eval-size", str(settings.eval_size), *RL_FLAGS], settings.out_dir / "runs" / CONTROL /
-        f"seed_{settings.seeds[0]}", settings.processes)
+         "--warm-start-steps", str(settings.warm_start_steps + extra_steps), *warm_start_flags(settings.task),
+         "--train-iters", "0", "--eval-size", str(settings.eval_size), *RL_FLAGS, *task_flags(settings.task)],
+        settings.out_dir / "runs" / CONTROL / f"seed_{settings.seeds[0]}", settings.processes)
     return run_dir, extra_steps
 
 
@@ -547,6 +569,11 @@ def write_page(page: Path, block: str, generated: str) -> None:
     page.write_text(f"{head}{begin}\n{generated}\n{end}{tail}")
 
 
+def page_block(task: str, quick: bool) -> str:
+    """The name of a run's generated block on the page (and of its figures folder): quick / full, per task."""
+    return ("quick" if quick else "full") + ("" if task == "worked" else f"-{task}")
+
+
 def parse_args(argv: list[str] | None) -> Settings:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
@@ -554,7 +581,10 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="RL seeds (default 1 2 3; quick: 1)")
     parser.add_argument("--budget-s", type=float, default=None, help="RL wall time per run (default 200; quick 25)")
-    parser.add_argument("--warm-start-steps", type=int, default=None, help="default 900; quick 200")
+    parser.add_argument("--synthetic-task", choices=list(EMBEDDED_TASK_DEFAULTS), default="worked",
+                        help="worked (the embedded default) or the older answer-only task")
+    parser.add_argument("--warm-start-steps", type=int, default=None,
+                        help="default: the task's embedded default; quick 200")
     parser.add_argument("--eval-interval", type=int, default=None, help="steps between evaluations (default 25)")
     parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 512; quick 128)")
     parser.add_argument("--no-control", action="store_true", help="skip the supervised control")
@@ -570,16 +600,19 @@ def parse_args(argv: list[str] | None) -> Settings:
     def pick(value, full, smoke):
         return value if value is not None else (smoke if quick else full)
 
-    out_dir = Path(args.out_dir or ("runs/time_to_accuracy_quick" if quick else "runs/time_to_accuracy"))
+    task = args.synthetic_task
+    suffix = ("" if task == "worked" else f"_{task}") + ("_quick" if quick else "")
+    out_dir = Path(args.out_dir or f"runs/time_to_accuracy{suffix}")
     page = Path(args.write_page) if args.write_page else None
     settings = Settings(
         out_dir=out_dir, methods=["grpo", *[m for m in args.methods if m != "grpo"]],
-        seeds=pick(args.seeds, [1, 2, 3], [1]), budget_s=pick(args.budget_s, 200.0, 25.0),
-        warm_start_steps=pick(args.warm_start_steps, 900, 200), eval_interval=pick(args.eval_interval, 25, 25),
+        seeds=pick(args.seeds, [1, 2, 3], [1]), budget_s=pick(args.budget_s, 200.0, 25.0), task=task,
+        warm_start_steps=pick(args.warm_start_steps, EMBEDDED_TASK_DEFAULTS[task]["warm_start_steps"], 200),
+        eval_interval=pick(args.eval_interval, 25, 25),
         eval_size=pick(args.eval_size, 512, 128), control=not args.no_control,
         math_budget_s=pick(args.math_budget_s, 60.0, 0.0), processes=args.processes, quick=quick, page=page,
         figures_dir=Path(args.figures_dir) if args.figures_dir else (
-            (page.parent if page else out_dir) / "figures" / ("quick" if quick else "full")))
+            (page.parent if page else out_dir) / "figures" / page_block(task, quick)))
     for name, value in (("--budget-s", settings.budget_s), ("--warm-start-steps", settings.warm_start_steps),
                         ("--eval-interval", settings.eval_interval), ("--eval-size", settings.eval_size)):
         if value <= 0:
@@ -602,12 +635,14 @@ def main(argv: list[str] | None = None) -> None:
     table, results = accuracy_table(groups)
     flat = {method: list(by_seed.values()) for method, by_seed in groups.items()}
     sections = [
-        f"Settings: {len(settings.seeds)} seed(s) {settings.seeds}, RL budget {settings.budget_s:.0f} s per run, "
-        f"warm start {settings.warm_start_steps} supervised steps, {settings.eval_size} held-out problems every "
+        f"Settings: the {settings.task} synthetic task, {len(settings.seeds)} seed(s) {settings.seeds}, RL budget "
+        f"{settings.budget_s:.0f} s per run, warm start {settings.warm_start_steps} supervised steps "
+        f"(`{' '.join(warm_start_flags(settings.task))}`), {settings.eval_size} held-out problems every "
         f"{settings.eval_interval} steps, {settings.processes} processes. Model: {size.parameters} parameters.\n"
-        f"Common RL flags: `{' '.join(RL_FLAGS)}`; per method: "
+        f"Common RL flags: `{' '.join(RL_FLAGS + task_flags(settings.task))}`; per method: "
         + "; ".join(f"{m}: `{' '.join(METHODS[m])}`" for m in settings.methods) + ".",
-        f"### Time to GRPO's final accuracy ({results['grpo']['target']:.3f}) on the synthetic task\n\n{table}",
+        f"### Time to GRPO's final accuracy ({results['grpo']['target']:.3f}) on the {settings.task} synthetic "
+        f"task\n\n{table}",
         f"### Where the time goes (mean per step, ms and share of the step)\n\n{phase_table(flat)}",
         f"### Fewer steps or shorter steps\n\n{decomposition_table(groups, results)}",
     ]
@@ -618,15 +653,15 @@ def main(argv: list[str] | None = None) -> None:
         sections.append(
             f"### Supervised control (seed {settings.seeds[0]})\n\n"
             f"The warm start measured {sft_steps_per_second:.2f} supervised steps/s, so the RL budget of "
-            f"{settings.budget_s:.0f} s buys {extra_steps} more supervised steps: a warm start of "
-            f"{settings.warm_start_steps + extra_steps} steps reaches held-out accuracy "
+            f"{settings.budget_s:.0f} s buys {extra_steps} more supervised steps on the same warm-start data: a warm "
+            f"start of {settings.warm_start_steps + extra_steps} steps reaches held-out accuracy "
             f"**{control['heldout_accuracy_before']:.3f}**, against "
             + ", ".join(f"{m} {a:.3f}" for m, a in rl_finals.items()) + " (final accuracy of RL, mean over seeds).")
     figures = plot_runs([run for runs in flat.values() for run in runs], settings.figures_dir,
                         ("heldout_accuracy", "reward_mean"), ("seconds_steps",), smooth=10,
-                        title="synthetic task: all methods, all seeds")
+                        title=f"{settings.task} synthetic task: all methods, all seeds")
     figures += plot_runs(seed_mean_runs(groups), settings.figures_dir / "seed_mean", ("heldout_accuracy",),
-                         ("seconds_steps",), title=f"synthetic task: mean over seeds, trailing mean of "
+                         ("seconds_steps",), title=f"{settings.task} synthetic task: mean over seeds, trailing mean of "
                                                    f"{FINAL_WINDOW} evaluations")
     link_root = settings.page.parent if settings.page else settings.out_dir
     sections.append("\n".join(f"![{path.parent.name}/{path.stem}]({os.path.relpath(path, link_root)})"
@@ -647,7 +682,7 @@ def main(argv: list[str] | None = None) -> None:
     report = "\n\n".join(sections)
     print(report)
     if settings.page:
-        write_page(settings.page, "quick" if settings.quick else "full", report)
+        write_page(settings.page, page_block(settings.task, settings.quick), report)
     print(last_line)
 
 

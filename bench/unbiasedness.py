@@ -38,6 +38,7 @@ torch.set_num_threads(1)  # tiny tensors: threads only add overhead
 
 from megatron_dppo.algo.losses import AGGREGATIONS, FullBatchInfo, loss_normalizer, packed_policy_loss  # noqa: E402
 from megatron_dppo.arguments import parse_args  # noqa: E402
+from megatron_dppo.data.synthetic import END_MARKER, TASK_CELLS, SyntheticArithmetic, format_target  # noqa: E402
 from megatron_dppo.data.tokenizer import CharTokenizer  # noqa: E402
 from megatron_dppo.experience import ExperienceMaker, loss_config  # noqa: E402
 from megatron_dppo.packing import TrainingSample, build_thd_batch, pack_micro_batches  # noqa: E402
@@ -46,7 +47,7 @@ from megatron_dppo.tasks import synthetic_task  # noqa: E402
 
 NUM_PROMPTS, GROUP = 16, 8
 FEATURES = 4  # the tiny policy's width: FEATURES² parameters, the coordinates of the gradient
-MICRO_BATCH_TOKENS = 96  # small, so that each rank gets several micro-batches
+MICRO_BATCH_TOKENS = 640  # small, so that each rank gets several micro-batches
 
 # name: (flags, unbiased). The world's own flags (batch, group size, lengths) are added to each.
 CONFIGURATIONS = {
@@ -68,9 +69,10 @@ OVERSAMPLING_UNIFORM_GROUPS = 4
 
 
 def world_args(flags: list[str]):
-    """The configuration's arguments as the trainer parses them, with the world's batch shape."""
+    """The configuration's arguments as the trainer parses them (the embedded default's task), with the world's
+    batch shape."""
     return parse_args(["--rollout-batch-size", str(NUM_PROMPTS), "--n-samples-per-prompt", str(GROUP),
-                       "--data-train-size", str(NUM_PROMPTS), "--rollout-max-response-len", "12", *flags])
+                       "--data-train-size", str(NUM_PROMPTS), *flags])
 
 
 def aggregation_config(args, aggregation: str):
@@ -93,23 +95,30 @@ class World:
 
 
 def build_world(seed: int = 0, uniform_groups: int = NUM_PROMPTS // 2) -> World:
-    """Completions: a uniform group is all correct or all wrong; a mixed one has 1..7 correct. Wrong answers have
-    1..6 digits, so response lengths differ. Identical responses carry identical rollout log-probs."""
+    """Completions: a uniform group is all correct or all wrong; a mixed one has 1..7 correct. A correct one is the
+    task's own solution; a wrong one has the same work and a wrong final answer of 1..6 digits, so response lengths
+    differ within a group and between cells. Identical responses carry identical rollout log-probs."""
+    args = world_args([])
     tokenizer = CharTokenizer.for_synthetic_task()
-    task = synthetic_task(tokenizer, seed, NUM_PROMPTS, 1)
+    task = synthetic_task(tokenizer, seed, NUM_PROMPTS, 1, task=args.synthetic_task)
+    problems = SyntheticArithmetic(seed, TASK_CELLS[args.synthetic_task]).sample(NUM_PROMPTS)  # the task's pool
     rng = random.Random(seed)
     uniform = set(rng.sample(range(NUM_PROMPTS), uniform_groups))
     completions, logprob_cache = {}, {}
-    for prompt in task.prompts:
+    for prompt, problem in zip(task.prompts, problems):
+        if prompt.text != problem.prompt:
+            raise RuntimeError("the synthetic task's pool is no longer SyntheticArithmetic(seed, cells).sample(n)")
         if prompt.prompt_id in uniform:
             correct = GROUP if prompt.prompt_id % 2 else 0
         else:
             correct = rng.randint(1, GROUP - 1)
-        responses = [f"{prompt.reference}$"] * correct
+        solution = format_target(problem, args.synthetic_task)
+        work = solution[:-len(f"{problem.answer}{END_MARKER}")]  # everything before the final answer
+        responses = [solution] * correct
         while len(responses) < GROUP:
             wrong = rng.randrange(10 ** rng.randint(1, 6))
             if wrong != int(prompt.reference):
-                responses.append(f"{wrong}$")
+                responses.append(f"{work}{wrong}{END_MARKER}")
         rng.shuffle(responses)
         group = []
         for sample, response in enumerate(responses):
@@ -120,7 +129,7 @@ def build_world(seed: int = 0, uniform_groups: int = NUM_PROMPTS // 2) -> World:
         completions[tuple(prompt.input_ids)] = group
     # The history: every fifth prompt never seen; the others with their true score (mean |A|) up to ±30% and a mean
     # response length off by a factor in [0.5, 1.5] (stale, from an earlier visit).
-    maker = ExperienceMaker(world_args([]), task, tokenizer, FixedWorldClient(completions))
+    maker = ExperienceMaker(args, task, tokenizer, FixedWorldClient(completions))
     seen = [p for p in task.prompts if p.prompt_id % 5]
     rollouts = maker.generate(0)  # the history is empty: every prompt is rolled out
     experience_rewards = maker.task.score([tokenizer.decode(ids) for ids in rollouts.output_ids],
@@ -160,7 +169,7 @@ class TinyPolicy:
     def __init__(self, vocab: int, seed: int = 0):
         generator = torch.Generator().manual_seed(seed)
         self.embedding = torch.randn(vocab, FEATURES, generator=generator, dtype=torch.float64)
-        self.positions = torch.randn(64, FEATURES, generator=generator, dtype=torch.float64)
+        self.positions = torch.randn(512, FEATURES, generator=generator, dtype=torch.float64)
         self.unembedding = torch.randn(vocab, FEATURES, generator=generator, dtype=torch.float64)
         self.weight = (0.5 * torch.randn(FEATURES, FEATURES, generator=generator, dtype=torch.float64))
 

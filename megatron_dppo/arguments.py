@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_dppo.data.synthetic import TASKS as SYNTHETIC_TASKS
 from megatron_dppo.rollout.launcher import VLLM_PYTHON_VARIABLE
 
 ALGORITHMS = ("grpo", "dppo", "cppo", "d3s")
@@ -22,11 +23,26 @@ RENAMED_FLAGS = {"--data-prompts": "--prompt-data", "--reward-fn": "--reward-typ
                  "--data-skip-bad-rows": "--skip-bad-rows"}
 
 # The embedded default (no --hf-checkpoint, embedded engine, synthetic prompts) starts from these unless a flag
-# says otherwise: a tiny model answering in a few tokens, and a wall-time budget instead of a step count.
+# says otherwise: a tiny model, a supervised warm start cached under --cache-dir, a wall-time budget for RL.
 EMBEDDED_DEFAULTS = dict(
-    lr=1e-4, rollout_max_response_len=8, rollout_batch_size=16, n_samples_per_prompt=8, dapo_filter=True,
-    time_budget_s=200.0, max_tokens_per_gpu=4096, log_dir="runs/embedded",
+    lr=1e-4, rollout_batch_size=16, n_samples_per_prompt=8, dapo_filter=True, time_budget_s=200.0,
+    max_tokens_per_gpu=4096, log_dir="runs/embedded",
 )
+# ... and these, by --synthetic-task: how long a response may get, and what the warm start sees. The worked task's
+# warm start sees worked solutions for a limited set only (--warm-start-problems of them, from --warm-start-cells),
+# while RL draws answer-only prompts from every cell, so RL has something to earn (docs/trainer.md, calibration).
+EMBEDDED_TASK_DEFAULTS = {
+    "worked": dict(rollout_max_response_len=176, warm_start_steps=600, warm_start_lr=3e-3, warm_start_batch_size=64,
+                   warm_start_problems=500, warm_start_cells=None),
+    "answer": dict(rollout_max_response_len=8, warm_start_steps=900, warm_start_lr=3e-3, warm_start_batch_size=128,
+                   warm_start_problems=0, warm_start_cells=None),
+}
+EMBEDDED_HEAD_DIM = 32  # the tiny model's attention heads: --embedded-hidden-size / 32 of them
+
+
+def _by_task(key: str) -> str:
+    """'worked: 600, answer: 900': a warm-start flag's embedded defaults, for its --help."""
+    return ", ".join(f"{task}: {defaults[key]}" for task, defaults in EMBEDDED_TASK_DEFAULTS.items())
 
 
 def is_embedded_default(args) -> bool:
@@ -183,19 +199,65 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--data-train-size", type=int, default=4000,
                       help="synthetic: size of the recurring training pool (prompts recur, so history can prune)")
     data.add_argument("--data-synthetic-cells", nargs="+", default=None, metavar="OxD",
-                      help="synthetic difficulty cells: O operators x D max digits (default: all seven)")
+                      help="synthetic difficulty cells: O operators x D max digits (default: --synthetic-task's)")
     data.add_argument("--eval-size", type=int, default=500, help="held-out problems evaluated before and after")
     data.add_argument("--eval-interval", type=int, default=0, help="also evaluate every N steps (0: never)")
 
-    warm = parser.add_argument_group("embedded default (tiny model, supervised warm start)")
-    warm.add_argument("--warm-start-steps", type=int, default=900)
-    warm.add_argument("--warm-start-lr", type=float, default=3e-3)
-    warm.add_argument("--warm-start-batch-size", type=int, default=128)
+    synthetic = parser.add_argument_group("synthetic task")
+    synthetic.add_argument("--synthetic-task", choices=SYNTHETIC_TASKS, default="worked",
+                           help="worked: the response writes each intermediate result, then '#', the final answer and "
+                                "'$' (the reward reads the final answer only); answer: the answer and '$' alone")
+
+    warm = parser.add_argument_group("embedded default (tiny model, supervised warm start; defaults by task)")
+    warm.add_argument("--warm-start-steps", type=int, default=None,
+                      help=f"supervised steps ({_by_task('warm_start_steps')})")
+    warm.add_argument("--warm-start-lr", type=float, default=None, help=f"peak lr ({_by_task('warm_start_lr')})")
+    warm.add_argument("--warm-start-batch-size", type=int, default=None,
+                      help=f"problems per supervised step ({_by_task('warm_start_batch_size')})")
+    warm.add_argument("--warm-start-problems", type=int, default=None,
+                      help="the warm start's worked solutions come from a fixed pool of this many problems, revisited "
+                           f"in epochs; 0: a fresh problem every step ({_by_task('warm_start_problems')})")
+    warm.add_argument("--warm-start-cells", nargs="+", default=None, metavar="OxD",
+                      help="cells of the warm start's problems (default: the RL cells, --data-synthetic-cells)")
+    warm.add_argument("--embedded-hidden-size", type=int, default=128,
+                      help=f"tiny model width, a multiple of {EMBEDDED_HEAD_DIM} (one head per {EMBEDDED_HEAD_DIM})")
+    warm.add_argument("--embedded-num-layers", type=int, default=3, help="tiny model depth")
     warm.add_argument("--cache-dir", default="cache", help="where the warm start is cached and reused")
 
     ops = parser.add_argument_group("operations")
     ops.add_argument("--dry-run", action="store_true", help="print the launch plan and parallel layout, start nothing")
     return parser
+
+
+def embedded_errors(args: argparse.Namespace) -> list[str]:
+    """The synthetic task's and the tiny model's flags, checked where they are used (the embedded default)."""
+    from megatron_dppo.data.synthetic import TASK_CELLS, max_target_length, parse_cell
+
+    errors = []
+    for flag, cells in (("--data-synthetic-cells", args.data_synthetic_cells),
+                        ("--warm-start-cells", args.warm_start_cells)):
+        for cell in cells or ():
+            try:
+                parse_cell(cell)
+            except ValueError as error:
+                errors.append(f"{flag}: {error}")
+    if errors or not is_embedded_default(args):
+        return errors
+    longest = max_target_length(args.data_synthetic_cells or TASK_CELLS[args.synthetic_task], args.synthetic_task)
+    if args.rollout_max_response_len < longest:
+        errors.append(f"--rollout-max-response-len {args.rollout_max_response_len} cuts the longest "
+                      f"{args.synthetic_task} responses of the cells ({longest} tokens), which could never score: "
+                      f"raise it to {longest} or choose shorter --data-synthetic-cells")
+    hidden = args.embedded_hidden_size
+    if hidden < EMBEDDED_HEAD_DIM or hidden % EMBEDDED_HEAD_DIM:
+        errors.append(f"--embedded-hidden-size {hidden} must be a positive multiple of {EMBEDDED_HEAD_DIM}")
+    for flag, value, minimum in (("--embedded-num-layers", args.embedded_num_layers, 1),
+                                 ("--warm-start-steps", args.warm_start_steps, 0),
+                                 ("--warm-start-batch-size", args.warm_start_batch_size, 1),
+                                 ("--warm-start-problems", args.warm_start_problems, 0)):
+        if value < minimum:
+            errors.append(f"{flag} {value} must be >= {minimum}")
+    return errors
 
 
 @dataclass
@@ -214,7 +276,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if is_embedded_default(args):
-        parser.set_defaults(**EMBEDDED_DEFAULTS)
+        parser.set_defaults(**EMBEDDED_DEFAULTS, **EMBEDDED_TASK_DEFAULTS[args.synthetic_task])
         args, unknown = parser.parse_known_args(argv)
     sglang_args, rest = [], []
     for index, token in enumerate(unknown):
@@ -281,6 +343,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         errors.append(f"--n-samples-per-prompt {args.n_samples_per_prompt} gives every sample a zero "
                       f"--advantage-estimator {args.advantage_estimator} advantage: use G >= 2")
     errors.extend(model_and_data_errors(args))
+    errors += embedded_errors(args)
     if errors:
         # No usage block: it would bury the message under every flag. Under torchrun every rank finds the same
         # errors; rank 0 says them.

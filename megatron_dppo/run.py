@@ -39,7 +39,8 @@ def load_tokenizer(model_dir: Path):
 def build_task(args, tokenizer) -> Task:
     """The synthetic task, or prompts and held-out prompts read by load_prompt_data and scored by --reward-type."""
     if args.prompt_data == "synthetic":
-        return synthetic_task(tokenizer, args.rl_seed, args.data_train_size, args.eval_size, args.data_synthetic_cells)
+        return synthetic_task(tokenizer, args.rl_seed, args.data_train_size, args.eval_size, args.data_synthetic_cells,
+                              args.synthetic_task)
     from megatron_dppo.data.datasets import load_prompt_data
 
     fields = dict(input_key=args.input_key, label_key=args.label_key, reward_type=args.reward_type,

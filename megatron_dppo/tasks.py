@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from megatron_dppo.data.datasets import Example, PromptSampler
 
+SYNTHETIC_REWARDS = {"worked": "synthetic", "answer": "synthetic_answer"}  # --synthetic-task -> its reward
+
 
 @dataclass
 class Prompt:
@@ -45,19 +47,20 @@ class Task:
         self.sampler.load_state_dict(state["sampler"])
 
 
-def synthetic_task(tokenizer, seed: int, train_size: int, heldout_size: int, cells=None) -> Task:
-    """A recurring pool of `train_size` synthetic problems (so prompts come back and history can prune them),
-    and the fixed held-out split (seed 12345, never in training)."""
-    from megatron_dppo.data.synthetic import DEFAULT_CELLS, SyntheticArithmetic
+def synthetic_task(tokenizer, seed: int, train_size: int, heldout_size: int, cells=None, task: str = "worked") -> Task:
+    """A recurring pool of `train_size` synthetic problems (so prompts come back and history can prune them), and
+    the fixed held-out split (seed 12345, never in training), over `cells` (default: the task's). A prompt carries
+    only its final answer, the reward's reference: the worked solutions are the warm start's alone."""
+    from megatron_dppo.data.synthetic import TASK_CELLS, SyntheticArithmetic, check_task
 
-    generator = SyntheticArithmetic(seed, cells or DEFAULT_CELLS)
+    generator = SyntheticArithmetic(seed, cells or TASK_CELLS[check_task(task)])
 
     def as_prompt(index, problem):
         return Prompt(index, tokenizer.encode(problem.prompt), problem.answer, problem.prompt)
 
     train = [as_prompt(i, p) for i, p in enumerate(generator.sample(train_size))]
     heldout = [as_prompt(-1 - i, p) for i, p in enumerate(generator.heldout(heldout_size))]
-    return Task(train, heldout, reward_scorer("synthetic"), seed)
+    return Task(train, heldout, reward_scorer(SYNTHETIC_REWARDS[task]), seed)
 
 
 def dataset_task(train: Sequence[Example], heldout: Sequence[Example], tokenizer, seed: int, reward_type: str,

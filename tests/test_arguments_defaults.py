@@ -5,6 +5,8 @@ run's length."""
 
 import dataclasses
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -67,3 +69,13 @@ def test_d3s_without_a_run_length_is_refused_naming_the_flags(capsys):
     assert "--algorithm d3s relaxes" in message and "--train-iters or --time-budget-s" in message
     assert parse_args([*external, "--algorithm", "d3s", "--train-iters", "5"]).algorithm == "d3s"
     assert parse_args([*external, "--algorithm", "d3s", "--time-budget-s", "60"]).algorithm == "d3s"
+
+
+def test_argument_parsing_stays_torch_free():
+    # --dry-run runs before every Slurm launch: parsing and validating must not pay for importing torch
+    code = ("import sys, megatron_dppo.arguments as a; a.parse_args(['--dry-run']); "
+            "a.parse_args(['--dry-run', '--prompt-data', 'math', '--hf-checkpoint', 'model']); "
+            "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[]", f"argument parsing imported {result.stdout.strip()}"

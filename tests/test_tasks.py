@@ -40,6 +40,7 @@ def test_chat_message_prompts_train_through_the_tokenizers_chat_template(tmp_pat
 
 
 def test_reward_scorer_names_the_choices_for_an_unknown_reward():
-    assert reward_scorer("synthetic")(["12$", "12"], [12, 12]) == [1.0, 0.0]
+    assert reward_scorer("synthetic")(["5+7=12#12$", "12$"], [12, 12]) == [1.0, 0.0]
+    assert reward_scorer("synthetic_answer")(["12$", "12"], [12, 12]) == [1.0, 0.0]
     with pytest.raises(ValueError, match="unknown reward type 'f1'.*gsm8k.*math.*synthetic"):
         reward_scorer("f1")

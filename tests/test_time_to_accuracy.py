@@ -199,3 +199,55 @@ def test_bad_command_line_values_are_rejected_with_the_flag_name(capsys):
     assert "--budget-s 0.0 must be > 0" in capsys.readouterr().err
     settings = bench.parse_args(["--quick", "--methods", "cppo"])
     assert settings.methods == ["grpo", "cppo"] and settings.seeds == [1] and settings.budget_s == 25.0
+
+
+def test_bench_runs_the_worked_task_by_default_and_the_answer_task_by_flag():
+    worked, answer = bench.parse_args([]), bench.parse_args(["--synthetic-task", "answer"])
+    assert (worked.task, answer.task) == ("worked", "answer")
+    assert worked.warm_start_steps == bench.EMBEDDED_TASK_DEFAULTS["worked"]["warm_start_steps"]
+    assert worked.out_dir != answer.out_dir  # one warm start per output directory
+    assert bench.page_block("worked", False) == "full" and bench.page_block("answer", True) == "quick-answer"
+    for task in ("worked", "answer"):
+        flags = bench.task_flags(task)
+        assert flags[flags.index("--synthetic-task") + 1] == task
+        limit = bench.EMBEDDED_TASK_DEFAULTS[task]["rollout_max_response_len"]
+        assert flags[flags.index("--rollout-max-response-len") + 1] == str(limit)
+
+
+def test_supervised_control_trains_on_the_warm_starts_data_for_the_rl_budgets_steps(tmp_path, monkeypatch):
+    """The control's command differs from the warm start's only in its step count (and its cache): the same task,
+    warm-start data flags (problem pool, cells, batch, lr) and seed, so the same problems, then more epochs of them."""
+    launched = []
+
+    def record(flags, run_dir, processes):
+        launched.append(flags)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "summary.json").write_text(json.dumps({"seconds": 100.0 if "build" in str(run_dir) else 40.0,
+                                                          "heldout_accuracy_before": 0.1}))
+        return run_dir
+
+    monkeypatch.setattr(bench, "launch_unless_finished", record)
+    settings = bench.parse_args(["--out-dir", str(tmp_path), "--warm-start-steps", "120", "--budget-s", "50"])
+    (tmp_path / "cache" / "warm" / "embedded_x" / "warm_start").mkdir(parents=True)
+    _, steps_per_second = bench.prepare_warm_start(settings)
+    assert steps_per_second == pytest.approx(120 / 60)
+    _, extra_steps = bench.run_control(settings, steps_per_second)
+    assert extra_steps == 100  # 50 s of RL budget at 2 supervised steps/s
+    warm, control = launched[0], launched[-1]
+
+    def without(flags, *names):
+        kept, skip = [], False
+        for flag in flags:
+            if skip:
+                skip = False
+            elif flag in names:
+                skip = True
+            else:
+                kept.append(flag)
+        return kept
+
+    assert warm[warm.index("--warm-start-steps") + 1] == "120"
+    assert control[control.index("--warm-start-steps") + 1] == "220"
+    assert without(warm, "--warm-start-steps", "--cache-dir") == without(control, "--warm-start-steps", "--cache-dir")
+    for flag in ("--warm-start-problems", "--synthetic-task", "--seed"):
+        assert flag in control

@@ -11,7 +11,7 @@ Unknown characters map to `<unk>` (in all three loaders alike) rather than raisi
 (GSM8K has curly quotes, MATH has a few non-ASCII symbols) must not stop training or evaluation.
 `unknown_characters(text)` lists them for callers that want to refuse such text.
 Special tokens are matched in text, so a special token may be a visible character: the synthetic task uses
-`$` as its end-of-sequence token, and `decode(ids)` of an answer shows it ("42$").
+`$` as its end-of-sequence token, and `decode(ids)` of an answer shows it ("5+37=42#42$").
 """
 
 import json
@@ -21,8 +21,11 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders
 from tokenizers.models import BPE
 
-SYNTHETIC_ALPHABET = "0123456789+-=?QA:"
-SYNTHETIC_EOS = "$"
+from megatron_dppo.data.synthetic import ANSWER_MARKER, END_MARKER, STEP_SEPARATOR
+
+# the synthetic prompts ("Q:5+37=?A:") and both tasks' targets (worked steps joined by ",", "#" before the answer)
+SYNTHETIC_ALPHABET = "0123456789+-=?QA:" + STEP_SEPARATOR + ANSWER_MARKER
+SYNTHETIC_EOS = END_MARKER
 TEXT_ALPHABET = "".join(c for c in string.printable if c not in "\t\r\x0b\x0c")  # printable ASCII, space, newline
 
 _TOKENIZER_FILE = "tokenizer.json"
@@ -67,7 +70,7 @@ class CharTokenizer:
 
     @classmethod
     def for_synthetic_task(cls) -> "CharTokenizer":
-        """The embedded default: digits, + - = ? Q A :, and `$` as eos."""
+        """The embedded default: digits, + - = ? Q A : , #, and `$` as eos."""
         return cls(SYNTHETIC_ALPHABET, eos_token=SYNTHETIC_EOS)
 
     @classmethod

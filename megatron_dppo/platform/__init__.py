@@ -6,10 +6,10 @@ hide the GPUs (`CUDA_VISIBLE_DEVICES=""`) to run the CPU mode on a GPU machine.
 
 import os
 
-import torch
-
 
 def is_cpu() -> bool:
+    import torch  # here, not at the top: platform.network must stay importable without torch (argument parsing)
+
     return not torch.cuda.is_available()
 
 
@@ -17,8 +17,10 @@ def distributed_backend() -> str:
     return "gloo" if is_cpu() else "nccl"
 
 
-def setup_device() -> torch.device:
-    """Switch megatron-core to the CPU mode, or bind this process to its local GPU; return the device."""
+def setup_device():
+    """Switch megatron-core to the CPU mode, or bind this process to its local GPU; return the torch.device."""
+    import torch
+
     if is_cpu():
         from megatron_dppo.platform.cpu import enable_cpu_mode
 
