@@ -14,7 +14,7 @@ from megatron_dppo.tasks import synthetic_task
 from tests.launch import REPO_ROOT, finish, start_torchrun
 
 
-def test_synthetic_task_flag_selects_the_task_its_embedded_defaults_and_its_reward():
+def test_synthetic_task_flag_selects_the_task_its_embedded_defaults_and_its_reward(tmp_path):
     worked, answer = parse_args([]), parse_args(["--synthetic-task", "answer"])
     assert worked.synthetic_task == "worked" and answer.synthetic_task == "answer"
     for args in (worked, answer):
@@ -23,7 +23,9 @@ def test_synthetic_task_flag_selects_the_task_its_embedded_defaults_and_its_rewa
     # a flag given on the command line wins over the task's default
     assert parse_args(["--warm-start-steps", "7", "--rollout-max-response-len", "300"]).warm_start_steps == 7
     # outside the embedded default the warm start does not run, and the response limit is the general one
-    assert parse_args(["--hf-checkpoint", "m", "--synthetic-task", "answer"]).rollout_max_response_len == 1024
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):  # the checkpoint folder's files are checked
+        (tmp_path / name).write_text("{}")
+    assert parse_args(["--hf-checkpoint", str(tmp_path), "--synthetic-task", "answer"]).rollout_max_response_len == 1024
 
     tokenizer = CharTokenizer.for_synthetic_task()
     problem = SyntheticArithmetic(seed=0, cells=["3x1"]).sample(1)[0]
