@@ -11,6 +11,7 @@ The last line on rank 0 is a JSON summary.
 
 import contextlib
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -51,6 +52,13 @@ def build_task(args, tokenizer) -> Task:
                         args.reward_timeout_s)
 
 
+def embedded_engine_options(args) -> dict:
+    """How the trainer starts the embedded engine: deterministic (see start_rollout), with --rollout-engine-threads
+    torch threads per decode worker and one worker per trainer process on this node (they wait while it generates)."""
+    workers = args.rollout_engine_workers or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return {"threads": args.rollout_engine_threads, "workers": workers, "enable_deterministic_inference": True}
+
+
 def start_rollout(args, model_dir: Path):
     """rank 0: the servers, a client on them, a weight syncer, and the pool that restarts dead servers."""
     from megatron_dppo.rollout.client import RolloutClient, SGLangGenerateAPI, control_request
@@ -68,8 +76,7 @@ def start_rollout(args, model_dir: Path):
     # mirrors): only then does the trainer's per-sample sampling_seed act, which exact resume relies on.
     api, control = SGLangGenerateAPI(), control_request
     if args.rollout_backend == "embedded":
-        handles = [launch_embedded_engine(str(model_dir), threads=args.rollout_engine_threads,
-                                          enable_deterministic_inference=True)
+        handles = [launch_embedded_engine(str(model_dir), **embedded_engine_options(args))
                    for _ in range(args.rollout_num_servers)]
     elif args.rollout_backend == "sglang":
         handles = launch_sglang_servers(args.rollout_num_servers, str(model_dir), args.sglang_args,
