@@ -52,11 +52,12 @@ def build_task(args, tokenizer) -> Task:
                         args.reward_timeout_s)
 
 
-def embedded_engine_options(args) -> dict:
+def embedded_engine_options(args, local_processes: int) -> dict:
     """How the trainer starts the embedded engine: deterministic (see start_rollout), with --rollout-engine-threads
-    torch threads per decode worker and one worker per trainer process on this node (they wait while it generates)."""
-    workers = args.rollout_engine_workers or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return {"threads": args.rollout_engine_threads, "workers": workers, "enable_deterministic_inference": True}
+    torch threads per decode worker and --rollout-engine-workers workers, by default one per trainer process on this
+    node (`local_processes`: they wait, blocked, while the engine generates)."""
+    return {"threads": args.rollout_engine_threads, "workers": args.rollout_engine_workers or local_processes,
+            "enable_deterministic_inference": True}
 
 
 def start_rollout(args, model_dir: Path):
@@ -76,7 +77,8 @@ def start_rollout(args, model_dir: Path):
     # mirrors): only then does the trainer's per-sample sampling_seed act, which exact resume relies on.
     api, control = SGLangGenerateAPI(), control_request
     if args.rollout_backend == "embedded":
-        handles = [launch_embedded_engine(str(model_dir), **embedded_engine_options(args))
+        options = embedded_engine_options(args, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        handles = [launch_embedded_engine(str(model_dir), **options)
                    for _ in range(args.rollout_num_servers)]
     elif args.rollout_backend == "sglang":
         handles = launch_sglang_servers(args.rollout_num_servers, str(model_dir), args.sglang_args,
