@@ -309,7 +309,7 @@ class EmbeddedEngine:
         loop = asyncio.get_running_loop()
         while True:
             await self.wakeup.wait()
-            await asyncio.sleep(self.batch_window_s)  # let concurrent requests join the batch
+            await self._gather_arrivals()
             self.wakeup.clear()
             if self.paused or not self.waiting:
                 continue
@@ -335,6 +335,15 @@ class EmbeddedEngine:
                     seq.done.set_result(None)
             if self.waiting:
                 self.wakeup.set()
+
+    async def _gather_arrivals(self) -> None:
+        """Let concurrent requests join the batch: wait while requests keep arriving (a quiet period of a fifth of
+        the window), at most batch_window_s. One batched request (the trainer's) starts after the quiet period."""
+        deadline = time.monotonic() + self.batch_window_s
+        waiting = -1
+        while len(self.waiting) != waiting and time.monotonic() < deadline:
+            waiting = len(self.waiting)
+            await asyncio.sleep(min(self.batch_window_s / 5, max(deadline - time.monotonic(), 0.0)))
 
     def _next_batch(self) -> list[Sequence]:
         """The waiting sequences that run next, in order: at most max_batch_size, and as many as keep the batch's
@@ -665,14 +674,17 @@ def build_app(engine: EmbeddedEngine, api_key: str | None = None):
         engine.resume()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
-    async def locked_call(fn, body) -> None:
+    async def locked_call(fn, body, blocking: bool = True) -> None:
         async with engine.model_lock:
-            await asyncio.get_running_loop().run_in_executor(None, fn, body)
+            if blocking:  # off the event loop, which keeps serving the other routes meanwhile
+                await asyncio.get_running_loop().run_in_executor(None, fn, body)
+            else:  # bookkeeping only: a hand-over to a thread would cost more than the call
+                fn(body)
 
-    def locked_route(method: str, message: str):
+    def locked_route(method: str, message: str, blocking: bool = True):
         """A control route: `engine.<method>(body)` under the model lock, answered with SGLang's success body."""
         async def route(request):
-            await locked_call(getattr(engine, method), await json_body(request))
+            await locked_call(getattr(engine, method), await json_body(request), blocking)
             return web.json_response({"success": True, "message": message})
         return route
 
@@ -707,9 +719,10 @@ def build_app(engine: EmbeddedEngine, api_key: str | None = None):
         "join_group", "Succeeded to initialize custom process group.")))
     app.router.add_post("/destroy_weights_update_group", handler(locked_route(
         "leave_group", "Succeeded to destroy custom process group.")))
-    app.router.add_post("/begin_weight_update", handler(locked_route("begin_weight_update", "Success")))
+    app.router.add_post("/begin_weight_update", handler(locked_route("begin_weight_update", "Success",
+                                                                     blocking=False)))
     app.router.add_post("/update_weights_from_distributed", handler(update_distributed))
-    app.router.add_post("/end_weight_update", handler(locked_route("end_weight_update", "Success")))
+    app.router.add_post("/end_weight_update", handler(locked_route("end_weight_update", "Success", blocking=False)))
     app.router.add_post("/update_weights_from_disk", handler(update_from_disk))
 
     async def start_batch_loop(app):
