@@ -213,3 +213,30 @@ def test_sampler_top_k_one_is_greedy_and_top_p_keeps_the_smallest_sufficient_pre
     torch.testing.assert_close(counts, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03, rtol=0)  # unfiltered law
     tokens, logprobs = sample_next_tokens(logits, torch.zeros(4000), ones, torch.full((4000,), -1), uniforms)
     assert (tokens == 0).all()
+
+
+def test_workers_split_a_large_batch_and_sample_what_one_worker_samples(tmp_path):
+    """Two workers decode the two halves of a batch; every sample equals the one-worker sample of the same seed
+    (same tokens; log-probs within 1e-5: a half batch is a smaller matmul, which may round differently)."""
+    from megatron_dppo.rollout.engine import MIN_ROWS_PER_WORKER, EmbeddedEngine, Sequence, SequenceParams
+
+    model_dir = save_tiny_model(tmp_path / "model")
+    one = EmbeddedEngine(model_dir, deterministic_inference=True)
+    two = EmbeddedEngine(model_dir, deterministic_inference=True, workers=2)
+    parts = []
+    decode_part = two.generate_batch
+    two.generate_batch = lambda part: (parts.append(len(part)), decode_part(part))
+
+    def samples(engine):
+        batch = [Sequence(rid=str(i), prompt_ids=[1 + i % 5, 2, 3], params=SequenceParams(max_new_tokens=12),
+                          return_logprob=True, logprob_start_len=-1, seed=1000 + i)
+                 for i in range(2 * MIN_ROWS_PER_WORKER + 1)]
+        engine.decode(batch)
+        return batch
+
+    alone, split = samples(one), samples(two)
+    assert parts == [MIN_ROWS_PER_WORKER, MIN_ROWS_PER_WORKER + 1]
+    assert [seq.output_ids for seq in split] == [seq.output_ids for seq in alone]
+    assert len({tuple(seq.output_ids) for seq in alone}) > 1  # seeds differ, samples differ
+    torch.testing.assert_close(torch.tensor([seq.output_logprobs for seq in split]),
+                               torch.tensor([seq.output_logprobs for seq in alone]), atol=1e-5, rtol=0)

@@ -1,6 +1,8 @@
 """Embedded rollout server for CPU: SGLang's HTTP endpoints served from an HF transformers model.
 
-requests ──► queue ──► batch loop (collect for `batch_window_s`) ──► one batched sampling loop with a KV cache
+requests ──► queue ──► batch loop (until a quiet millisecond, at most `batch_window_s`) ──► split over the decode
+             workers ──► each: prefill, then one position per step from its KV cache (rollout/decoder.py), every row
+             sampled at once (rollout/sampling.py)
 weights  ──► /init_weights_update_group (once) ──► per sync: /begin_weight_update ──► /update_weights_from_distributed
              per bucket (receive, load by HF name) ──► /end_weight_update
 
@@ -24,9 +26,13 @@ Invariants:
 - generation and weight loading never overlap (one lock); pause(abort) ends running sequences with
   finish_reason "abort", pause(retract) puts them back in the queue with their tokens, resumed on continue;
 - every received tensor must name a parameter of the model with the same shape, or the update fails
-  and says which names were wrong.
+  and says which names were wrong;
+- a batch is split over the workers as a function of the batch alone, and a seeded sample's randomness depends on
+  its seed and position only: the same request gives the same samples, and another batching changes a sample only
+  through the rounding of its logits.
 
 Run: python -m megatron_dppo.rollout.engine --model-dir DIR [--host 127.0.0.1] [--port P] [--api-key K]
+     [--workers W] [--threads T]
 """
 
 from __future__ import annotations
@@ -234,20 +240,8 @@ class EmbeddedEngine:
         next_logits = self.decoder.logits(hidden[rows, -1])  # [rows, V]
         del hidden
 
-        temperature = torch.tensor([seq.params.temperature for seq in batch], dtype=torch.float32)
-        top_p = torch.tensor([seq.params.top_p for seq in batch], dtype=torch.float32)
-        top_k = torch.tensor([seq.params.top_k for seq in batch], dtype=torch.long)
-        seeds = [seed_words(seq.seed) if seq.seed is not None else (0, 0) for seq in batch]
-        seed_low, seed_high = torch.tensor(seeds, dtype=torch.long).reshape(-1, 2).unbind(1)
-        seeded = torch.tensor([seq.seed is not None for seq in batch])
-        stop_sets = [seq.params.stop_token_ids | (set() if seq.params.ignore_eos else self.eos_token_ids)
-                     for seq in batch]
-        stop_table = torch.full((len(batch), max(1, *map(len, stop_sets))), -1, dtype=torch.long)  # [B, S]
-        for row, stops in enumerate(stop_sets):
-            stop_table[row, :len(stops)] = torch.tensor(sorted(stops), dtype=torch.long)
         max_budget = int(budgets.max())
-        uniforms = sample_uniforms(seed_low, seed_high, seeded, torch.tensor([len(context) for context in contexts]),
-                                   max_budget, self.generator)  # [B, budget], one per token to generate
+        temperature, top_p, top_k, uniforms, stop_table = self._row_settings(batch, contexts, max_budget)
         tokens_out = torch.zeros(len(batch), max_budget, dtype=torch.long)  # [B, budget]
         logprobs_out = torch.zeros(tokens_out.shape, dtype=torch.float32)
         produced = torch.zeros(len(batch), dtype=torch.long)
@@ -280,6 +274,24 @@ class EmbeddedEngine:
                 next_logits = self.decoder.logits(self.decoder.step(state, tokens))
         finally:
             self._hand_over(batch, tokens_out, logprobs_out, produced, stopped, budgets)
+
+    def _row_settings(self, batch: list[Sequence], contexts: list[list[int]], max_budget: int):
+        """Per row of `batch`: temperature [B], top_p [B], top_k [B], the uniform of each token it may generate
+        [B, max_budget] (rollout/sampling.py), and its stop ids [B, S] (-1 pads)."""
+        temperature = torch.tensor([seq.params.temperature for seq in batch], dtype=torch.float32)
+        top_p = torch.tensor([seq.params.top_p for seq in batch], dtype=torch.float32)
+        top_k = torch.tensor([seq.params.top_k for seq in batch], dtype=torch.long)
+        seeds = [seed_words(seq.seed) if seq.seed is not None else (0, 0) for seq in batch]
+        seed_low, seed_high = torch.tensor(seeds, dtype=torch.long).reshape(-1, 2).unbind(1)
+        seeded = torch.tensor([seq.seed is not None for seq in batch])
+        first_position = torch.tensor([len(context) for context in contexts])  # of each row's next token
+        uniforms = sample_uniforms(seed_low, seed_high, seeded, first_position, max_budget, self.generator)
+        stop_sets = [seq.params.stop_token_ids | (set() if seq.params.ignore_eos else self.eos_token_ids)
+                     for seq in batch]
+        stop_table = torch.full((len(batch), max(1, *map(len, stop_sets))), -1, dtype=torch.long)
+        for row, stops in enumerate(stop_sets):
+            stop_table[row, :len(stops)] = torch.tensor(sorted(stops), dtype=torch.long)
+        return temperature, top_p, top_k, uniforms, stop_table
 
     def _hand_over(self, batch: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor,
                    produced: torch.Tensor, stopped: torch.Tensor, budgets: torch.Tensor) -> None:
