@@ -9,7 +9,7 @@ interleaved so that all see the same load on a shared machine:
             seeded: generated tokens / wall seconds of RolloutClient.generate (servers) or of one `generate` call
             over the prompts x samples, left-padded (HF, with --hf-threads torch threads);
   sync:     WeightSyncer.sync of the same perturbed weights (new each round) into each server, in seconds, in the
-            format the trainer uses for it (per-tensor for the embedded engine, flattened buckets for vLLM).
+            format the trainer uses for it (auto for the embedded engine, flattened buckets for vLLM).
 The embedded engine runs as the trainer starts it under --processes trainer processes (run.embedded_engine_options).
 One unmeasured warm-up round comes first. Prints a table (median of --repeats rounds), the ratios against the
 embedded engine, and `name: value` lines: embedded_vs_hf_generate_tokens_per_second (with hf-generate) and, last,
@@ -32,7 +32,7 @@ import torch
 from megatron_dppo.rollout.client import RolloutClient, SamplingParams
 from megatron_dppo.rollout.launcher import launch_embedded_engine, launch_vllm_servers
 from megatron_dppo.rollout.vllm import VLLMCompletionsAPI, VLLMControl
-from megatron_dppo.rollout.weight_sync import FLATTENED_BUCKET, WeightSyncer
+from megatron_dppo.rollout.weight_sync import AUTO_FORMAT, FLATTENED_BUCKET, WeightSyncer
 from megatron_dppo.run import embedded_engine_options
 
 VOCAB = 4096
@@ -119,7 +119,7 @@ def main() -> None:
         generators["embedded engine"] = server_generator(RolloutClient([embedded.url], request_timeout_s=600),
                                                          prompts, args.samples, args.new_tokens)
         syncers["embedded engine"] = WeightSyncer([embedded.url], timeout_s=300, group_name="bench_embedded",
-                                                  load_format=None)
+                                                  load_format=AUTO_FORMAT)
         if "hf-generate" in args.backends:
             generators["HF generate (in process)"] = hf_generator(model_dir, prompts, args.samples, args.new_tokens,
                                                                   args.hf_threads)

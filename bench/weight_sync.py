@@ -1,11 +1,11 @@
 """Weight sync throughput: WeightSyncer into the embedded engine vs a raw broadcast of the same bytes (gloo).
 
-All run from this process against separate receivers on this host, repeats interleaved (per-tensor sync,
-flattened sync, raw, per-tensor sync, ...) so that all see the same load on a shared machine:
+All run from this process against separate receivers on this host, repeats interleaved (auto sync, per-tensor sync,
+flattened sync, raw, auto sync, ...) so that all see the same load on a shared machine:
   sync: pause → flush → begin → bucketed broadcast (+ engine loads by name) → end → continue → version check, in
-        the per-tensor format the trainer uses for the embedded engine (each tensor broadcast as it is, received
-        into its parameter) and in the flattened_bucket format (tensors packed into one buffer per bucket, as for
-        SGLang over NCCL and for vLLM)
+        the format the trainer uses for the embedded engine (auto: a bucket of large tensors per tensor, a bucket of
+        small ones packed), per tensor (each tensor broadcast as it is, received into its parameter) and in
+        flattened buckets (tensors packed into one buffer per bucket, as for SGLang over NCCL and for vLLM)
   raw:  one ProcessGroup.broadcast of one flat uint8 buffer of the same size, to a bare receiver process
 One unmeasured warm-up round comes first (the engine's first flattened sync allocates the buffers its parameters
 then live in; the raw receiver's first broadcast touches its buffer's pages). Prints a table (median of repeats),
@@ -27,6 +27,7 @@ import torch
 from megatron_dppo.platform.network import free_port
 from megatron_dppo.rollout.launcher import launch_embedded_engine, python_env
 from megatron_dppo.rollout.weight_sync import (
+    AUTO_FORMAT,
     FLATTENED_BUCKET,
     WeightSyncer,
     broadcast_from_trainer,
@@ -34,7 +35,8 @@ from megatron_dppo.rollout.weight_sync import (
 )
 
 # The syncer's formats, the trainer's for the embedded engine first (run.start_rollout): the bench's headline.
-FORMATS = {"weight sync, per-tensor (the trainer's)": None, "weight sync, flattened buckets": FLATTENED_BUCKET}
+FORMATS = {"weight sync, auto (the trainer's)": AUTO_FORMAT, "weight sync, per tensor": None,
+           "weight sync, flattened buckets": FLATTENED_BUCKET}
 RAW = "raw broadcast (one flat buffer)"
 
 RAW_RECEIVER = """

@@ -71,7 +71,7 @@ def start_rollout(args, model_dir: Path):
         launch_vllm_servers,
     )
     from megatron_dppo.rollout.vllm import VLLMCompletionsAPI, VLLMControl
-    from megatron_dppo.rollout.weight_sync import FLATTENED_BUCKET, WeightSyncer
+    from megatron_dppo.rollout.weight_sync import AUTO_FORMAT, FLATTENED_BUCKET, WeightSyncer
 
     # Servers started here are deterministic (SGLang's --enable-deterministic-inference, which the embedded engine
     # mirrors): only then does the trainer's per-sample sampling_seed act, which exact resume relies on.
@@ -93,14 +93,14 @@ def start_rollout(args, model_dir: Path):
     urls = [handle.url for handle in handles]
     master_address = args.weight_sync_master_address or (
         "127.0.0.1" if args.rollout_backend != "external" else socket.gethostbyname(socket.gethostname()))
-    # The embedded engine takes SGLang's per-tensor format: over gloo in host memory, packing buckets would copy every
-    # byte once more for nothing (docs/rollout.md); SGLang over NCCL and vLLM take flattened buckets.
+    # The embedded engine takes large tensors in SGLang's per-tensor format: over gloo in host memory, packing them
+    # would copy every byte once more (docs/rollout.md); SGLang over NCCL and vLLM take flattened buckets.
     syncer = WeightSyncer(urls, master_address=master_address,
                           backend="gloo" if args.rollout_colocate else distributed_backend(),
                           bucket_bytes=args.rollout_weight_bucket_mb * 2**20, timeout_s=args.rollout_timeout_s,
                           engine_ranks=[args.rollout_server_gpus] * len(urls),
                           keep_host_copy=args.rollout_backend != "external", control=control,
-                          load_format=None if args.rollout_backend == "embedded" else FLATTENED_BUCKET)
+                          load_format=AUTO_FORMAT if args.rollout_backend == "embedded" else FLATTENED_BUCKET)
     pool = ServerPool(handles, weight_syncer=syncer, resync=syncer.resend)
     client = RolloutClient(urls, max_concurrency=args.rollout_max_concurrency, request_timeout_s=args.rollout_timeout_s,
                            supervisor=pool, api=api)

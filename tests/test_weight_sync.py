@@ -22,8 +22,10 @@ from megatron_dppo.rollout.client import RolloutClient, RolloutServerError, Samp
 from megatron_dppo.rollout.engine import UPDATE_OUTSIDE_SESSION, EmbeddedEngine, build_app
 from megatron_dppo.rollout.launcher import launch_embedded_engine, python_env
 from megatron_dppo.rollout.weight_sync import (
+    AUTO_FORMAT,
     DEFAULT_FIRST_BUCKET_BYTES,
     FLATTENED_BUCKET,
+    PACK_BELOW_BYTES,
     RAMP,
     StagingBuffers,
     WeightSyncer,
@@ -161,6 +163,24 @@ def test_bucket_limits_ramp_by_1_5_from_first_bucket_bytes_whole_tensors_and_an_
         assert bucket.flat is None and bucket.staging is None
         assert [t.data_ptr() for t in bucket.broadcasts] == [t.data_ptr() for _, t in group]
         assert bucket.nbytes == sum(t.numel() * t.element_size() for _, t in group)
+
+
+def test_auto_format_packs_buckets_of_small_tensors_and_sends_large_ones_per_tensor():
+    kib = 1024
+    syncer = WeightSyncer(["http://127.0.0.1:1"], load_format=AUTO_FORMAT, bucket_bytes=8 * PACK_BELOW_BYTES,
+                          first_bucket_bytes=24 * kib)
+    tensors = [*((f"norm{i}", torch.ones(kib)) for i in range(6)), ("proj", torch.ones(PACK_BELOW_BYTES // 2)),
+               ("norm", torch.ones(kib))]  # 6 x 4 KiB (the 24 KiB first bucket), a 2 MiB tensor alone, 4 KiB
+    with prefetch_buckets(tensors, syncer.bucket_bytes, 30, first_bucket_bytes=syncer.first_bucket_bytes,
+                          pack=syncer._packs) as prefetcher:
+        buckets = list(prefetcher)
+    assert [bucket.names for bucket in buckets] == [[f"norm{i}" for i in range(6)], ["proj"], ["norm"]]
+    assert [syncer.update_payload(bucket, "1")["load_format"] for bucket in buckets] == [
+        FLATTENED_BUCKET, None, FLATTENED_BUCKET]
+    assert buckets[1].broadcasts[0].data_ptr() == tensors[6][1].data_ptr()  # sent from its own memory
+    # the default stays SGLang's flattened buckets; None is per tensor throughout
+    assert WeightSyncer(["http://127.0.0.1:1"])._packs(tensors[6:7])
+    assert not WeightSyncer(["http://127.0.0.1:1"], load_format=None)._packs(tensors[:6])
 
 
 def run_scripted_sender(model_dir: str, url: str) -> None:

@@ -45,6 +45,11 @@ DEFAULT_FIRST_BUCKET_BYTES = 32 * 1024**2
 RAMP = 1.5
 DEFAULT_GROUP_NAME = "megatron_dppo_weight_sync"
 FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for one packed buffer per bucket
+# WeightSyncer's per-bucket choice: a bucket whose tensors average under PACK_BELOW_BYTES is packed (one broadcast),
+# else each tensor is broadcast alone (no copy). Over gloo on this host a broadcast costs ~0.2 ms before its first
+# byte and packing runs at ~9 GB/s, so packing a tensor is the cheaper way to send it below ~1.8 MB (measured).
+AUTO_FORMAT = "auto"
+PACK_BELOW_BYTES = 2**20
 
 
 def init_weight_update_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
@@ -226,9 +231,10 @@ class BucketPrefetcher:
     Iterate once; `close()` (or leaving the `with` block, or the end of iteration) stops the thread."""
 
     def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, timeout_s: float,
-                 staging: StagingBuffers | None = None, first_bucket_bytes: int | None = None, pack: bool = True):
+                 staging: StagingBuffers | None = None, first_bucket_bytes: int | None = None,
+                 pack: bool | Callable[[list[tuple[str, torch.Tensor]]], bool] = True):
         self.staging = staging or StagingBuffers()
-        self.pack = pack
+        self.pack = pack if callable(pack) else lambda group: pack
         self.timeout_s = timeout_s
         self.ready: queue.Queue = queue.Queue(maxsize=1)
         self.done = object()
@@ -240,7 +246,7 @@ class BucketPrefetcher:
     def _produce(self, named_tensors, bucket_bytes: int, first_bucket_bytes: int | None) -> None:
         try:
             for group in group_into_buckets(named_tensors, bucket_bytes, first_bucket_bytes):
-                if not self.pack:
+                if not self.pack(group):
                     if not self._put(tensor_bucket(group)):
                         return
                     continue
@@ -297,9 +303,9 @@ class BucketPrefetcher:
 
 def prefetch_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, timeout_s: float,
                      staging: StagingBuffers | None = None, first_bucket_bytes: int | None = None,
-                     pack: bool = True) -> BucketPrefetcher:
-    """Iterable of buckets, prepared ahead in a thread (see BucketPrefetcher and group_into_buckets); pack=False
-    gives per-tensor buckets (tensor_bucket)."""
+                     pack: bool | Callable[[list[tuple[str, torch.Tensor]]], bool] = True) -> BucketPrefetcher:
+    """Iterable of buckets, prepared ahead in a thread (see BucketPrefetcher and group_into_buckets); a bucket that
+    `pack` (a bool, or a predicate of the bucket's tensors) refuses is a per-tensor bucket (tensor_bucket)."""
     return BucketPrefetcher(named_tensors, bucket_bytes, timeout_s, staging, first_bucket_bytes, pack)
 
 
@@ -326,9 +332,10 @@ class WeightSyncer:
                  keep_host_copy: bool = False, first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
                  control: Callable[..., Any] = control_request, load_format: str | None = FLATTENED_BUCKET):
         """first_bucket_bytes: the first bucket's limit, growing to bucket_bytes (see group_into_buckets).
-        load_format: FLATTENED_BUCKET (one packed buffer per bucket: one collective each, as NCCL wants) or None
-        (SGLang's per-tensor format: one broadcast per tensor and no packing copy, which is cheaper over gloo, where
-        packing a byte costs about as much CPU as sending it and a collective costs no kernel launch).
+        load_format: FLATTENED_BUCKET (one packed buffer per bucket: one collective each, as NCCL wants), None
+        (SGLang's per-tensor format: one broadcast per tensor, nothing packed) or AUTO_FORMAT (per bucket: packed when
+        its tensors average under PACK_BELOW_BYTES, else per tensor: over gloo a large tensor costs a second full
+        copy to pack, a small one costs a broadcast's fixed latency to send alone).
         keep_host_copy: remember the last synced tensors (host memory, one model copy) so that `resend()` can
         restore a restarted engine without the trainer ranks' help (they may be busy in a collective).
         control: how each SGLang control route reaches a server, `control(url, path, payload, method, timeout_s,
@@ -340,8 +347,9 @@ class WeightSyncer:
         if bucket_bytes < 1 or first_bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} and first_bucket_bytes={first_bucket_bytes} must be "
                              f"positive (defaults {DEFAULT_BUCKET_BYTES}, {DEFAULT_FIRST_BUCKET_BYTES})")
-        if load_format not in (FLATTENED_BUCKET, None):
-            raise ValueError(f"load_format={load_format!r} must be {FLATTENED_BUCKET!r} or None (per tensor)")
+        if load_format not in (FLATTENED_BUCKET, AUTO_FORMAT, None):
+            raise ValueError(f"load_format={load_format!r} must be {FLATTENED_BUCKET!r}, {AUTO_FORMAT!r} or None "
+                             "(per tensor)")
         if pause_mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause_mode={pause_mode!r} must be one of SGLang's: abort, retract, in_place")
         self.urls = [url.rstrip("/") for url in urls]
@@ -384,7 +392,7 @@ class WeightSyncer:
     def update_payload(self, bucket: Bucket, version: str) -> dict:
         return {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes,
                 "group_name": self.group_name, "flush_cache": False, "weight_version": version,
-                "load_format": self.load_format}
+                "load_format": FLATTENED_BUCKET if bucket.flat is not None else None}
 
     def _submit_all(self, path: str, payload: dict | None = None, method: str = "POST") -> list[Future]:
         """The control call to every engine, concurrently, on threads kept for the syncer's life (a pool per call
@@ -393,6 +401,12 @@ class WeightSyncer:
             self.pool = ThreadPoolExecutor(len(self.urls), thread_name_prefix="weight-sync-control")
         return [self.pool.submit(self.control, url, path, payload, method, self.timeout_s, self.api_key)
                 for url in self.urls]
+
+    def _packs(self, group: list[tuple[str, torch.Tensor]]) -> bool:
+        """Whether a bucket goes packed (flattened_bucket) or per tensor, by `load_format`."""
+        if self.load_format != AUTO_FORMAT:
+            return self.load_format == FLATTENED_BUCKET
+        return bucket_nbytes(group) < PACK_BELOW_BYTES * len(group)
 
     def _call_all(self, path: str, payload: dict | None = None, method: str = "POST") -> list:
         if len(self.urls) == 1:  # in this thread: nothing to wait for but the answer
@@ -511,7 +525,7 @@ class WeightSyncer:
             named_tensors = ((name, kept.append((name, t.detach().to("cpu", copy=True))) or t)
                              for name, t in named_tensors)
         prefetcher = prefetch_buckets(named_tensors, self.bucket_bytes, self.timeout_s, self.staging,
-                                      self.first_bucket_bytes, pack=self.load_format == FLATTENED_BUCKET)
+                                      self.first_bucket_bytes, pack=self._packs)
         try:
             with prefetcher:  # the first bucket is packed while the engines pause and flush
                 self._call_all("/pause_generation", self.pause_payload())
