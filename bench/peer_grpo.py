@@ -513,21 +513,22 @@ def engine_generator(url: str, args, task, tokenizer, prompts: list):
     return generate
 
 
-def generation_benchmark(args, hf_dir: Path, threads: int, repeats: int) -> dict:
+def generation_benchmark(args, hf_dir: Path, threads: int, repeats: int, processes: int) -> dict:
     """One step's prompts x G samples: in-process HF `generate` as TRL calls it, and the embedded engine started as
-    run.start_rollout starts it, with the trainer's --rollout-engine-threads and with `generate`'s threads."""
+    run.start_rollout starts it under `processes` trainer processes, and with one worker of `generate`'s threads."""
     from megatron_dppo.rollout.launcher import launch_embedded_engine
+    from megatron_dppo.run import embedded_engine_options
 
     task, tokenizer = load_task(args, hf_dir)
     prompts = task.next_prompts(args.rollout_batch_size)  # the first step's draw of the GRPO run
     generators = {f"hf_generate_{threads}_threads": hf_generator(hf_dir, args, tokenizer, prompts, threads)}
+    trainer_options = embedded_engine_options(args, processes)
     with contextlib.ExitStack() as engines:
-        for engine_threads in dict.fromkeys([args.rollout_engine_threads, threads]):
-            handle = engines.enter_context(launch_embedded_engine(str(hf_dir), threads=engine_threads))
-            generators[f"engine_{engine_threads}_threads"] = engine_generator(handle.url, args, task, tokenizer,
-                                                                             prompts)
+        for name, options in (("engine_as_trainer", trainer_options), ("engine_same_threads", {"threads": threads})):
+            handle = engines.enter_context(launch_embedded_engine(str(hf_dir), **options))
+            generators[name] = engine_generator(handle.url, args, task, tokenizer, prompts)
         rates = interleaved_rates(generators, repeats)
-    return {"sequences": len(prompts) * args.n_samples_per_prompt, **rates}
+    return {"sequences": len(prompts) * args.n_samples_per_prompt, "trainer_engine_options": trainer_options, **rates}
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -625,12 +626,12 @@ def generation_table(generation: dict, args, threads: int) -> tuple[str, dict]:
     """Rows of the generation benchmark and the engine / `generate` tokens/s ratios."""
     from bench.time_to_accuracy import markdown
 
-    hf_key = f"hf_generate_{threads}_threads"
-    engine_key, same_threads_key = f"engine_{args.rollout_engine_threads}_threads", f"engine_{threads}_threads"
+    hf_key, engine_key, same_threads_key = f"hf_generate_{threads}_threads", "engine_as_trainer", "engine_same_threads"
+    options = generation["trainer_engine_options"]
     names = {hf_key: f"in-process HF generate, {threads} thread(s) (TRL's path)",
-             engine_key: f"embedded engine, {args.rollout_engine_threads} thread(s) (the trainer's "
-                         "--rollout-engine-threads)",
-             same_threads_key: f"embedded engine, {threads} thread(s)"}
+             engine_key: f"embedded engine as the trainer starts it: {options['workers']} worker(s) x "
+                         f"{options['threads']} thread(s)",
+             same_threads_key: f"embedded engine, 1 worker x {threads} thread(s)"}
     rows = [[name, f"{generation[key]['tokens_per_s']:.0f}", f"{generation[key]['tokens']:.0f}"]
             for key, name in names.items()]
     hf_rate = generation[hf_key]["tokens_per_s"]
@@ -667,7 +668,7 @@ def main(argv: list[str] | None = None) -> None:
         runs[PEER_METHOD].append(tta.with_costs(load_run(peer_dir, "TRL peer"), size, old_logprob_pass=False))
         print(f"finished seed {seed} ({time.perf_counter() - started:.0f} s so far)", flush=True)
     args = parse_run_flags(tta.rl_flags(settings, "grpo", settings.seeds[0], warm_start))
-    generation = generation_benchmark(args, hf_dir, options.threads, options.generate_repeats)
+    generation = generation_benchmark(args, hf_dir, options.threads, options.generate_repeats, options.processes)
 
     mapping = tta.markdown(["our setting", "value", "TRL GRPOConfig", "note"],
                            [[s.ours, s.value, ", ".join(f"{k}={v}" for k, v in s.trl.items()) or "-", s.note]

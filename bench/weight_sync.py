@@ -1,13 +1,16 @@
 """Weight sync throughput: WeightSyncer into the embedded engine vs a raw broadcast of the same bytes (gloo).
 
-Both run from this process against separate receivers on this host, repeats interleaved (sync, raw, sync, raw, ...)
-so that both see the same load on a shared machine:
-  sync: pause → flush → bucketed broadcast (+ engine loads by name) → continue → version check
+All run from this process against separate receivers on this host, repeats interleaved (auto sync, per-tensor sync,
+flattened sync, raw, auto sync, ...) so that all see the same load on a shared machine:
+  sync: pause → flush → begin → bucketed broadcast (+ engine loads by name) → end → continue → version check, in
+        the format the trainer uses for the embedded engine (auto: a bucket of large tensors per tensor, a bucket of
+        small ones packed), per tensor (each tensor broadcast as it is, received into its parameter) and in
+        flattened buckets (tensors packed into one buffer per bucket, as for SGLang over NCCL and for vLLM)
   raw:  one ProcessGroup.broadcast of one flat uint8 buffer of the same size, to a bare receiver process
-One unmeasured warm-up round of each comes first (the engine's first sync allocates the buffers its parameters
+One unmeasured warm-up round comes first (the engine's first flattened sync allocates the buffers its parameters
 then live in; the raw receiver's first broadcast touches its buffer's pages). Prints a table (median of repeats),
-the median of the per-round ratios, and, last, `weight_sync_vs_raw_broadcast: X` (median raw seconds / median sync
-seconds).
+the median of the per-round ratios, and, last, `weight_sync_vs_raw_broadcast: X` (median raw seconds / median
+seconds of the trainer's format).
 
 python bench/weight_sync.py [--params 0.5e9] [--repeats 7] [--bucket-mb 512] [--first-bucket-mb 32]
 """
@@ -23,7 +26,18 @@ import torch
 
 from megatron_dppo.platform.network import free_port
 from megatron_dppo.rollout.launcher import launch_embedded_engine, python_env
-from megatron_dppo.rollout.weight_sync import WeightSyncer, broadcast_from_trainer, init_weight_update_group
+from megatron_dppo.rollout.weight_sync import (
+    AUTO_FORMAT,
+    FLATTENED_BUCKET,
+    WeightSyncer,
+    broadcast_from_trainer,
+    init_weight_update_group,
+)
+
+# The syncer's formats, the trainer's for the embedded engine first (run.start_rollout): the bench's headline.
+FORMATS = {"weight sync, auto (the trainer's)": AUTO_FORMAT, "weight sync, per tensor": None,
+           "weight sync, flattened buckets": FLATTENED_BUCKET}
+RAW = "raw broadcast (one flat buffer)"
 
 RAW_RECEIVER = """
 import sys, torch
@@ -76,31 +90,39 @@ def main() -> None:
                                     env=python_env())
         raw_group = init_weight_update_group("gloo", "127.0.0.1", port, 0, 2, "raw_bench", 300)
         flat = torch.zeros(nbytes, dtype=torch.uint8)
-        sync_seconds, raw_seconds = [], []
+        seconds = {name: [] for name in (*FORMATS, RAW)}
         with launch_embedded_engine(model_dir, startup_timeout_s=300, threads=1) as engine:
-            syncer = WeightSyncer([engine.url], bucket_bytes=args.bucket_mb * 1024**2,
-                                  first_bucket_bytes=args.first_bucket_mb * 1024**2, timeout_s=300)
-            syncer.init_group()
+            syncers = {name: WeightSyncer([engine.url], bucket_bytes=args.bucket_mb * 1024**2,
+                                          first_bucket_bytes=args.first_bucket_mb * 1024**2, timeout_s=300,
+                                          load_format=load_format, group_name=f"bench_{index}")
+                       for index, (name, load_format) in enumerate(FORMATS.items())}
+            for syncer in syncers.values():
+                syncer.init_group()
             for version in range(args.repeats + 1):  # version 0: warm-up, not measured
-                seconds = syncer.sync(named, version).seconds
+                round_seconds = {name: syncer.sync(named, f"{name}-{version}").seconds
+                                 for name, syncer in syncers.items()}
                 start = time.perf_counter()
                 broadcast_from_trainer(raw_group, flat)
+                round_seconds[RAW] = time.perf_counter() - start
                 if version:
-                    sync_seconds.append(seconds)
-                    raw_seconds.append(time.perf_counter() - start)
-            syncer.destroy_group()
+                    for name, value in round_seconds.items():
+                        seconds[name].append(value)
+            for syncer in syncers.values():
+                syncer.destroy_group()
         receiver.wait(timeout=300)
 
     gigabytes = nbytes / 1e9
-    rows = [("weight sync (WeightSyncer → engine)", statistics.median(sync_seconds)),
-            ("raw broadcast (one flat buffer)", statistics.median(raw_seconds))]
-    print(f"{'method':40s} {'median s':>10s} {'GB/s':>8s} {'s/GB':>8s}")
-    for name, seconds in rows:
-        print(f"{name:40s} {seconds:10.3f} {gigabytes / seconds:8.3f} {seconds / gigabytes:8.3f}")
-    print(f"sync repeats: {[round(s, 3) for s in sync_seconds]}; raw repeats: {[round(s, 3) for s in raw_seconds]}")
-    print(f"median of per-round ratios (raw / sync): "
-          f"{statistics.median(r / s for r, s in zip(raw_seconds, sync_seconds)):.3f}")
-    print(f"weight_sync_vs_raw_broadcast: {rows[1][1] / rows[0][1]:.3f}")
+    medians = {name: statistics.median(values) for name, values in seconds.items()}
+    print(f"{'method':45s} {'median s':>10s} {'GB/s':>8s} {'s/GB':>8s} {'raw / this':>11s}")
+    for name, median in medians.items():
+        print(f"{name:45s} {median:10.3f} {gigabytes / median:8.3f} {median / gigabytes:8.3f} "
+              f"{medians[RAW] / median:11.3f}")
+    for name, values in seconds.items():
+        print(f"{name} repeats: {[round(value, 3) for value in values]}")
+    trainer_format = next(iter(FORMATS))
+    print(f"median of per-round ratios (raw / {trainer_format}): "
+          f"{statistics.median(r / s for r, s in zip(seconds[RAW], seconds[trainer_format])):.3f}")
+    print(f"weight_sync_vs_raw_broadcast: {medians[RAW] / medians[trainer_format]:.3f}")
 
 
 if __name__ == "__main__":

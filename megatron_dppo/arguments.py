@@ -111,7 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--weight-sync-master-address", default=None,
                          help="address of trainer rank 0 that rollout servers reach for the weight-sync group "
                               "(default: 127.0.0.1 for local servers, this host's address for external ones)")
-    rollout.add_argument("--rollout-engine-threads", type=int, default=1, help="torch threads of the embedded engine")
+    rollout.add_argument("--rollout-engine-threads", type=int, default=1,
+                         help="torch threads of each decode worker of the embedded engine")
+    rollout.add_argument("--rollout-engine-workers", type=int, default=None,
+                         help="decode workers (threads) of the embedded engine; a step's batch is split among them "
+                              "(default: the trainer's processes on this node, which wait while the engine generates)")
     rollout.add_argument("--rollout-colocate", action="store_true",
                          help="--rollout-backend sglang: the servers share the trainer's GPUs (a one-GPU machine; "
                               "leave them memory with --sglang-mem-fraction-static) and weights sync over gloo, as "
@@ -337,6 +341,10 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                       "--train-iters or --time-budget-s")
     if args.dapo_oversample != 1.0 and not args.dapo_filter:
         errors.append("--dapo-oversample refills groups removed by the DAPO filter: add --dapo-filter")
+    for flag, value in (("--rollout-engine-threads", args.rollout_engine_threads),
+                        ("--rollout-engine-workers", args.rollout_engine_workers)):
+        if value is not None and value < 1:
+            errors.append(f"{flag} {value} must be >= 1")
     if args.ppo_epochs < 1:
         errors.append(f"--ppo-epochs {args.ppo_epochs} must be >= 1")
     if args.n_samples_per_prompt < 2 and args.advantage_estimator != "dr_grpo":

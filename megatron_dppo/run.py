@@ -11,6 +11,7 @@ The last line on rank 0 is a JSON summary.
 
 import contextlib
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -52,6 +53,14 @@ def build_task(args, tokenizer) -> Task:
                         args.reward_timeout_s)
 
 
+def embedded_engine_options(args, local_processes: int) -> dict:
+    """How the trainer starts the embedded engine: deterministic (see start_rollout), with --rollout-engine-threads
+    torch threads per decode worker and --rollout-engine-workers workers, by default one per trainer process on this
+    node (`local_processes`: they wait, blocked, while the engine generates)."""
+    return {"threads": args.rollout_engine_threads, "workers": args.rollout_engine_workers or local_processes,
+            "enable_deterministic_inference": True}
+
+
 def start_rollout(args, model_dir: Path):
     """rank 0: the servers, a client on them, a weight syncer, and the pool that restarts dead servers."""
     from megatron_dppo.rollout.client import RolloutClient, SGLangGenerateAPI, control_request
@@ -63,14 +72,14 @@ def start_rollout(args, model_dir: Path):
         launch_vllm_servers,
     )
     from megatron_dppo.rollout.vllm import VLLMCompletionsAPI, VLLMControl
-    from megatron_dppo.rollout.weight_sync import WeightSyncer
+    from megatron_dppo.rollout.weight_sync import AUTO_FORMAT, FLATTENED_BUCKET, WeightSyncer
 
     # Servers started here are deterministic (SGLang's --enable-deterministic-inference, which the embedded engine
     # mirrors): only then does the trainer's per-sample sampling_seed act, which exact resume relies on.
     api, control = SGLangGenerateAPI(), control_request
     if args.rollout_backend == "embedded":
-        handles = [launch_embedded_engine(str(model_dir), threads=args.rollout_engine_threads,
-                                          enable_deterministic_inference=True)
+        options = embedded_engine_options(args, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        handles = [launch_embedded_engine(str(model_dir), **options)
                    for _ in range(args.rollout_num_servers)]
     elif args.rollout_backend == "sglang":
         handles = launch_sglang_servers(args.rollout_num_servers, str(model_dir), args.sglang_args,
@@ -85,11 +94,14 @@ def start_rollout(args, model_dir: Path):
     urls = [handle.url for handle in handles]
     master_address = args.weight_sync_master_address or (
         "127.0.0.1" if args.rollout_backend != "external" else socket.gethostbyname(socket.gethostname()))
+    # The embedded engine takes large tensors in SGLang's per-tensor format: over gloo in host memory, packing them
+    # would copy every byte once more (docs/rollout.md); SGLang over NCCL and vLLM take flattened buckets.
     syncer = WeightSyncer(urls, master_address=master_address,
                           backend="gloo" if args.rollout_colocate else distributed_backend(),
                           bucket_bytes=args.rollout_weight_bucket_mb * 2**20, timeout_s=args.rollout_timeout_s,
                           engine_ranks=[args.rollout_server_gpus] * len(urls),
-                          keep_host_copy=args.rollout_backend != "external", control=control)
+                          keep_host_copy=args.rollout_backend != "external", control=control,
+                          load_format=AUTO_FORMAT if args.rollout_backend == "embedded" else FLATTENED_BUCKET)
     pool = ServerPool(handles, weight_syncer=syncer, resync=syncer.resend)
     client = RolloutClient(urls, max_concurrency=args.rollout_max_concurrency, request_timeout_s=args.rollout_timeout_s,
                            supervisor=pool, api=api)

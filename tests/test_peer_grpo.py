@@ -229,13 +229,19 @@ def test_the_peer_env_script_refuses_a_directory_inside_the_repository():
 def test_generation_ratios_divide_the_engine_by_in_process_generate(tmp_path):
     args = grpo_args(tmp_path, "--rollout-engine-threads", "1")
     generation = {"hf_generate_2_threads": {"tokens_per_s": 4000.0, "tokens": 400},
-                  "engine_1_threads": {"tokens_per_s": 2000.0, "tokens": 410},
-                  "engine_2_threads": {"tokens_per_s": 5000.0, "tokens": 405}}
+                  "engine_as_trainer": {"tokens_per_s": 2000.0, "tokens": 410},
+                  "engine_same_threads": {"tokens_per_s": 5000.0, "tokens": 405},
+                  "trainer_engine_options": {"threads": 1, "workers": 2, "enable_deterministic_inference": True}}
     table, ratios = peer.generation_table(generation, args, threads=2)
     assert ratios == {"embedded_engine_vs_hf_generate_tokens_per_s": 0.5,
                       "embedded_engine_same_threads_vs_hf_generate_tokens_per_s": 1.25}
-    assert table.count("embedded engine") == 2
-    # with the trainer's engine threads equal to generate's, the engine is timed (and listed) once
-    same = {key: generation[key] for key in ("hf_generate_2_threads", "engine_2_threads")}
-    table, ratios = peer.generation_table(same, grpo_args(tmp_path, "--rollout-engine-threads", "2"), threads=2)
-    assert table.count("embedded engine") == 1 and set(ratios.values()) == {1.25}
+    assert table.count("embedded engine") == 2 and "2 worker(s) x 1 thread(s)" in table
+
+
+def test_the_trainer_starts_one_engine_worker_per_trainer_process_unless_told(tmp_path):
+    from megatron_dppo.run import embedded_engine_options
+
+    args = grpo_args(tmp_path)
+    assert embedded_engine_options(args, 2) == {"threads": 1, "workers": 2, "enable_deterministic_inference": True}
+    args = grpo_args(tmp_path, "--rollout-engine-workers", "3", "--rollout-engine-threads", "2")
+    assert embedded_engine_options(args, 2) == {"threads": 2, "workers": 3, "enable_deterministic_inference": True}

@@ -12,8 +12,8 @@ from megatron_dppo.rollout.client import (
     SamplingParams,
     control_request,
 )
-from megatron_dppo.rollout.engine import sample_next_tokens
 from megatron_dppo.rollout.launcher import launch_embedded_engine
+from megatron_dppo.rollout.sampling import sample_next_tokens
 
 API_KEY = "test-key"
 
@@ -198,15 +198,45 @@ def test_pause_abort_ends_running_requests_and_retract_resumes_them_after_contin
 
 
 def test_sampler_top_k_one_is_greedy_and_top_p_keeps_the_smallest_sufficient_prefix():
-    generator = torch.Generator().manual_seed(0)
+    uniforms = torch.rand(4000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
     ones = torch.ones(4000)
-    tokens, logprobs = sample_next_tokens(logits, ones, ones, torch.ones(4000, dtype=torch.long), generator)
+    tokens, logprobs = sample_next_tokens(logits, ones, ones, torch.ones(4000, dtype=torch.long), uniforms)
     assert (tokens == 0).all()
     torch.testing.assert_close(logprobs, torch.full((4000,), torch.log(torch.tensor(0.5)).item()))
-    tokens, _ = sample_next_tokens(logits, ones, torch.full((4000,), 0.7), torch.full((4000,), -1), generator)
+    tokens, _ = sample_next_tokens(logits, ones, torch.full((4000,), 0.7), torch.full((4000,), -1), uniforms)
     counts = torch.bincount(tokens, minlength=4).float() / 4000
     assert counts[2:].sum() == 0  # 0.5 + 0.3 already reach 0.7
-    assert abs(counts[0] - 0.5 / 0.8) < 0.03
-    tokens, logprobs = sample_next_tokens(logits, torch.zeros(4000), ones, torch.full((4000,), -1), generator)
+    assert abs(counts[0] - 0.5 / 0.8) < 0.03  # 4000 draws: the standard error is 0.008
+    tokens, _ = sample_next_tokens(logits, ones, ones, torch.full((4000,), -1), uniforms)
+    counts = torch.bincount(tokens, minlength=4).float() / 4000
+    torch.testing.assert_close(counts, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03, rtol=0)  # unfiltered law
+    tokens, logprobs = sample_next_tokens(logits, torch.zeros(4000), ones, torch.full((4000,), -1), uniforms)
     assert (tokens == 0).all()
+
+
+def test_workers_split_a_large_batch_and_sample_what_one_worker_samples(tmp_path):
+    """Two workers decode the two halves of a batch; every sample equals the one-worker sample of the same seed
+    (same tokens; log-probs within 1e-5: a half batch is a smaller matmul, which may round differently)."""
+    from megatron_dppo.rollout.engine import MIN_ROWS_PER_WORKER, EmbeddedEngine, Sequence, SequenceParams
+
+    model_dir = save_tiny_model(tmp_path / "model")
+    one = EmbeddedEngine(model_dir, deterministic_inference=True)
+    two = EmbeddedEngine(model_dir, deterministic_inference=True, workers=2)
+    parts = []
+    decode_part = two.generate_batch
+    two.generate_batch = lambda part: (parts.append(len(part)), decode_part(part))
+
+    def samples(engine):
+        batch = [Sequence(rid=str(i), prompt_ids=[1 + i % 5, 2, 3], params=SequenceParams(max_new_tokens=12),
+                          return_logprob=True, logprob_start_len=-1, seed=1000 + i)
+                 for i in range(2 * MIN_ROWS_PER_WORKER + 1)]
+        engine.decode(batch)
+        return batch
+
+    alone, split = samples(one), samples(two)
+    assert parts == [MIN_ROWS_PER_WORKER, MIN_ROWS_PER_WORKER + 1]
+    assert [seq.output_ids for seq in split] == [seq.output_ids for seq in alone]
+    assert len({tuple(seq.output_ids) for seq in alone}) > 1  # seeds differ, samples differ
+    torch.testing.assert_close(torch.tensor([seq.output_logprobs for seq in split]),
+                               torch.tensor([seq.output_logprobs for seq in alone]), atol=1e-5, rtol=0)

@@ -22,15 +22,18 @@ from megatron_dppo.rollout.client import RolloutClient, RolloutServerError, Samp
 from megatron_dppo.rollout.engine import UPDATE_OUTSIDE_SESSION, EmbeddedEngine, build_app
 from megatron_dppo.rollout.launcher import launch_embedded_engine, python_env
 from megatron_dppo.rollout.weight_sync import (
+    AUTO_FORMAT,
     DEFAULT_FIRST_BUCKET_BYTES,
+    FLATTENED_BUCKET,
+    PACK_BELOW_BYTES,
     RAMP,
-    Bucket,
     StagingBuffers,
     WeightSyncer,
     group_into_buckets,
     init_weight_update_group,
     pack_bucket,
     prefetch_buckets,
+    tensor_bucket,
     unpack_bucket,
 )
 from tests.test_rollout_engine import save_tiny_model, sequence_logprobs
@@ -151,36 +154,49 @@ def test_bucket_limits_ramp_by_1_5_from_first_bucket_bytes_whole_tensors_and_an_
         for buffer in pooled:
             staging.give(buffer)
 
+    # The per-tensor format: the same buckets, nothing packed, each tensor sent from its own memory
+    with prefetch_buckets(tensors, bucket_bytes=20 * kib, timeout_s=30, first_bucket_bytes=4 * kib,
+                          pack=False) as prefetcher:
+        buckets = list(prefetcher)
+    assert [bucket.names for bucket in buckets] == [[name for name, _ in group] for group in groups]
+    for bucket, group in zip(buckets, groups):
+        assert bucket.flat is None and bucket.staging is None
+        assert [t.data_ptr() for t in bucket.broadcasts] == [t.data_ptr() for _, t in group]
+        assert bucket.nbytes == sum(t.numel() * t.element_size() for _, t in group)
 
-class ScriptedSyncer(WeightSyncer):
-    """The trainer side, plus slime's older per-tensor format (load_format=null: one broadcast per tensor)."""
 
-    per_tensor = False
-
-    def update_payload(self, bucket: Bucket, version: str) -> dict:
-        payload = super().update_payload(bucket, version)
-        return {**payload, "load_format": None} if self.per_tensor else payload
-
-    def _send_bucket(self, bucket: Bucket, version: str) -> None:
-        if not self.per_tensor:
-            return super()._send_bucket(bucket, version)
-        tensors = [tensor for _, tensor in unpack_bucket(bucket.flat, bucket.names, bucket.dtypes, bucket.shapes)]
-        self._post_update(self.update_payload(bucket, version), tensors)
+def test_auto_format_packs_buckets_of_small_tensors_and_sends_large_ones_per_tensor():
+    kib = 1024
+    syncer = WeightSyncer(["http://127.0.0.1:1"], load_format=AUTO_FORMAT, bucket_bytes=8 * PACK_BELOW_BYTES,
+                          first_bucket_bytes=24 * kib)
+    tensors = [*((f"norm{i}", torch.ones(kib)) for i in range(6)), ("proj", torch.ones(PACK_BELOW_BYTES // 2)),
+               ("norm", torch.ones(kib))]  # 6 x 4 KiB (the 24 KiB first bucket), a 2 MiB tensor alone, 4 KiB
+    with prefetch_buckets(tensors, syncer.bucket_bytes, 30, first_bucket_bytes=syncer.first_bucket_bytes,
+                          pack=syncer._packs) as prefetcher:
+        buckets = list(prefetcher)
+    assert [bucket.names for bucket in buckets] == [[f"norm{i}" for i in range(6)], ["proj"], ["norm"]]
+    assert [syncer.update_payload(bucket, "1")["load_format"] for bucket in buckets] == [
+        FLATTENED_BUCKET, None, FLATTENED_BUCKET]
+    assert buckets[1].broadcasts[0].data_ptr() == tensors[6][1].data_ptr()  # sent from its own memory
+    # the default stays SGLang's flattened buckets; None is per tensor throughout
+    assert WeightSyncer(["http://127.0.0.1:1"])._packs(tensors[6:7])
+    assert not WeightSyncer(["http://127.0.0.1:1"], load_format=None)._packs(tensors[:6])
 
 
 def run_scripted_sender(model_dir: str, url: str) -> None:
     """A trainer process that runs one JSON step per stdin line and answers each with a `RESULT {...}` line.
 
-    {"op": "sync", "seed", "version", "bucket_bytes", "per_tensor"}: sync perturbed_model(seed);
+    {"op": "sync", "seed", "version", "bucket_bytes", "per_tensor"}: sync perturbed_model(seed), in the per-tensor
+        format (load_format null) when "per_tensor" is true, else in flattened buckets;
     {"op": "send", "names", "shapes", "per_tensor", "session"}: send one fp32 bucket of zeros described by
         names/shapes, inside a begin/end session when "session" is true (as sync does), else bare;
     {"op": "stop"}: leave the group and exit."""
-    syncer = ScriptedSyncer([url], timeout_s=60)
+    syncer = WeightSyncer([url], timeout_s=60)
     for line in sys.stdin:
         step = json.loads(line)
         if step["op"] == "stop":
             break
-        syncer.per_tensor = step.get("per_tensor", False)
+        syncer.load_format = None if step.get("per_tensor", False) else FLATTENED_BUCKET
         try:
             if step["op"] == "sync":
                 syncer.bucket_bytes = step["bucket_bytes"]
@@ -189,9 +205,8 @@ def run_scripted_sender(model_dir: str, url: str) -> None:
             else:
                 if syncer.group is None:
                     syncer.init_group()
-                nbytes = sum(torch.Size(shape).numel() * 4 for shape in step["shapes"])
-                bucket = Bucket(names=step["names"], dtypes=["float32"] * len(step["names"]), shapes=step["shapes"],
-                                flat=torch.zeros(nbytes, dtype=torch.uint8))
+                zeros = [(name, torch.zeros(shape)) for name, shape in zip(step["names"], step["shapes"])]
+                bucket = tensor_bucket(zeros) if syncer.load_format is None else pack_bucket(zeros)
                 if step.get("session", True):
                     syncer._begin_update()
                 try:

@@ -1,6 +1,8 @@
 """Embedded rollout server for CPU: SGLang's HTTP endpoints served from an HF transformers model.
 
-requests ──► queue ──► batch loop (collect for `batch_window_s`) ──► one batched sampling loop with a KV cache
+requests ──► queue ──► batch loop (until a quiet millisecond, at most `batch_window_s`) ──► split over the decode
+             workers ──► each: prefill, then one position per step from its KV cache (rollout/decoder.py), every row
+             sampled at once (rollout/sampling.py)
 weights  ──► /init_weights_update_group (once) ──► per sync: /begin_weight_update ──► /update_weights_from_distributed
              per bucket (receive, load by HF name) ──► /end_weight_update
 
@@ -24,9 +26,13 @@ Invariants:
 - generation and weight loading never overlap (one lock); pause(abort) ends running sequences with
   finish_reason "abort", pause(retract) puts them back in the queue with their tokens, resumed on continue;
 - every received tensor must name a parameter of the model with the same shape, or the update fails
-  and says which names were wrong.
+  and says which names were wrong;
+- a batch is split over the workers as a function of the batch alone, and a seeded sample's randomness depends on
+  its seed and position only: the same request gives the same samples, and another batching changes a sample only
+  through the rounding of its logits.
 
 Run: python -m megatron_dppo.rollout.engine --model-dir DIR [--host 127.0.0.1] [--port P] [--api-key K]
+     [--workers W] [--threads T]
 """
 
 from __future__ import annotations
@@ -37,11 +43,14 @@ import os
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from megatron_dppo.rollout.decoder import KVCacheDecoder
+from megatron_dppo.rollout.sampling import sample_next_tokens, sample_uniforms, seed_words
 from megatron_dppo.rollout.weight_sync import (
     destroy_weight_update_group,
     init_weight_update_group,
@@ -60,6 +69,10 @@ UPDATE_OUTSIDE_SESSION = ("update_weights_from_distributed must run between begi
 SESSION_ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
 NO_SESSION_OPEN = "no weight-update session is open; call begin_weight_update() first"
 SESSION_SELECTORS = ("target", "draft", "all")  # BeginWeightUpdateReqInput.selector
+# Below this many sequences per worker, splitting a batch costs more (smaller matmuls, a second prefill of shared
+# prompts) than a second core gives back.
+MIN_ROWS_PER_WORKER = 16
+DEFAULT_KV_CACHE_BYTES = 2**30  # a batch's KV cache at most, unless --max-total-tokens says otherwise
 
 
 class RequestError(ValueError):
@@ -119,50 +132,30 @@ class Sequence:
     input_logprobs: list[float | None] | None = None
     finish_reason: dict | None = None
     done: asyncio.Future | None = None
-    generator: torch.Generator | None = None  # its own, seeded, under --enable-deterministic-inference
+    seed: int | None = None  # its sampling seed under --enable-deterministic-inference (rollout/sampling.py)
 
-
-def sample_next_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                       generator: torch.Generator, row_generators: list | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return (tokens [B], SGLang-style log-probs of those tokens [B]).
-
-    logits [B, V] fp32; temperature/top_p [B] float; top_k [B] long (-1 = all). Rows with temperature 0 are greedy.
-    A row with its own generator in `row_generators` (a seeded request) draws from it alone, so its samples do not
-    depend on which other requests share the batch.
-    """
-    greedy = temperature == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]; the distribution reported to the caller
-
-    filtered = scaled.clone()
-    vocab = logits.shape[-1]
-    k = torch.where(top_k < 1, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
-    sorted_logits, sorted_index = torch.sort(filtered, dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    drop = ranks >= k[:, None]
-    sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= mass_before > top_p[:, None]  # keep the smallest prefix whose mass reaches top_p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    filtered.scatter_(-1, sorted_index, sorted_logits)
-    probs = torch.softmax(filtered, dim=-1)
-    sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    for row, row_generator in enumerate(row_generators or []):
-        if row_generator is not None:
-            sampled[row] = torch.multinomial(probs[row], 1, generator=row_generator)[0]
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    def token_budget(self, max_positions: int | None) -> int:
+        """How many tokens it may still generate: up to max_new_tokens, and within the model's positions."""
+        budget = self.params.max_new_tokens - len(self.output_ids)
+        if max_positions:
+            budget = min(budget, max_positions - len(self.prompt_ids) - len(self.output_ids))
+        return budget
 
 
 class EmbeddedEngine:
     """Model, request queue, batch loop and weight-update state of one embedded rollout server."""
 
-    def __init__(self, model_dir: str, dtype: str = "float32", max_batch_size: int = 64,
+    def __init__(self, model_dir: str, dtype: str = "float32", max_batch_size: int = 256,
                  batch_window_s: float = 0.005, seed: int = 0, model_name: str | None = None,
-                 deterministic_inference: bool = False):
+                 deterministic_inference: bool = False, workers: int = 1, max_total_tokens: int | None = None):
         """deterministic_inference: SGLang's --enable-deterministic-inference, without which sampling_seed is
-        ignored (see the module docstring)."""
+        ignored (see the module docstring). workers: a batch of at least MIN_ROWS_PER_WORKER sequences per worker is
+        split into that many contiguous parts, decoded concurrently by as many threads. max_total_tokens: the KV
+        cache slots one batch may take (rows x (longest context + largest token budget)); default: what
+        DEFAULT_KV_CACHE_BYTES hold."""
+        if workers < 1 or max_batch_size < 1 or (max_total_tokens is not None and max_total_tokens < 1):
+            raise ValueError(f"--workers {workers}, --max-batch-size {max_batch_size} and --max-total-tokens "
+                             f"{max_total_tokens} must be >= 1")
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if not Path(model_dir, "config.json").is_file():
@@ -173,6 +166,7 @@ class EmbeddedEngine:
         self.model_dir = model_dir
         self.model_name = model_name or model_dir
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+        self.decoder = KVCacheDecoder(self.model)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         except (OSError, ValueError):
@@ -182,6 +176,9 @@ class EmbeddedEngine:
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.max_batch_size = max_batch_size
+        self.max_total_tokens = max_total_tokens or DEFAULT_KV_CACHE_BYTES // self.decoder.kv_bytes_per_token()
+        self.workers = ThreadPoolExecutor(workers, thread_name_prefix="decode") if workers > 1 else None
+        self.num_workers = workers
         self.batch_window_s = batch_window_s
         self.generator = torch.Generator().manual_seed(seed)
         self.deterministic_inference = deterministic_inference
@@ -206,65 +203,115 @@ class EmbeddedEngine:
         tensors.update(self.model.named_buffers(remove_duplicate=False))
         return tensors
 
+    def decode(self, batch: list[Sequence]) -> None:
+        """Decode `batch`, split over the workers (contiguous parts, so the same batch is always split alike)."""
+        parts = min(self.num_workers, len(batch) // MIN_ROWS_PER_WORKER)
+        if parts <= 1:
+            self.generate_batch(batch)
+            return
+        bounds = [len(batch) * part // parts for part in range(parts + 1)]
+        futures = [self.workers.submit(self.generate_batch, batch[start:end])
+                   for start, end in zip(bounds, bounds[1:])]
+        errors = [error for future in futures if (error := future.exception()) is not None]
+        if errors:
+            raise errors[0]
+
     @torch.no_grad()
     def generate_batch(self, batch: list[Sequence]) -> None:
-        """Run the sampling loop for `batch` until each sequence finishes or a pause interrupts it."""
+        """Run the sampling loop for `batch` until each sequence finishes or a pause interrupts it.
+
+        The batch's tokens and log-probs are kept in tensors and handed to the sequences once, at the end (also when
+        a pause interrupts it: a retracted sequence resumes after the tokens it has)."""
+        for seq in batch:  # nothing left to generate (e.g. max_new_tokens 0 for prompt scoring)
+            if seq.finish_reason is None and len(seq.output_ids) >= seq.params.max_new_tokens:
+                seq.finish_reason = {"type": "length", "length": seq.params.max_new_tokens}
         contexts = [seq.prompt_ids + seq.output_ids for seq in batch]
-        width = max(map(len, contexts))
-        input_ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, T], left-padded
-        attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, context in enumerate(contexts):
-            input_ids[row, width - len(context):] = torch.tensor(context)
-            attention_mask[row, width - len(context):] = 1
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        budgets = torch.tensor([0 if seq.finish_reason else seq.token_budget(self.max_positions) for seq in batch])
+        state, hidden = self.decoder.prefill(contexts)
+        for row, seq in enumerate(batch):
+            if seq.return_logprob and seq.logprob_start_len >= 0 and seq.input_logprobs is None:
+                context_logits = self.decoder.logits(hidden[row, hidden.shape[1] - len(contexts[row]):])
+                seq.input_logprobs = self._prompt_logprobs(context_logits, seq)
+        rows = (budgets > 0).nonzero().squeeze(1)  # batch index of each row of the cache
+        if len(rows) == 0:
+            return
+        if len(rows) < len(batch):
+            self.decoder.keep(state, rows)
+        next_logits = self.decoder.logits(hidden[rows, -1])  # [rows, V]
+        del hidden
+
+        max_budget = int(budgets.max())
+        temperature, top_p, top_k, uniforms, stop_table = self._row_settings(batch, contexts, max_budget)
+        tokens_out = torch.zeros(len(batch), max_budget, dtype=torch.long)  # [B, budget]
+        logprobs_out = torch.zeros(tokens_out.shape, dtype=torch.float32)
+        produced = torch.zeros(len(batch), dtype=torch.long)
+        stopped = torch.zeros(len(batch), dtype=torch.bool)
+        running = torch.ones(len(rows), dtype=torch.bool)  # per cache row: still generating
+        try:
+            while True:
+                if self.interrupt.is_set():
+                    return  # the pause handler decides what happens to unfinished sequences
+                # a finished row still in the cache has produced its budget: it reads the last uniform, unused
+                step_uniforms = uniforms[rows, produced[rows].clamp(max=max_budget - 1)]
+                tokens, token_logprobs = sample_next_tokens(next_logits, temperature[rows], top_p[rows], top_k[rows],
+                                                            step_uniforms)
+                live = running.nonzero().squeeze(1)
+                batch_rows = rows[live]
+                tokens_out[batch_rows, produced[batch_rows]] = tokens[live]
+                logprobs_out[batch_rows, produced[batch_rows]] = token_logprobs[live]
+                produced[batch_rows] += 1
+                hit_stop = (tokens[live, None] == stop_table[batch_rows]).any(dim=1)
+                stopped[batch_rows] = hit_stop
+                finished = hit_stop | (produced[batch_rows] >= budgets[batch_rows])
+                if finished.any():
+                    running[live[finished]] = False
+                    if not running.any():
+                        return
+                    if 4 * int(running.sum()) <= 3 * len(rows):  # a quarter of the cache is finished rows: drop them
+                        kept = running.nonzero().squeeze(1)
+                        self.decoder.keep(state, kept)
+                        rows, tokens, running = rows[kept], tokens[kept], running[kept]
+                next_logits = self.decoder.logits(self.decoder.step(state, tokens))
+        finally:
+            self._hand_over(batch, tokens_out, logprobs_out, produced, stopped, budgets)
+
+    def _row_settings(self, batch: list[Sequence], contexts: list[list[int]], max_budget: int):
+        """Per row of `batch`: temperature [B], top_p [B], top_k [B], the uniform of each token it may generate
+        [B, max_budget] (rollout/sampling.py), and its stop ids [B, S] (-1 pads)."""
         temperature = torch.tensor([seq.params.temperature for seq in batch], dtype=torch.float32)
         top_p = torch.tensor([seq.params.top_p for seq in batch], dtype=torch.float32)
         top_k = torch.tensor([seq.params.top_k for seq in batch], dtype=torch.long)
+        seeds = [seed_words(seq.seed) if seq.seed is not None else (0, 0) for seq in batch]
+        seed_low, seed_high = torch.tensor(seeds, dtype=torch.long).reshape(-1, 2).unbind(1)
+        seeded = torch.tensor([seq.seed is not None for seq in batch])
+        first_position = torch.tensor([len(context) for context in contexts])  # of each row's next token
+        uniforms = sample_uniforms(seed_low, seed_high, seeded, first_position, max_budget, self.generator)
+        stop_sets = [seq.params.stop_token_ids | (set() if seq.params.ignore_eos else self.eos_token_ids)
+                     for seq in batch]
+        stop_table = torch.full((len(batch), max(1, *map(len, stop_sets))), -1, dtype=torch.long)
+        for row, stops in enumerate(stop_sets):
+            stop_table[row, :len(stops)] = torch.tensor(sorted(stops), dtype=torch.long)
+        return temperature, top_p, top_k, uniforms, stop_table
 
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=True)
-        logits = out.logits.float()  # [B, T, V]
-        for row, seq in enumerate(batch):
-            if seq.return_logprob and seq.logprob_start_len >= 0 and seq.input_logprobs is None:
-                seq.input_logprobs = self._prompt_logprobs(logits[row, width - len(contexts[row]):],
-                                                           seq, temperature[row])
-        active = [seq.finish_reason is None and len(seq.output_ids) < seq.params.max_new_tokens for seq in batch]
-        for row, seq in enumerate(batch):
-            if not active[row] and seq.finish_reason is None:
-                seq.finish_reason = {"type": "length", "length": seq.params.max_new_tokens}
-        next_logits = logits[:, -1]
-        past = out.past_key_values
-        positions = position_ids[:, -1]
-        while any(active):
-            if self.interrupt.is_set():
-                return  # the pause handler decides what happens to unfinished sequences
-            tokens, token_logprobs = sample_next_tokens(next_logits, temperature, top_p, top_k, self.generator,
-                                                        [seq.generator for seq in batch])
-            for row, seq in enumerate(batch):
-                if not active[row]:
-                    continue
-                token = int(tokens[row])
-                seq.output_ids.append(token)
-                seq.output_logprobs.append(float(token_logprobs[row]))
-                stops = seq.params.stop_token_ids | (set() if seq.params.ignore_eos else self.eos_token_ids)
-                if token in stops:
-                    seq.finish_reason = {"type": "stop", "matched": token}
-                elif len(seq.output_ids) >= seq.params.max_new_tokens:
-                    seq.finish_reason = {"type": "length", "length": seq.params.max_new_tokens}
-                elif self.max_positions and len(seq.prompt_ids) + len(seq.output_ids) >= self.max_positions:
-                    seq.finish_reason = {"type": "length", "length": len(seq.output_ids)}
-                active[row] = seq.finish_reason is None
-            if not any(active):
-                return
-            attention_mask = torch.cat([attention_mask, torch.ones(len(batch), 1, dtype=torch.long)], dim=1)
-            positions = positions + 1
-            out = self.model(input_ids=tokens[:, None], attention_mask=attention_mask,
-                             position_ids=positions[:, None], past_key_values=past, use_cache=True)
-            next_logits, past = out.logits[:, -1].float(), out.past_key_values
+    def _hand_over(self, batch: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor,
+                   produced: torch.Tensor, stopped: torch.Tensor, budgets: torch.Tensor) -> None:
+        """Append each row's new tokens and log-probs to its sequence and set the finish reason of those that ended:
+        a stop token (SGLang's {"type": "stop", "matched": id}, the token kept in the output) or the length."""
+        for seq, row_tokens, row_logprobs, count, stop, budget in zip(
+                batch, tokens.tolist(), logprobs.tolist(), produced.tolist(), stopped.tolist(), budgets.tolist()):
+            if count == 0:
+                continue
+            seq.output_ids.extend(row_tokens[:count])
+            seq.output_logprobs.extend(row_logprobs[:count])
+            if stop:
+                seq.finish_reason = {"type": "stop", "matched": row_tokens[count - 1]}
+            elif count >= budget:
+                seq.finish_reason = {"type": "length", "length": len(seq.output_ids)}
 
-    def _prompt_logprobs(self, logits: torch.Tensor, seq: Sequence, temperature: torch.Tensor) -> list:
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, seq: Sequence) -> list:
         """SGLang's input_token_logprobs: position i scores token i given tokens < i; position 0 has None."""
-        scale = temperature if temperature > 0 else torch.tensor(1.0)
+        scale = seq.params.temperature if seq.params.temperature > 0 else 1.0
         logprobs = torch.log_softmax(logits[: len(seq.prompt_ids) - 1] / scale, dim=-1)  # [P-1, V]
         targets = torch.tensor(seq.prompt_ids[1:], dtype=torch.long)
         values = [None] + logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
@@ -274,15 +321,15 @@ class EmbeddedEngine:
         loop = asyncio.get_running_loop()
         while True:
             await self.wakeup.wait()
-            await asyncio.sleep(self.batch_window_s)  # let concurrent requests join the batch
+            await self._gather_arrivals()
             self.wakeup.clear()
             if self.paused or not self.waiting:
                 continue
             async with self.model_lock:
-                batch, self.waiting = self.waiting[: self.max_batch_size], self.waiting[self.max_batch_size:]
+                batch = self._next_batch()
                 self.running = True
                 try:
-                    await loop.run_in_executor(None, self.generate_batch, batch)
+                    await loop.run_in_executor(None, self.decode, batch)
                 except Exception as error:  # a broken batch must not kill the server
                     for seq in batch:
                         if not seq.done.done():
@@ -300,6 +347,30 @@ class EmbeddedEngine:
                     seq.done.set_result(None)
             if self.waiting:
                 self.wakeup.set()
+
+    async def _gather_arrivals(self) -> None:
+        """Let concurrent requests join the batch: wait while requests keep arriving (a quiet period of a fifth of
+        the window), at most batch_window_s. One batched request (the trainer's) starts after the quiet period."""
+        deadline = time.monotonic() + self.batch_window_s
+        waiting = -1
+        while len(self.waiting) != waiting and time.monotonic() < deadline:
+            waiting = len(self.waiting)
+            await asyncio.sleep(min(self.batch_window_s / 5, max(deadline - time.monotonic(), 0.0)))
+
+    def _next_batch(self) -> list[Sequence]:
+        """The waiting sequences that run next, in order: at most max_batch_size, and as many as keep the batch's
+        cache (rows x (longest context + largest budget)) within max_total_tokens; always at least one."""
+        batch, width, budget = [], 0, 0
+        for seq in self.waiting:
+            row_width = max(width, len(seq.prompt_ids) + len(seq.output_ids))
+            row_budget = max(budget, seq.token_budget(self.max_positions))
+            if batch and (len(batch) == self.max_batch_size
+                          or (len(batch) + 1) * (row_width + row_budget) > self.max_total_tokens):
+                break
+            batch.append(seq)
+            width, budget = row_width, row_budget
+        self.waiting = self.waiting[len(batch):]
+        return batch
 
     # ---- HTTP handlers ------------------------------------------------------------------------------------
 
@@ -355,15 +426,14 @@ class EmbeddedEngine:
                     raise RequestError(f"logprob_start_len={logprob_start_len} >= prompt length {len(prompt)}")
                 sequences.append(Sequence(rid=uuid.uuid4().hex, prompt_ids=list(prompt), params=params,
                                           return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                                          generator=self._sample_generator(params)))
+                                          seed=self._sampling_seed(params)))
         return sequences, single and n == 1
 
-    def _sample_generator(self, params: SequenceParams) -> torch.Generator | None:
+    def _sampling_seed(self, params: SequenceParams) -> int | None:
         """As SGLang: without deterministic inference a sampling_seed is ignored; with it every sample is seeded."""
         if not self.deterministic_inference:
             return None
-        seed = DEFAULT_SAMPLING_SEED if params.sampling_seed is None else params.sampling_seed
-        return torch.Generator().manual_seed(seed)
+        return DEFAULT_SAMPLING_SEED if params.sampling_seed is None else params.sampling_seed
 
     async def generate(self, body: dict):
         sequences, single = self._parse_generate(body)
@@ -616,14 +686,17 @@ def build_app(engine: EmbeddedEngine, api_key: str | None = None):
         engine.resume()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
-    async def locked_call(fn, body) -> None:
+    async def locked_call(fn, body, blocking: bool = True) -> None:
         async with engine.model_lock:
-            await asyncio.get_running_loop().run_in_executor(None, fn, body)
+            if blocking:  # off the event loop, which keeps serving the other routes meanwhile
+                await asyncio.get_running_loop().run_in_executor(None, fn, body)
+            else:  # bookkeeping only: a hand-over to a thread would cost more than the call
+                fn(body)
 
-    def locked_route(method: str, message: str):
+    def locked_route(method: str, message: str, blocking: bool = True):
         """A control route: `engine.<method>(body)` under the model lock, answered with SGLang's success body."""
         async def route(request):
-            await locked_call(getattr(engine, method), await json_body(request))
+            await locked_call(getattr(engine, method), await json_body(request), blocking)
             return web.json_response({"success": True, "message": message})
         return route
 
@@ -658,9 +731,10 @@ def build_app(engine: EmbeddedEngine, api_key: str | None = None):
         "join_group", "Succeeded to initialize custom process group.")))
     app.router.add_post("/destroy_weights_update_group", handler(locked_route(
         "leave_group", "Succeeded to destroy custom process group.")))
-    app.router.add_post("/begin_weight_update", handler(locked_route("begin_weight_update", "Success")))
+    app.router.add_post("/begin_weight_update", handler(locked_route("begin_weight_update", "Success",
+                                                                     blocking=False)))
     app.router.add_post("/update_weights_from_distributed", handler(update_distributed))
-    app.router.add_post("/end_weight_update", handler(locked_route("end_weight_update", "Success")))
+    app.router.add_post("/end_weight_update", handler(locked_route("end_weight_update", "Success", blocking=False)))
     app.router.add_post("/update_weights_from_disk", handler(update_from_disk))
 
     async def start_batch_loop(app):
@@ -697,12 +771,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default=os.environ.get("MEGATRON_DPPO_ENGINE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route except /health*")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--max-batch-size", type=int, default=256, help="sequences decoded together at most")
+    parser.add_argument("--max-total-tokens", type=int, default=None,
+                        help="KV cache slots one batch may take, rows x (longest context + largest max_new_tokens) "
+                             f"(default: what {DEFAULT_KV_CACHE_BYTES // 2**20} MiB hold)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help=f"decode threads: a batch of at least {MIN_ROWS_PER_WORKER} sequences per worker is split "
+                             "into this many parts decoded concurrently (each with --threads torch threads)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="as SGLang's flag: only then does a request's sampling_seed act (every sample is seeded, "
                              "42 when the request gives none); without it sampling_seed is ignored")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: cores / 2)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads of each worker (default: cores / 2)")
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="exit when the process that started this server dies (set by our launcher)")
     args = parser.parse_args(argv)
@@ -713,7 +794,8 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
     engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed,
-                            deterministic_inference=args.enable_deterministic_inference)
+                            deterministic_inference=args.enable_deterministic_inference, workers=args.workers,
+                            max_total_tokens=args.max_total_tokens)
     start = time.perf_counter()
     print(f"embedded engine: model {args.model_dir} loaded, serving http://{args.host}:{args.port}", flush=True)
     web.run_app(build_app(engine, args.api_key), host=args.host, port=args.port, print=None,

@@ -2,8 +2,9 @@
 
 init (once): POST /init_weights_update_group to every engine ‖ trainer joins as group rank 0
 sync:        pause → flush → begin (/begin_weight_update) → for each bucket: POST /update_weights_from_distributed
-             (names, dtypes, shapes, load_format="flattened_bucket") to every engine ‖ broadcast(one flat uint8
-             buffer) → end (/end_weight_update, always) → continue → check /model_info weight_version on every engine
+             (names, dtypes, shapes, load_format) to every engine ‖ broadcast(one flat uint8 buffer for
+             "flattened_bucket"; each tensor for null, the per-tensor format) → end (/end_weight_update, always)
+             → continue → check /model_info weight_version on every engine
 
 Invariants:
 - SGLang 0.5.23 refuses a distributed update outside a begin/end session, before receiving anything; the syncer opens
@@ -17,8 +18,8 @@ Invariants:
 - a bucket holds whole tensors, at most `bucket_bytes` (a larger tensor travels alone), each starting at a
   byte offset aligned to its dtype (SGLang's FlattenedTensorBucket refuses unaligned offsets);
 - bucket limits ramp up from first_bucket_bytes to bucket_bytes, so the broadcast starts after a small pack;
-- while bucket k is broadcast, a producer thread gathers and flattens bucket k+1 into one of two reusable
-  staging buffers (at most two packed buckets in memory; a one-tensor bucket is sent without a copy);
+- while bucket k is broadcast, a producer thread gathers bucket k+1 and (flattened_bucket) packs it into one of two
+  reusable staging buffers (at most two packed buckets in memory; a one-tensor bucket is sent without a copy);
 - after a sync every engine reports the new weight version, or the sync raises.
 """
 
@@ -29,7 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,12 @@ DEFAULT_FIRST_BUCKET_BYTES = 32 * 1024**2
 # on this CPU host, so bucket k+1 (RAMP x larger) is packed before bucket k has been sent.
 RAMP = 1.5
 DEFAULT_GROUP_NAME = "megatron_dppo_weight_sync"
+FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for one packed buffer per bucket
+# WeightSyncer's per-bucket choice: a bucket whose tensors average under PACK_BELOW_BYTES is packed (one broadcast),
+# else each tensor is broadcast alone (no copy). Over gloo on this host a broadcast costs ~0.2 ms before its first
+# byte and packing runs at ~9 GB/s, so packing a tensor is the cheaper way to send it below ~1.8 MB (measured).
+AUTO_FORMAT = "auto"
+PACK_BELOW_BYTES = 2**20
 
 
 def init_weight_update_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
@@ -82,12 +89,18 @@ class Bucket:
     names: list[str]
     dtypes: list[str]  # torch dtype names without "torch.", as SGLang parses them with getattr(torch, dtype)
     shapes: list[list[int]]
-    flat: torch.Tensor  # [sum of tensor bytes] uint8, tensors back to back in `names` order
+    flat: torch.Tensor | None  # [sum of tensor bytes] uint8, tensors back to back in `names` order (flattened_bucket)
     staging: torch.Tensor | None = None  # the reusable buffer `flat` lies in, if any (see StagingBuffers)
+    tensors: list[torch.Tensor] | None = None  # the per-tensor format: each tensor, contiguous, in `names` order
+
+    @property
+    def broadcasts(self) -> list[torch.Tensor]:
+        """What is broadcast for this bucket, in order: the flat buffer, or each tensor."""
+        return [self.flat] if self.flat is not None else self.tensors
 
     @property
     def nbytes(self) -> int:
-        return self.flat.numel()
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.broadcasts)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -129,6 +142,15 @@ def pack_bucket(named_tensors: list[tuple[str, torch.Tensor]], staging: torch.Te
     return Bucket(names=[name for name, _ in named_tensors],
                   dtypes=[dtype_name(tensor.dtype) for _, tensor in named_tensors],
                   shapes=[list(tensor.shape) for _, tensor in named_tensors], flat=flat)
+
+
+def tensor_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> Bucket:
+    """A bucket in the per-tensor format (SGLang's load_format=null): each tensor is broadcast as it is (a copy only if
+    it is not contiguous), so nothing is packed."""
+    return Bucket(names=[name for name, _ in named_tensors],
+                  dtypes=[dtype_name(tensor.dtype) for _, tensor in named_tensors],
+                  shapes=[list(tensor.shape) for _, tensor in named_tensors], flat=None,
+                  tensors=[tensor.detach().contiguous() for _, tensor in named_tensors])
 
 
 def unpack_bucket(flat: torch.Tensor, names: list[str], dtypes: list[str],
@@ -209,8 +231,10 @@ class BucketPrefetcher:
     Iterate once; `close()` (or leaving the `with` block, or the end of iteration) stops the thread."""
 
     def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, timeout_s: float,
-                 staging: StagingBuffers | None = None, first_bucket_bytes: int | None = None):
+                 staging: StagingBuffers | None = None, first_bucket_bytes: int | None = None,
+                 pack: bool | Callable[[list[tuple[str, torch.Tensor]]], bool] = True):
         self.staging = staging or StagingBuffers()
+        self.pack = pack if callable(pack) else lambda group: pack
         self.timeout_s = timeout_s
         self.ready: queue.Queue = queue.Queue(maxsize=1)
         self.done = object()
@@ -222,6 +246,10 @@ class BucketPrefetcher:
     def _produce(self, named_tensors, bucket_bytes: int, first_bucket_bytes: int | None) -> None:
         try:
             for group in group_into_buckets(named_tensors, bucket_bytes, first_bucket_bytes):
+                if not self.pack(group):
+                    if not self._put(tensor_bucket(group)):
+                        return
+                    continue
                 buffer = None
                 if bucket_needs_copy(group):
                     buffer = self.staging.take(bucket_nbytes(group), group[0][1].device, self.stop)
@@ -275,9 +303,10 @@ class BucketPrefetcher:
 
 def prefetch_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, timeout_s: float,
                      staging: StagingBuffers | None = None, first_bucket_bytes: int | None = None,
-                     ) -> BucketPrefetcher:
-    """Iterable of packed buckets, packing ahead in a thread (see BucketPrefetcher and group_into_buckets)."""
-    return BucketPrefetcher(named_tensors, bucket_bytes, timeout_s, staging, first_bucket_bytes)
+                     pack: bool | Callable[[list[tuple[str, torch.Tensor]]], bool] = True) -> BucketPrefetcher:
+    """Iterable of buckets, prepared ahead in a thread (see BucketPrefetcher and group_into_buckets); a bucket that
+    `pack` (a bool, or a predicate of the bucket's tensors) refuses is a per-tensor bucket (tensor_bucket)."""
+    return BucketPrefetcher(named_tensors, bucket_bytes, timeout_s, staging, first_bucket_bytes, pack)
 
 
 @dataclass
@@ -301,8 +330,12 @@ class WeightSyncer:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0, api_key: str | None = None,
                  pause_mode: str = "retract", engine_ranks: list[int] | None = None,
                  keep_host_copy: bool = False, first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
-                 control: Callable[..., Any] = control_request):
+                 control: Callable[..., Any] = control_request, load_format: str | None = FLATTENED_BUCKET):
         """first_bucket_bytes: the first bucket's limit, growing to bucket_bytes (see group_into_buckets).
+        load_format: FLATTENED_BUCKET (one packed buffer per bucket: one collective each, as NCCL wants), None
+        (SGLang's per-tensor format: one broadcast per tensor, nothing packed) or AUTO_FORMAT (per bucket: packed when
+        its tensors average under PACK_BELOW_BYTES, else per tensor: over gloo a large tensor costs a second full
+        copy to pack, a small one costs a broadcast's fixed latency to send alone).
         keep_host_copy: remember the last synced tensors (host memory, one model copy) so that `resend()` can
         restore a restarted engine without the trainer ranks' help (they may be busy in a collective).
         control: how each SGLang control route reaches a server, `control(url, path, payload, method, timeout_s,
@@ -314,6 +347,9 @@ class WeightSyncer:
         if bucket_bytes < 1 or first_bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} and first_bucket_bytes={first_bucket_bytes} must be "
                              f"positive (defaults {DEFAULT_BUCKET_BYTES}, {DEFAULT_FIRST_BUCKET_BYTES})")
+        if load_format not in (FLATTENED_BUCKET, AUTO_FORMAT, None):
+            raise ValueError(f"load_format={load_format!r} must be {FLATTENED_BUCKET!r}, {AUTO_FORMAT!r} or None "
+                             "(per tensor)")
         if pause_mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause_mode={pause_mode!r} must be one of SGLang's: abort, retract, in_place")
         self.urls = [url.rstrip("/") for url in urls]
@@ -336,6 +372,8 @@ class WeightSyncer:
         self.host_copy: list[tuple[str, torch.Tensor]] = []
         self.staging = StagingBuffers()
         self.control = control
+        self.load_format = load_format
+        self.pool: ThreadPoolExecutor | None = None
 
     # Request bodies, one builder per SGLang request dataclass (checked by tests/test_rollout_contract.py).
     def init_group_payload(self, master_port: int, rank_offset: int, world_size: int) -> dict:
@@ -354,13 +392,26 @@ class WeightSyncer:
     def update_payload(self, bucket: Bucket, version: str) -> dict:
         return {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes,
                 "group_name": self.group_name, "flush_cache": False, "weight_version": version,
-                "load_format": "flattened_bucket"}
+                "load_format": FLATTENED_BUCKET if bucket.flat is not None else None}
+
+    def _submit_all(self, path: str, payload: dict | None = None, method: str = "POST") -> list[Future]:
+        """The control call to every engine, concurrently, on threads kept for the syncer's life (a pool per call
+        would start a thread per engine per call)."""
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(len(self.urls), thread_name_prefix="weight-sync-control")
+        return [self.pool.submit(self.control, url, path, payload, method, self.timeout_s, self.api_key)
+                for url in self.urls]
+
+    def _packs(self, group: list[tuple[str, torch.Tensor]]) -> bool:
+        """Whether a bucket goes packed (flattened_bucket) or per tensor, by `load_format`."""
+        if self.load_format != AUTO_FORMAT:
+            return self.load_format == FLATTENED_BUCKET
+        return bucket_nbytes(group) < PACK_BELOW_BYTES * len(group)
 
     def _call_all(self, path: str, payload: dict | None = None, method: str = "POST") -> list:
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            futures = [pool.submit(self.control, url, path, payload, method, self.timeout_s, self.api_key)
-                       for url in self.urls]
-            return [future.result() for future in futures]
+        if len(self.urls) == 1:  # in this thread: nothing to wait for but the answer
+            return [self.control(self.urls[0], path, payload, method, self.timeout_s, self.api_key)]
+        return [future.result() for future in self._submit_all(path, payload, method)]
 
     def init_group(self) -> None:
         """Every engine joins at its rank offset while this process joins as rank 0 (all concurrently)."""
@@ -424,25 +475,23 @@ class WeightSyncer:
                     time.sleep(0.2)
 
     def _send_bucket(self, bucket: Bucket, version: str) -> None:
-        self._post_update(self.update_payload(bucket, version), [bucket.flat])
+        self._post_update(self.update_payload(bucket, version), bucket.broadcasts)
 
     def _post_update(self, payload: dict, tensors: list[torch.Tensor]) -> None:
         """POST /update_weights_from_distributed to every engine while broadcasting `tensors` in order; if any engine
         refuses, tear the group down (see the module docstring) and raise."""
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            futures = [pool.submit(self.control, url, "/update_weights_from_distributed", payload, "POST",
-                                   self.timeout_s, self.api_key) for url in self.urls]
-            # ProcessGroup.broadcast(tensor, root) returns a Work at once (the list form raises in torch 2.13)
-            pending = [self.group.broadcast(tensor, 0) for tensor in tensors]
-            refusals = [f"{url}: {error}" for url, future in zip(self.urls, futures)
-                        if (error := future.exception()) is not None]
-            if refusals:
-                self._tear_down_after_failed_update(pending)
-                raise RolloutServerError(
-                    "update_weights_from_distributed failed on " + "; ".join(refusals) + "; the weight update group "
-                    "was torn down and the next sync builds a new one")
-            for work in pending:
-                work.wait()
+        futures = self._submit_all("/update_weights_from_distributed", payload)
+        # ProcessGroup.broadcast(tensor, root) returns a Work at once (the list form raises in torch 2.13)
+        pending = [self.group.broadcast(tensor, 0) for tensor in tensors]
+        refusals = [f"{url}: {error}" for url, future in zip(self.urls, futures)
+                    if (error := future.exception()) is not None]
+        if refusals:
+            self._tear_down_after_failed_update(pending)
+            raise RolloutServerError(
+                "update_weights_from_distributed failed on " + "; ".join(refusals) + "; the weight update group "
+                "was torn down and the next sync builds a new one")
+        for work in pending:
+            work.wait()
 
     def _tear_down_after_failed_update(self, pending: list) -> None:
         """The engines leave the group first (an engine's end closes, so this side's pending sends fail instead of
@@ -459,11 +508,9 @@ class WeightSyncer:
 
     def _end_update(self, raise_errors: bool) -> None:
         """Close the session on every engine; after a failure, an engine without one (its begin failed) is fine."""
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            futures = [pool.submit(self.control, url, "/end_weight_update", {}, "POST", self.timeout_s,
-                                   self.api_key) for url in self.urls]
-            failures = [f"{url}: {error}" for url, future in zip(self.urls, futures)
-                        if (error := future.exception()) is not None]
+        futures = self._submit_all("/end_weight_update", {})
+        failures = [f"{url}: {error}" for url, future in zip(self.urls, futures)
+                    if (error := future.exception()) is not None]
         if failures and raise_errors:
             raise RolloutServerError("end_weight_update failed on " + "; ".join(failures))
 
@@ -478,7 +525,7 @@ class WeightSyncer:
             named_tensors = ((name, kept.append((name, t.detach().to("cpu", copy=True))) or t)
                              for name, t in named_tensors)
         prefetcher = prefetch_buckets(named_tensors, self.bucket_bytes, self.timeout_s, self.staging,
-                                      self.first_bucket_bytes)
+                                      self.first_bucket_bytes, pack=self._packs)
         try:
             with prefetcher:  # the first bucket is packed while the engines pause and flush
                 self._call_all("/pause_generation", self.pause_payload())
