@@ -16,7 +16,7 @@ The backward runs over vocabulary slices rather than token chunks so that each s
 tokens, written once as the unfused output layer writes it; over token chunks the whole [V/tp, H] dW would be summed
 chunk by chunk (an fp32 accumulator the size of the weight for bf16 models). What is summed here instead is dh,
 [T, H], in fp32 (float64 for float64 inputs, as every softmax quantity). Every temporary holds about
-`chunk_size x V/tp` elements (2^26 by default), whatever T is.
+`chunk_size x V/tp` elements (2^25 by default), whatever T is.
 
 Vocabulary padding rows (ids >= the real vocabulary size) are excluded from every softmax, so the result equals the
 unpadded model's. `OutputLayerInput` is what the actor's last pipeline stage hands a loss in place of logits.
@@ -32,7 +32,9 @@ from megatron.core.tensor_parallel import (
     gather_from_sequence_parallel_region,
 )
 
-CHUNK_ELEMENTS = 2**26  # logits elements in one chunk or slice by default: 256 MiB in fp32
+# Logits elements in one chunk or slice by default: 128 MiB in fp32, a fraction of dW (0.7 GiB in bf16 at V = 151936,
+# H = 2560); forward chunks of V/tp = 151936 still hold 220 tokens, a GEMM that reads the weight once per 220 tokens.
+CHUNK_ELEMENTS = 2**25
 
 
 def _padding_columns(first: int, stop: int, vocab_start: int, vocab_size: int, device) -> torch.Tensor | None:
