@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from megatron_dppo.actor.actor import Actor, OptimConfig
 from megatron_dppo.actor.checkpoint import complete_checkpoints, save_checkpoint
-from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
 from megatron_dppo.actor.step import next_token_targets
 from megatron_dppo.arguments import EMBEDDED_HEAD_DIM
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
@@ -94,7 +93,6 @@ def supervised_warm_start(args, model_dir: Path, tokenizer: CharTokenizer, out_d
     problems = WarmStartData(args.seed, warm_start_cells(args), args.warm_start_problems)  # the same on every rank
     dp_size = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
-    vocab = tokenizer.vocab_size
     progress = None
     if dist.get_rank() == 0:
         from tqdm import tqdm
@@ -108,8 +106,8 @@ def supervised_warm_start(args, model_dir: Path, tokenizer: CharTokenizer, out_d
         bins = pack([s.num_tokens for s in samples], args.max_tokens_per_gpu, args.packing_window, dp_size)[dp_rank]
         batches = [build_thd_batch(samples, b, pad_token_id=tokenizer.pad_token_id) for b in bins]
 
-        def loss_fn(batch, logits, total_tokens=total_tokens):
-            logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(batch), vocab)
+        def loss_fn(batch, output, total_tokens=total_tokens):
+            logprobs, _ = output.logprobs(next_token_targets(batch))
             return -(logprobs * batch.loss_mask).sum() / total_tokens, {}
 
         actor.train_step(batches, loss_fn)

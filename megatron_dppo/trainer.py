@@ -28,7 +28,6 @@ from megatron.core import parallel_state
 
 from megatron_dppo.actor.checkpoint import load_trainer_state, resolve_checkpoint, save_checkpoint
 from megatron_dppo.actor.export import is_export_source
-from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
 from megatron_dppo.actor.step import logprob_loss_fn, next_token_targets
 from megatron_dppo.algo.losses import loss_normalizer, packed_policy_loss
 from megatron_dppo.experience import Experience, ExperienceMaker, Rollouts, run_progress
@@ -106,9 +105,9 @@ class Trainer:
     def compute_old_logprobs(self, micro_batches, experience: Experience) -> float:
         """Forward-only passes: old log-probs (and entropy for D3S) and reference log-probs, into the batches."""
         start = time.perf_counter()
-        vocab, with_entropy = self.actor.shape.vocab_size, self.pruner.selects_tokens
+        with_entropy = self.pruner.selects_tokens
         if self.needs_old_logprob_pass():
-            outputs = self.actor.forward(micro_batches, logprob_loss_fn(vocab, with_entropy=with_entropy)) \
+            outputs = self.actor.forward(micro_batches, logprob_loss_fn(with_entropy=with_entropy)) \
                 if micro_batches else []
             for batch, output in zip(micro_batches, self._per_micro_batch(outputs, micro_batches)):
                 batch.old_logprobs = output["logprobs"]
@@ -116,7 +115,7 @@ class Trainer:
             if with_entropy and parallel_state.is_pipeline_last_stage():  # where the entropy and the loss are
                 experience.normalizer_counts = select_step_tokens(self.pruner, micro_batches, experience.progress)
         if micro_batches and self.reference is not None:
-            outputs = self.reference.forward(micro_batches, logprob_loss_fn(vocab))
+            outputs = self.reference.forward(micro_batches, logprob_loss_fn())
             for batch, output in zip(micro_batches, self._per_micro_batch(outputs, micro_batches)):
                 batch.ref_logprobs = output["logprobs"]
         return time.perf_counter() - start
@@ -149,10 +148,10 @@ class Trainer:
         return metrics
 
     def _policy_loss_fn(self, normalizer: float):
-        vocab, config = self.actor.shape.vocab_size, self.loss_config
+        config = self.loss_config
 
-        def loss_fn(micro_batch, logits):
-            logprobs, entropy = tensor_parallel_logprobs(logits, next_token_targets(micro_batch), vocab)
+        def loss_fn(micro_batch, output):  # output: the last hidden states and output weight (actor/logprobs.py)
+            logprobs, entropy = output.logprobs(next_token_targets(micro_batch))
             return packed_policy_loss(config, micro_batch, logprobs, normalizer, entropy)
 
         return loss_fn

@@ -1,8 +1,10 @@
 """Megatron actor on CPU/gloo under TP=2, PP=2 and DP=2, each launch grouping several checks (tests/workers).
 
 Tolerances: fp32 everywhere; logits and log-probs 1e-5 absolute (observed ~2e-7: the same math summed in another
-order), gradients 1e-5 relative, weights after 3 optimizer steps 1e-6 absolute against a single-process
-transformers reference (observed ~1e-8), and a resharded checkpoint load bit-identical. Every tensor reaching the
+order), gradients 1e-5 relative (the fused output layer and log-probs against GPTModel's own output layer and a full
+softmax included, tied and untied; with and without sequence parallelism at the output layer), weights after 3
+optimizer steps 1e-6 absolute against a single-process transformers reference (observed ~1e-8), and a resharded
+checkpoint load bit-identical. Every tensor reaching the
 model or the loss was moved to the model's device (checked with tests/workers/emulated_device.py standing in for
 CUDA), in the forward-only pass and in the update.
 """
@@ -25,26 +27,30 @@ def assert_checks(output: str, names: list[str]):
 def tp2_checkpoint(tiny_models, tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("ckpt") / "tp2"
     output = run_torchrun(WORKER, 2, ["--models", tiny_models, "--tp", 2, "--pp", 1, "--checks",
-                                      "hf_logits,packed_equals_padded,vocab_parallel_logprobs,training,device_move",
+                                      "hf_logits,packed_equals_padded,vocab_parallel_logprobs,output_layer_input,"
+                                      "fused_equals_unfused,training,device_move",
                                       "--save-ckpt", checkpoint])
     return checkpoint, output
 
 
-def test_tp2_logits_match_transformers_packed_equals_padded_training_matches_reference_and_batches_reach_the_device(
+def test_tp2_logits_match_transformers_fused_output_equals_unfused_packed_equals_padded_training_matches_reference(
         tp2_checkpoint):
     _, output = tp2_checkpoint
     assert_checks(output, ["hf_logits_qwen2", "hf_logits_qwen3", "hf_logits_llama", "packed_logprobs",
-                           "packed_grads", "vocab_parallel_logprobs_tp2", "training_matches_reference",
-                           "dist_checkpoint_saved", "device_move"])
+                           "packed_grads", "vocab_parallel_logprobs_tp2", "output_layer_input_sp0",
+                           "output_layer_input_sp1", "fused_equals_unfused_qwen2", "fused_equals_unfused_qwen3",
+                           "training_matches_reference", "dist_checkpoint_saved", "device_move"])
 
 
-def test_pp2_logits_match_transformers_trains_and_loads_tp2_checkpoint(tiny_models, tp2_checkpoint):
+def test_pp2_logits_match_transformers_fused_output_equals_unfused_trains_and_loads_tp2_checkpoint(tiny_models,
+                                                                                                   tp2_checkpoint):
     checkpoint, _ = tp2_checkpoint
     output = run_torchrun(WORKER, 2, ["--models", tiny_models, "--tp", 1, "--pp", 2, "--checks",
-                                      "hf_logits,packed_equals_padded,training,resharded_load,device_move",
-                                      "--load-ckpt", checkpoint])
+                                      "hf_logits,packed_equals_padded,fused_equals_unfused,training,resharded_load,"
+                                      "device_move", "--load-ckpt", checkpoint])
     assert_checks(output, ["hf_logits_qwen2", "hf_logits_qwen3", "hf_logits_llama", "packed_logprobs",
-                           "packed_grads", "training_matches_reference", "resharded_load", "device_move"])
+                           "packed_grads", "fused_equals_unfused_qwen2", "fused_equals_unfused_qwen3",
+                           "training_matches_reference", "resharded_load", "device_move"])
 
 
 def test_dp2_distributed_optimizer_matches_reference_loads_tp2_checkpoint_and_d3s_selects_over_the_step(

@@ -1,5 +1,9 @@
 """Build a Megatron-Core GPTModel from an HF config.json and load HF safetensors weights into its TP/PP shards.
 
+The model's last pipeline stage stops before the output layer (`FusedOutputGPTModel`): it returns the final hidden
+states and the loss gets them with the output layer's weight (`OutputLayerInput`), so log-probs come straight from
+hidden states and weight (actor/logprobs.py) and no [T, V/tp] logits tensor exists, on the CPU as on the GPU.
+
 GPU: Transformer Engine layer spec; TE attention takes packed THD input natively.
 CPU: megatron-core's local spec with `core_attention` swapped (a supported ModuleSpec extension) for
 `SDPACoreAttention`, because the local `DotProductAttention` refuses `PackedSeqParams`. Both specs receive the
@@ -18,6 +22,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_dppo.actor.logprobs import OutputLayerInput
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
 from megatron_dppo.convert.mapping import ModelShape, find_row, hf_names_of, padded_vocab_size
 from megatron_dppo.platform import is_cpu
@@ -74,6 +79,31 @@ class SDPACoreAttention(MegatronModule):
         mask = None if attention_mask is None else ~attention_mask
         out = self._attend(q, k, v, mask)  # [b, heads, s, dim]
         return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
+class FusedOutputGPTModel(GPTModel):
+    """GPTModel whose last pipeline stage returns the final hidden states [s, b, H] (after the final norm; [s / tp,
+    b, H] under sequence parallelism), as its other stages return theirs, instead of applying the output layer.
+    `output_layer_input(hidden)` hands them to the loss with the output layer and its weight: the embedding's when
+    they are tied and this stage holds the embedding, the last stage's copy of it when PP > 1, its own otherwise,
+    exactly the weight GPTModel's `_postprocess` would pass."""
+
+    def __init__(self, config: TransformerConfig, *args, **kwargs):
+        if config.mtp_num_layers:
+            raise ValueError("multi-token prediction (mtp_num_layers) is not supported: the actor's output layer is "
+                             "fused with its log-probs (actor/logprobs.py)")
+        super().__init__(config, *args, **kwargs)
+
+    def _postprocess(self, hidden_states, labels=None, inference_context=None, **kwargs):
+        if labels is not None or inference_context is not None:
+            raise ValueError("FusedOutputGPTModel returns hidden states, not a language-model loss or inference "
+                             "logits: compute log-probs with output_layer_input(hidden).logprobs(targets)")
+        return hidden_states
+
+    def output_layer_input(self, hidden_states: torch.Tensor) -> OutputLayerInput:
+        weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+                  else self.output_layer.weight)
+        return OutputLayerInput(hidden_states, self.output_layer, weight, self.shape.vocab_size)
 
 
 def build_transformer_config(shape: ModelShape, tp_size: int = 1, pp_size: int = 1, dtype: str = "fp32",
@@ -151,11 +181,11 @@ def llama3_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
 
 
 def build_gpt_model(shape: ModelShape, config: TransformerConfig, make_vocab_size_divisible_by: int = 128,
-                    vp_stage: int | None = None) -> GPTModel:
+                    vp_stage: int | None = None) -> FusedOutputGPTModel:
     """This rank's pipeline stage of the model; parallel_state must be initialised."""
     pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-    model = GPTModel(
+    model = FusedOutputGPTModel(
         config=config,
         transformer_layer_spec=layer_spec(shape),
         vocab_size=padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size,

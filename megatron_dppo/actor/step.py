@@ -5,9 +5,13 @@ A packed micro-batch has `tokens [1, T]` and `cu_seqlens [n+1]` (int32), optiona
 every sequence therefore has a meaningless target, and the packer's loss mask excludes it. A micro-batch without
 `cu_seqlens` is a padded BSHD batch `tokens [b, s]` run with a causal mask (the baseline packing is compared with).
 
+On the last stage the model returns the final hidden states, and the loss meets them with the output layer's weight
+(`OutputLayerInput`: `.logprobs(targets)` is the fused output layer and log-softmax of actor/logprobs.py), never
+logits: the forward-only pass, the update's loss and the supervised warm start all take that one path.
+
 Micro-batches arrive on the host; `to_device` is the one place that moves one to the model's device (every tensor
 field, so `cu_seqlens`, from which TE attention takes its device, and the labels, advantages, masks, weights and
-log-probs the loss meets the logits with). The model and the loss only ever see the moved batch; what the loss
+log-probs the loss meets the hidden states with). The model and the loss only ever see the moved batch; what the loss
 returns comes back to the host (`to_host`) once the schedule has run.
 
 Our loss functions return values already divided by their global normalisers (computed once per step), so the
@@ -24,11 +28,13 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_attr_wrapped_model
 
-from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
+from megatron_dppo.actor.logprobs import OutputLayerInput
 
-# loss_fn(micro_batch, logits [T, V/tp]) -> (scalar loss to backpropagate, dict of detached outputs)
-LossFn = Callable[[object, torch.Tensor], tuple[torch.Tensor, dict]]
+# loss_fn(micro_batch, output: the last hidden states and output weight) -> (scalar loss to backpropagate,
+# dict of detached outputs)
+LossFn = Callable[[object, OutputLayerInput], tuple[torch.Tensor, dict]]
 
 
 def to_device(micro_batch, device: torch.device):
@@ -71,15 +77,15 @@ def next_token_targets(micro_batch) -> torch.Tensor:
 def _forward_step(loss_fn: LossFn, data_iterator, model):
     micro_batch = to_device(next(data_iterator), next(model.parameters()).device)
     packed = getattr(micro_batch, "cu_seqlens", None) is not None
-    output = model(micro_batch.tokens, getattr(micro_batch, "position_ids", None), None,
+    hidden = model(micro_batch.tokens, getattr(micro_batch, "position_ids", None), None,
                    packed_seq_params=packed_seq_params(micro_batch) if packed else None)
+    output_layer_input = get_attr_wrapped_model(model, "output_layer_input")
 
-    def loss_func(output_tensor):
-        # packed: logits [T, V/tp]; padded: [b, s, V/tp]
-        loss, outputs = loss_fn(micro_batch, output_tensor[0] if packed else output_tensor)
+    def loss_func(hidden_states):  # [s, b, H] (packed: b = 1), on the last stage only
+        loss, outputs = loss_fn(micro_batch, output_layer_input(hidden_states))
         return loss, torch.ones((), dtype=torch.int), outputs
 
-    return output, loss_func
+    return hidden, loss_func
 
 
 def run_micro_batches(model, micro_batches: Sequence, loss_fn: LossFn, forward_only: bool) -> list[dict]:
@@ -110,12 +116,11 @@ def finalize_grads_without_token_scaling(model, num_tokens=None, *args, **kwargs
     return finalize_model_grads(model, None, *args, **kwargs)
 
 
-def logprob_loss_fn(vocab_size: int, chunk_size: int = 1024, with_entropy: bool = False) -> LossFn:
+def logprob_loss_fn(with_entropy: bool = False, chunk_size: int | None = None) -> LossFn:
     """A forward-only loss_fn that returns each micro-batch's per-token log-probs (and entropy) of the next token."""
 
-    def loss_fn(micro_batch, logits):
-        targets = next_token_targets(micro_batch)
-        logprobs, entropy = tensor_parallel_logprobs(logits, targets, vocab_size, chunk_size)
+    def loss_fn(micro_batch, output: OutputLayerInput):
+        logprobs, entropy = output.logprobs(next_token_targets(micro_batch), chunk_size)
         outputs = {"logprobs": logprobs.detach()}
         if with_entropy:
             outputs["entropy"] = entropy.detach()

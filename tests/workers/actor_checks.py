@@ -85,8 +85,8 @@ def check_hf_logits(args):
         sequences = random_sequences([5, 11, 3, 8], vocab, seed=1)
         model.eval()
         with torch.no_grad():
-            outputs = run_micro_batches(model, [packed_batch(sequences)],
-                                        lambda mb, logits: (logits.sum() * 0, {"logits": gather_tp(logits)}), True)
+            outputs = run_micro_batches(model, [packed_batch(sequences)], lambda mb, output: (
+                output.hidden.sum() * 0, {"logits": gather_tp(output.logits()[0])}), True)
         if outputs:
             logits = outputs[0]["logits"][:, :vocab]
             with torch.no_grad():
@@ -96,21 +96,17 @@ def check_hf_logits(args):
             log(f"CHECK hf_logits_{arch} ok max_abs_diff={diff:.2e}")
 
 
-def _next_token_logprob_loss(weights, vocab, sequences, packed):
+def _next_token_logprob_loss(weights, sequences, packed):
     """A weighted sum of next-token log-probs over every real position (the same terms packed or padded)."""
-    from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
     from megatron_dppo.actor.step import next_token_targets
 
-    def loss_fn(micro_batch, logits):
+    def loss_fn(micro_batch, output):
         if packed:
-            logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(micro_batch), vocab, chunk_size=5)
+            logprobs, _ = output.logprobs(next_token_targets(micro_batch), chunk_size=5)
             bounds = micro_batch.cu_seqlens.tolist()
             per_seq = [logprobs[start:stop - 1] for start, stop in zip(bounds[:-1], bounds[1:])]
         else:
-            rows, width, local_vocab = logits.shape
-            targets = torch.roll(micro_batch.tokens, -1, dims=1).reshape(-1)
-            logprobs, _ = tensor_parallel_logprobs(logits.reshape(-1, local_vocab), targets, vocab, chunk_size=5)
-            logprobs = logprobs.view(rows, width)
+            logprobs, _ = output.logprobs(torch.roll(micro_batch.tokens, -1, dims=1), chunk_size=5)  # [b, s]
             per_seq = [logprobs[row, : len(seq) - 1] for row, seq in enumerate(sequences)]
         flat = torch.cat(per_seq)
         return (flat * weights).sum(), {"logprobs": flat.detach()}
@@ -127,10 +123,10 @@ def check_packed_equals_padded(args):
     sequences = random_sequences([6, 13, 2, 9], 128, seed=2)
     weights = torch.randn(sum(len(s) - 1 for s in sequences), generator=torch.Generator().manual_seed(3))
     for packed in (True, False):
-        model, checkpoint = build(f"{args.models}/qwen2", args.tp, args.pp)
+        model, _ = build(f"{args.models}/qwen2", args.tp, args.pp)
         batch = packed_batch(sequences) if packed else padded_batch(sequences)
-        outputs = run_micro_batches(model, [batch], _next_token_logprob_loss(
-            weights, checkpoint.shape.vocab_size, sequences, packed), forward_only=False)
+        outputs = run_micro_batches(model, [batch], _next_token_logprob_loss(weights, sequences, packed),
+                                    forward_only=False)
         grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         results[packed] = (outputs[0]["logprobs"] if outputs else None, grads)
     if results[True][0] is not None:
@@ -147,37 +143,157 @@ def check_packed_equals_padded(args):
 
 
 def check_vocab_parallel_logprobs(args):
-    """Chunked vocab-parallel log-probs and entropy (and their gradients) equal a full-softmax reference."""
+    """The fused output layer's log-probs and entropy, and the gradients of the hidden states (summed over the TP
+    group, as Megatron's mapping sums them) and of this rank's weight slice, equal a float64 full softmax over the
+    gathered logits; vocabulary padding rows take no part and get no gradient."""
     from megatron.core import parallel_state
 
-    from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
+    from megatron_dppo.actor.logprobs import output_layer_logprobs
 
     reset_parallel(args.tp, 1)
+    group = parallel_state.get_tensor_model_parallel_group()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
-    tokens, vocab, padded_vocab = 37, 250, 256
+    tokens, hidden_size, vocab, padded_vocab = 37, 16, 250, 256
     generator = torch.Generator().manual_seed(4)
-    full = torch.randn(tokens, padded_vocab, generator=generator, dtype=torch.float64).float() * 3
+    full_hidden = torch.randn(tokens, hidden_size, generator=generator, dtype=torch.float64)
+    full_weight = torch.randn(padded_vocab, hidden_size, generator=generator, dtype=torch.float64) * 0.8
+    full_weight[vocab:] = 0.0
     targets = torch.randint(0, vocab, (tokens,), generator=generator)
     grad_lp, grad_h = torch.randn(tokens, generator=generator), torch.randn(tokens, generator=generator)
 
-    reference_logits = full[:, :vocab].clone().requires_grad_(True)
-    log_softmax = torch.log_softmax(reference_logits, dim=-1)
+    reference_hidden = full_hidden.clone().requires_grad_(True)
+    reference_weight = full_weight.clone().requires_grad_(True)
+    log_softmax = torch.log_softmax((reference_hidden @ reference_weight.T)[:, :vocab], dim=-1)
     reference_lp = log_softmax.gather(1, targets[:, None]).squeeze(1)
     reference_h = -(log_softmax.exp() * log_softmax).sum(-1)
     ((reference_lp * grad_lp).sum() + (reference_h * grad_h).sum()).backward()
 
     width = padded_vocab // tp
-    local = full[:, rank * width:(rank + 1) * width].clone().requires_grad_(True)
-    logprobs, entropy = tensor_parallel_logprobs(local, targets, vocab, chunk_size=8)
+    hidden = full_hidden.float().requires_grad_(True)
+    weight = full_weight[rank * width:(rank + 1) * width].float().requires_grad_(True)
+    logprobs, entropy = output_layer_logprobs(hidden, weight, targets, vocab, group, rank * width, chunk_size=8)
     ((logprobs * grad_lp).sum() + (entropy * grad_h).sum()).backward()
-    lp_diff = (logprobs - reference_lp).abs().max().item()
-    h_diff = (entropy - reference_h).abs().max().item()
-    reference_grad = torch.zeros(tokens, padded_vocab)
-    reference_grad[:, :vocab] = reference_logits.grad
-    grad_diff = (local.grad - reference_grad[:, rank * width:(rank + 1) * width]).abs().max().item()
-    assert max(lp_diff, h_diff, grad_diff) < 1e-5, (lp_diff, h_diff, grad_diff)
-    log(f"CHECK vocab_parallel_logprobs_tp{tp} ok logprob={lp_diff:.1e} entropy={h_diff:.1e} grad={grad_diff:.1e}")
+    dist.all_reduce(hidden.grad, group=group)
+    diffs = {"logprob": (logprobs - reference_lp).abs().max().item(),
+             "entropy": (entropy - reference_h).abs().max().item(),
+             "grad_hidden": relative_diff(hidden.grad, reference_hidden.grad),
+             "grad_weight": relative_diff(weight.grad, reference_weight.grad[rank * width:(rank + 1) * width])}
+    assert max(diffs.values()) < 1e-5, diffs
+    padding_rows = torch.arange(rank * width, (rank + 1) * width) >= vocab
+    assert weight.grad[padding_rows].abs().sum() == 0, "vocabulary padding rows got a gradient"
+    log(f"CHECK vocab_parallel_logprobs_tp{tp} ok " + " ".join(f"{k}={v:.1e}" for k, v in diffs.items()))
+
+
+def relative_diff(tensor, reference) -> float:
+    """max |tensor - reference| over max |reference|: gradients of different scales compared alike."""
+    return ((tensor.double() - reference.double()).abs().max() / reference.abs().max().clamp_min(1e-12)).item()
+
+
+def check_output_layer_input(args):
+    """`OutputLayerInput.logprobs` against a float64 full softmax, through a real ColumnParallelLinear (the output
+    layer the hidden states would meet): log-probs, entropy and the gradients of this rank's hidden states and weight
+    slice, with and without sequence parallelism (the hidden states split over the sequence and gathered, their
+    gradient reduce-scattered back) and with several sequences side by side ([s, b, H], b = 3). `logits()` is
+    checked too: it is the unfused reference the model-level check compares with."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.schedules import custom_backward
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_dppo.actor.logprobs import OutputLayerInput
+
+    reset_parallel(args.tp, 1)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    length, batch, hidden_size, vocab, padded_vocab = 6, 3, 16, 120, 128
+    generator = torch.Generator().manual_seed(10)
+    full_hidden = torch.randn(length, batch, hidden_size, generator=generator, dtype=torch.float64)
+    full_weight = torch.randn(padded_vocab, hidden_size, generator=generator, dtype=torch.float64) * 0.8
+    full_weight[vocab:] = 0.0
+    targets = torch.randint(0, vocab, (batch, length), generator=generator)
+    grad_lp, grad_h = torch.randn(2, batch, length, generator=generator, dtype=torch.float64)
+
+    reference_hidden = full_hidden.clone().requires_grad_(True)
+    reference_weight = full_weight.clone().requires_grad_(True)
+    reference_logits = (reference_hidden @ reference_weight.T).transpose(0, 1)  # [b, s, V]
+    log_softmax = torch.log_softmax(reference_logits[..., :vocab], dim=-1)
+    reference_lp = log_softmax.gather(-1, targets[..., None]).squeeze(-1)
+    reference_h = -(log_softmax.exp() * log_softmax).sum(-1)
+    ((reference_lp * grad_lp).sum() + (reference_h * grad_h).sum()).backward()
+
+    width = padded_vocab // tp
+    columns = slice(rank * width, (rank + 1) * width)
+    for sequence_parallel in ((False, True) if tp > 1 else (False,)):
+        config = TransformerConfig(num_layers=1, hidden_size=hidden_size, num_attention_heads=tp,
+                                   tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
+                                   use_cpu_initialization=True)
+        layer = ColumnParallelLinear(hidden_size, padded_vocab, config=config, init_method=config.init_method,
+                                     bias=False, gather_output=False)
+        with torch.no_grad():
+            layer.weight.copy_(full_weight[columns])
+        rows = slice(rank * length // tp, (rank + 1) * length // tp) if sequence_parallel else slice(None)
+        hidden = full_hidden[rows].float().requires_grad_(True)
+        output = OutputLayerInput(hidden, layer, layer.weight, vocab)
+        logprobs, entropy = output.logprobs(targets, chunk_size=4)
+        # Straight into the autograd engine, as Megatron's schedule can (custom_backward): torch's backward() entry
+        # points run inside the CPU mode's own handler, where the mode is off, and the sequence-parallel
+        # reduce-scatter's buffer would ask for a CUDA device.
+        custom_backward((logprobs * grad_lp.float()).sum() + (entropy * grad_h.float()).sum(), None)
+        diffs = {"logprob": (logprobs - reference_lp).abs().max().item(),
+                 "entropy": (entropy - reference_h).abs().max().item(),
+                 "grad_hidden": relative_diff(hidden.grad, reference_hidden.grad[rows]),
+                 "grad_weight": relative_diff(layer.weight.grad, reference_weight.grad[columns]),
+                 "logits": (output.logits().detach() - reference_logits[..., columns]).abs().max().item()}
+        assert max(diffs.values()) < 1e-5, (sequence_parallel, diffs)
+        log(f"CHECK output_layer_input_sp{int(sequence_parallel)} ok tp={tp} "
+            + " ".join(f"{k}={v:.1e}" for k, v in diffs.items()))
+
+
+def check_fused_equals_unfused(args):
+    """The actor's fused output layer and log-probs equal GPTModel's own output layer (logits [T, V/tp], gathered
+    over TP) followed by a full log-softmax: per-token log-probs, entropy and every parameter's gradient, for an
+    untied (qwen2) and a tied (qwen3) model. (Sequence parallelism is checked at the output layer by
+    check_output_layer_input: megatron's local layer spec, the CPU one, refuses it.)"""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_dppo.actor.step import next_token_targets, run_micro_batches
+
+    def fused(micro_batch, output):
+        return output.logprobs(next_token_targets(micro_batch), chunk_size=7)
+
+    def unfused(micro_batch, output):
+        logits = gather_from_tensor_model_parallel_region(output.logits()[0])[:, :output.vocab_size]  # [T, V]
+        log_softmax = torch.log_softmax(logits, dim=-1)
+        logprobs = log_softmax.gather(1, next_token_targets(micro_batch)[:, None]).squeeze(1)
+        return logprobs, -(log_softmax.exp() * log_softmax).sum(-1)
+
+    sequences = random_sequences([6, 13, 3, 8], 100, seed=9)
+    weights = torch.randn(2, sum(len(s) for s in sequences), generator=torch.Generator().manual_seed(8))
+    for arch in ("qwen2", "qwen3"):
+        reset_parallel(args.tp, args.pp)
+        results = {}
+        for name, head in (("fused", fused), ("unfused", unfused)):
+            model, _ = build(f"{args.models}/{arch}", args.tp, args.pp)
+
+            def loss_fn(micro_batch, output, head=head):
+                logprobs, entropy = head(micro_batch, output)
+                loss = (logprobs * weights[0]).sum() + (entropy * weights[1]).sum()
+                return loss, {"logprobs": logprobs.detach(), "entropy": entropy.detach()}
+
+            outputs = run_micro_batches(model, [packed_batch(sequences)], loss_fn, forward_only=False)
+            results[name] = (outputs[0] if outputs else None,
+                             {key: p.grad.clone() for key, p in model.named_parameters()})
+        what = f"{arch} tp={args.tp} pp={args.pp}"
+        (fused_out, fused_grads), (unfused_out, unfused_grads) = results["fused"], results["unfused"]
+        value_diff = 0.0
+        if fused_out is not None:
+            value_diff = max((fused_out[key] - unfused_out[key]).abs().max().item() for key in fused_out)
+            assert value_diff < 1e-5, f"{what}: fused vs unfused log-probs/entropy differ by {value_diff}"
+        assert fused_grads.keys() == unfused_grads.keys()
+        grad_diff = max(relative_diff(fused_grads[key], unfused_grads[key]) for key in fused_grads)
+        assert grad_diff < GRAD_RTOL, f"{what}: fused vs unfused gradients differ by relative {grad_diff}"
+        log(f"CHECK fused_equals_unfused_{arch} ok {what} values={value_diff:.1e} grads_rel={grad_diff:.1e}")
 
 
 def export_hf_state(model):
@@ -194,7 +310,6 @@ def check_training_matches_reference(args):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
     from megatron_dppo.actor.step import finalize_grads_without_token_scaling, next_token_targets, run_micro_batches
 
     reset_parallel(args.tp, args.pp)
@@ -215,8 +330,8 @@ def check_training_matches_reference(args):
     mine = [all_sequences[i] for i in range(len(all_sequences)) if i % dp_size == dp_rank]
     micro_batches = [packed_batch(mine[i:i + 2]) for i in range(0, len(mine), 2)]
 
-    def loss_fn(micro_batch, logits):
-        logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(micro_batch), vocab)
+    def loss_fn(micro_batch, output):
+        logprobs, _ = output.logprobs(next_token_targets(micro_batch))
         bounds = micro_batch.cu_seqlens.tolist()
         kept = torch.cat([logprobs[a:b - 1] for a, b in zip(bounds[:-1], bounds[1:])])
         return -kept.sum() / total_tokens, {}
@@ -321,13 +436,20 @@ def check_device_move(args):
     """Every tensor the actor hands the model (tokens, positions, cu_seqlens) or the loss (labels, advantages, masks,
     weights, log-probs) was moved to the model's device, in the forward-only pass and in the update; what the actor
     returns is back on the host. The device is tests/workers/emulated_device.py's stand-in for CUDA."""
+    import dataclasses
+
     from megatron_dppo.actor.actor import Actor, OptimConfig
-    from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
     from megatron_dppo.actor.step import logprob_loss_fn, next_token_targets
     from megatron_dppo.algo.losses import LossConfig, packed_policy_loss
     from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
     from megatron_dppo.packing import TrainingSample, build_thd_batch
-    from tests.workers.emulated_device import EmulatedDevice, require_on_device, strict, watch_model
+    from tests.workers.emulated_device import (
+        EmulatedDevice,
+        parameter_on_device,
+        require_on_device,
+        strict,
+        watch_model,
+    )
 
     reset_parallel(args.tp, args.pp)
     checkpoint = HFCheckpoint(f"{args.models}/qwen3")
@@ -348,18 +470,19 @@ def check_device_move(args):
     config = LossConfig(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0)
 
     def checked(loss_fn):
-        def loss_on_device(micro_batch, logits):
-            require_on_device("loss input", [logits, *vars(micro_batch).values()])
+        def loss_on_device(micro_batch, output):
+            require_on_device("loss input", [output.hidden, *vars(micro_batch).values()])
+            output = dataclasses.replace(output, weight=parameter_on_device(output.weight))
             with strict():
-                return loss_fn(micro_batch, logits)
+                return loss_fn(micro_batch, output)
         return loss_on_device
 
-    def update_loss(micro_batch, logits):  # the trainer's update loss
-        logprobs, entropy = tensor_parallel_logprobs(logits, next_token_targets(micro_batch), vocab)
+    def update_loss(micro_batch, output):  # the trainer's update loss
+        logprobs, entropy = output.logprobs(next_token_targets(micro_batch))
         return packed_policy_loss(config, micro_batch, logprobs, 4.0, entropy)
 
     with EmulatedDevice():
-        forward = actor.forward(batches, checked(logprob_loss_fn(vocab, with_entropy=True)))
+        forward = actor.forward(batches, checked(logprob_loss_fn(with_entropy=True)))
         _, update = actor.train_step(batches, checked(update_loss))
     for output in forward + update:
         host = [key for key, value in output.items() if isinstance(value, torch.Tensor)
@@ -375,6 +498,8 @@ CHECKS = {
     "hf_logits": check_hf_logits,
     "packed_equals_padded": check_packed_equals_padded,
     "vocab_parallel_logprobs": check_vocab_parallel_logprobs,
+    "output_layer_input": check_output_layer_input,
+    "fused_equals_unfused": check_fused_equals_unfused,
     "training": check_training_matches_reference,
     "resharded_load": check_resharded_load,
     "d3s_tokens_over_data_parallel": check_d3s_tokens_over_data_parallel,

@@ -65,7 +65,6 @@ def check_trainer_checkpoint(args):
 
     from megatron_dppo.actor.actor import Actor, OptimConfig
     from megatron_dppo.actor.checkpoint import save_checkpoint
-    from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
     from megatron_dppo.actor.step import next_token_targets
     from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
     from tests.workers.actor_checks import packed_batch, random_sequences
@@ -77,8 +76,8 @@ def check_trainer_checkpoint(args):
     actor = Actor(checkpoint.shape, args.tp, args.pp, "fp32", OptimConfig(lr=LR, adam_eps=ADAM_EPS),
                   hf_checkpoint=checkpoint)
 
-    def loss_fn(micro_batch, logits):
-        logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(micro_batch), vocab)
+    def loss_fn(micro_batch, output):
+        logprobs, _ = output.logprobs(next_token_targets(micro_batch))
         return -logprobs.sum() / logprobs.numel(), {}
 
     actor.train_step([packed_batch(random_sequences([7, 4, 10, 6], vocab, seed=5))], loss_fn)

@@ -11,7 +11,11 @@ model's device are the same, so nothing fails when a tensor skips the move. This
   together with a host tensor of one or more dimensions raises DeviceMixError, as CUDA refuses such a mix (it accepts
   0-dim host tensors beside device ones, and so does this check).
 - `watch_model(model)` checks at the model's boundary that every tensor argument (PackedSeqParams' fields included)
-  is OnDevice; the model then runs on plain tensors and its output comes back OnDevice, as CUDA logits would.
+  is OnDevice; the model then runs on plain tensors and its output comes back OnDevice, as CUDA hidden states would.
+  A parameter the loss meets beside that output (the output layer's weight) is a device tensor on a GPU too:
+  `parameter_on_device(param)` is the view of it the loss gets.
+- An autograd Function's output that shares the storage of a device input (an alias, as a Function returning its
+  input unchanged gives back under no_grad) stays a device tensor while `EmulatedDevice` is on.
 """
 
 import contextlib
@@ -74,7 +78,31 @@ def _names_a_device(args, kwargs) -> bool:
                for arg in args[1:])
 
 
+def _keeping_aliases_on_device(apply):
+    """`Function.apply` whose outputs that share the storage of a device input are device tensors: a Function that
+    returns its input unchanged (Megatron's copy-to-TP-region) gives back a plain alias of it under no_grad, the same
+    memory, which on a GPU is on the device."""
+
+    def apply_on_device(cls, *args, **kwargs):
+        result = apply(cls, *args, **kwargs)
+        storages = {arg.untyped_storage().data_ptr() for arg in args if isinstance(arg, OnDevice)}
+        keep = lambda out: _on_device(out) if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() \
+            in storages else out  # noqa: E731
+        return type(result)(keep(out) for out in result) if isinstance(result, tuple) else keep(result)
+
+    return classmethod(apply_on_device)
+
+
 class EmulatedDevice(TorchFunctionMode):
+    def __enter__(self):
+        self._apply = torch.autograd.Function.__dict__["apply"]
+        torch.autograd.Function.apply = _keeping_aliases_on_device(self._apply.__func__)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.autograd.Function.apply = self._apply
+        return super().__exit__(*exc)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
@@ -100,6 +128,11 @@ def require_on_device(what: str, value) -> None:
     host = [tuple(t.shape) for t in _tensors(value) if not isinstance(t, OnDevice)]
     if host:
         raise DeviceMixError(f"{what}: tensors of shapes {host} were not moved to the model's device")
+
+
+def parameter_on_device(param: torch.Tensor) -> torch.Tensor:
+    """An OnDevice view of a model parameter, as the loss meets it on a GPU; gradients still reach the parameter."""
+    return _on_device(param)
 
 
 def watch_model(model: torch.nn.Module) -> None:

@@ -38,11 +38,11 @@ def megatron_scores(actor, sequences, vocab):
     actor; every rank calls this (TP/PP collectives); the result is returned on every rank."""
     from megatron.core import parallel_state
 
-    from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
     from megatron_dppo.actor.step import next_token_targets, run_micro_batches
 
-    def loss_fn(micro_batch, logits):
-        logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(micro_batch), vocab)
+    def loss_fn(micro_batch, output):
+        logprobs, _ = output.logprobs(next_token_targets(micro_batch))
+        logits = output.logits()[0]  # [T, V/tp]
         group = parallel_state.get_tensor_model_parallel_group()
         shards = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
         dist.all_gather(shards, logits.contiguous(), group=group)
@@ -78,11 +78,10 @@ def engine_generate(url, temperature):
 
 
 def train_one_step(actor, vocab, seed):
-    from megatron_dppo.actor.logprobs import tensor_parallel_logprobs
     from megatron_dppo.actor.step import next_token_targets
 
-    def loss_fn(micro_batch, logits):
-        logprobs, _ = tensor_parallel_logprobs(logits, next_token_targets(micro_batch), vocab)
+    def loss_fn(micro_batch, output):
+        logprobs, _ = output.logprobs(next_token_targets(micro_batch))
         return -logprobs.sum() / logprobs.numel(), {}
 
     generator = torch.Generator().manual_seed(seed)  # a batch per layout: each sync brings new weights
