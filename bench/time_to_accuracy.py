@@ -59,7 +59,7 @@ METHODS = {
     # the policy has not solved yet as worthless (mean |A| scores all-wrong groups 0, like all-correct ones)
     "dppo-completion-only": ["--algorithm", "dppo", "--dppo-prompt-prune-rate", "0"],
     "dppo-unsolved": ["--algorithm", "dppo", "--dppo-prompt-score", "unsolved_rate"],
-    "cppo": ["--algorithm", "cppo"],
+    "cppo": ["--algorithm", "cppo", "--cppo-refill"],  # with its paper's refill: batch / (1 - P) prompts drawn
     "d3s": ["--algorithm", "d3s"],
 }
 HEADLINE_METHOD = "dppo-proportional"

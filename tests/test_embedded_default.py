@@ -3,6 +3,9 @@ the response limit fit the longest problems; the cache key follows every warm-st
 command (shortened) runs the worked task end to end to its JSON line."""
 
 import json
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -81,9 +84,25 @@ def test_bad_embedded_flags_are_named(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+README_MAIN_COMMAND = ("python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints.txt -e . && "
+                       "torchrun --nproc-per-node 2 examples/pretrain_dppo.py")
+
+
+def readme_main_launch() -> tuple[Path, int, list[str]]:
+    """The README's first command, which must be README_MAIN_COMMAND: its launch part as (script, processes, flags)."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    first_block = re.search(r"```bash\n(.*?)\n```", readme, re.DOTALL).group(1).strip()
+    assert first_block == README_MAIN_COMMAND, "the README's first command changed: update this smoke run with it"
+    launch = shlex.split(first_block.split("&&")[-1])
+    assert launch[:2] == ["torchrun", "--nproc-per-node"], launch
+    return REPO_ROOT / launch[3], int(launch[2]), launch[4:]
+
+
 def test_no_argument_command_runs_the_worked_task_to_its_json_line(tmp_path):
-    """The README's command with a shortened budget: the worked task's warm start, RL steps, the JSON line last."""
-    process = start_torchrun(REPO_ROOT / "examples" / "pretrain_dppo.py", 2, [
+    """The README's command (read from the README) with a shortened budget: the worked task's warm start, RL steps,
+    the JSON line last."""
+    script, processes, readme_flags = readme_main_launch()
+    process = start_torchrun(script, processes, [*readme_flags,
         "--warm-start-steps", "40", "--train-iters", "2", "--eval-size", "16", "--rollout-batch-size", "4",
         "--cache-dir", tmp_path / "cache", "--log-dir", tmp_path / "log"])
     output = finish(process, 600, "the embedded default")

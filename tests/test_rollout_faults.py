@@ -14,8 +14,10 @@ from megatron_dppo.rollout.weight_sync import WeightSyncer
 from tests.test_rollout_engine import save_tiny_model, sequence_logprobs
 from tests.test_weight_sync import PROBES, engine_probe_logprobs, perturbed_model
 
-LONG = SamplingParams(max_new_tokens=240)  # long enough that the kill lands mid-generation
-PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]
+# long enough that the kill lands mid-generation: 128 sequences of 240 tokens take the engine's own decode path
+# several seconds on 2 cores (16 sequences finished within the 0.3 s before the kill)
+LONG = SamplingParams(max_new_tokens=240)
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]] * 8
 
 
 def kill_after(handle: ServerHandle, delay_s: float) -> threading.Thread:
@@ -46,7 +48,7 @@ def test_killed_engine_is_restarted_resynced_and_the_request_retried(tmp_path):
         syncer.destroy_group()
 
         assert engine.restarts == 1 and engine.process.pid != old_pid
-        assert len(completions) == 16 and all(len(c.output_ids) == 240 for c in completions)
+        assert len(completions) == 4 * len(PROMPTS) and all(len(c.output_ids) == 240 for c in completions)
         assert all(c.weight_version == "1" for c in completions)
         # the restarted engine holds the synced weights, not the ones on disk
         for got, probe in zip(engine_probe_logprobs(engine.url), PROBES):
