@@ -585,7 +585,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="runs and caches; a time_to_accuracy --out-dir reuses its warm start and GRPO runs")
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="RL seeds (default 1)")
     parser.add_argument("--budget-s", type=float, default=None, help="RL wall time per run (default 200)")
-    parser.add_argument("--warm-start-steps", type=int, default=None, help="default: the worked task's embedded default")
+    parser.add_argument("--warm-start-steps", type=int, default=None,
+                        help="default: the worked task's embedded default")
     parser.add_argument("--eval-interval", type=int, default=None, help="steps between evaluations (default 25)")
     parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 512)")
     parser.add_argument("--processes", type=int, default=2, help="our trainer's torchrun --nproc-per-node")
