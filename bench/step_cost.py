@@ -2,8 +2,9 @@
 seconds_step ≈ fixed + per generated token x tokens_generated + per trained token x tokens_trained.
 
     runs (the real entry point, torchrun, 2 processes + the embedded engine, GRPO without the DAPO filter so that
-    every generated token is also trained): the cached warm start (answers of 2-5 tokens), and an untrained model
-    (--warm-start-steps 0: random tokens until the end token or --rollout-max-response-len) at two response limits
+    every generated token is also trained): the cached warm start (the default task's worked responses, 14 to ~160
+    tokens), and an untrained model (--warm-start-steps 0: random tokens until the end token or
+    --rollout-max-response-len) at two response limits
     ─► every step after the first --skip-steps of each run ─► least squares (bench/time_to_accuracy.fit_step_cost)
     ─► a table of the runs' median phases, the fit, `name: value` lines
 
@@ -26,7 +27,7 @@ from tools.plot_metrics import load_run  # noqa: E402
 
 # name -> trainer flags on top of GRPO without the DAPO filter: three response-length regimes
 RUNS = {
-    "warm start, answers": [],
+    "warm start, worked responses": [],
     "untrained, up to 16 tokens": ["--warm-start-steps", "0", "--rollout-max-response-len", "16"],
     "untrained, up to 44 tokens": ["--warm-start-steps", "0", "--rollout-max-response-len", "44"],
 }
