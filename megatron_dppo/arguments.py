@@ -8,6 +8,7 @@ A bad combination is reported naming both flags and the fix.
 
 import argparse
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ EMBEDDED_TASK_DEFAULTS = {
     "answer": dict(rollout_max_response_len=8, warm_start_steps=900, warm_start_lr=3e-3, warm_start_batch_size=128,
                    warm_start_problems=0, warm_start_cells=None),
 }
+RANK0_ERROR_WAIT_S = 60  # how long ranks other than 0 wait for rank 0 to report a flag error and exit
 EMBEDDED_HEAD_DIM = 32  # the tiny model's attention heads: --embedded-hidden-size / 32 of them
 
 
@@ -356,8 +358,12 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         # No usage block: it would bury the message under every flag. Under torchrun every rank finds the same
         # errors; rank 0 says them.
         text = errors[0] if len(errors) == 1 else "\n  ".join(["invalid arguments:", *errors])
-        rank0 = int(os.environ.get("RANK", "0")) == 0
-        parser.exit(2, f"{parser.prog}: error: {text}\n(--help lists every flag)\n" if rank0 else None)
+        if int(os.environ.get("RANK", "0")) != 0:
+            # torchrun stops every rank as soon as one exits: a rank that exited first could take rank 0 down before
+            # it says why, so the others wait for rank 0's exit to stop them (a bounded wait, in case it cannot).
+            time.sleep(RANK0_ERROR_WAIT_S)
+            parser.exit(2)
+        parser.exit(2, f"{parser.prog}: error: {text}\n(--help lists every flag)\n")
     if args.rl_seed is None:
         args.rl_seed = args.seed
     clip = SEQUENCE_CLIP if args.importance_level == "sequence" else TOKEN_CLIP
