@@ -8,6 +8,7 @@ A bad combination is reported naming both flags and the fix.
 
 import argparse
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -358,12 +359,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         # No usage block: it would bury the message under every flag. Under torchrun every rank finds the same
         # errors; rank 0 says them.
         text = errors[0] if len(errors) == 1 else "\n  ".join(["invalid arguments:", *errors])
-        if int(os.environ.get("RANK", "0")) != 0:
-            # torchrun stops every rank as soon as one exits: a rank that exited first could take rank 0 down before
-            # it says why, so the others wait for rank 0's exit to stop them (a bounded wait, in case it cannot).
-            time.sleep(RANK0_ERROR_WAIT_S)
-            parser.exit(2)
-        parser.exit(2, f"{parser.prog}: error: {text}\n(--help lists every flag)\n")
+        exit_saying_once(2, f"{parser.prog}: error: {text}\n(--help lists every flag)")
     if args.rl_seed is None:
         args.rl_seed = args.seed
     clip = SEQUENCE_CLIP if args.importance_level == "sequence" else TOKEN_CLIP
@@ -392,6 +388,17 @@ def default_eval_prompt_data(prompt_data: str, reward_type: str) -> str | None:
     from megatron_dppo.data.datasets import HELDOUT_SETS
 
     return None if prompt_data == "synthetic" else HELDOUT_SETS.get(reward_type)
+
+
+def exit_saying_once(status: int, message: str) -> None:
+    """Exit with an error every rank found alike, said once, by rank 0. torchrun stops every rank as soon as one
+    exits, so a rank that exited first could take rank 0 down before it speaks: the others wait for rank 0's exit to
+    stop them (a bounded wait, in case it cannot)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        time.sleep(RANK0_ERROR_WAIT_S)
+        sys.exit(status)
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(status)
 
 
 def hf_checkpoint_errors(path: str, flag: str = "--hf-checkpoint") -> list[str]:
