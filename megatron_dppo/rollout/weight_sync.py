@@ -394,13 +394,22 @@ class WeightSyncer:
                 "group_name": self.group_name, "flush_cache": False, "weight_version": version,
                 "load_format": FLATTENED_BUCKET if bucket.flat is not None else None}
 
-    def _submit_all(self, path: str, payload: dict | None = None, method: str = "POST") -> list[Future]:
-        """The control call to every engine, concurrently, on threads kept for the syncer's life (a pool per call
-        would start a thread per engine per call)."""
+    def _submit_each(self, path: str, payloads: list[dict | None], method: str = "POST") -> list[Future]:
+        """The control call to every engine, each with its payload, concurrently, on threads kept for the syncer's
+        life (a pool per call would start a thread per engine per call)."""
         if self.pool is None:
             self.pool = ThreadPoolExecutor(len(self.urls), thread_name_prefix="weight-sync-control")
         return [self.pool.submit(self.control, url, path, payload, method, self.timeout_s, self.api_key)
-                for url in self.urls]
+                for url, payload in zip(self.urls, payloads)]
+
+    def _submit_all(self, path: str, payload: dict | None = None, method: str = "POST") -> list[Future]:
+        """The same control call to every engine, concurrently (see _submit_each)."""
+        return self._submit_each(path, [payload] * len(self.urls), method)
+
+    def _failures(self, futures: list[Future]) -> list[str]:
+        """'url: error' of each engine whose call (one future per engine, in url order) raised; waits for all."""
+        return [f"{url}: {error}" for url, future in zip(self.urls, futures)
+                if (error := future.exception()) is not None]
 
     def _packs(self, group: list[tuple[str, torch.Tensor]]) -> bool:
         """Whether a bucket goes packed (flattened_bucket) or per tensor, by `load_format`."""
@@ -421,17 +430,14 @@ class WeightSyncer:
         port = self.master_port or free_port()
         offsets, world_size = sync_rank_offsets(self.engine_ranks)
         joining_error = None
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            futures = [pool.submit(self.control, url, "/init_weights_update_group",
-                                   self.init_group_payload(port, offset, world_size), "POST", self.timeout_s,
-                                   self.api_key) for url, offset in zip(self.urls, offsets)]
-            try:
-                self.group = init_weight_update_group(self.backend, self.master_address, port, 0, world_size,
-                                                      self.group_name, self.timeout_s)
-            except Exception as error:  # a store timeout says only that someone did not join: the servers say why
-                joining_error = error
-            results = [future.exception() or future.result() for future in futures]
-        failures = [f"{url}: {result}" for url, result in zip(self.urls, results) if isinstance(result, Exception)]
+        futures = self._submit_each("/init_weights_update_group",
+                                    [self.init_group_payload(port, offset, world_size) for offset in offsets])
+        try:
+            self.group = init_weight_update_group(self.backend, self.master_address, port, 0, world_size,
+                                                  self.group_name, self.timeout_s)
+        except Exception as error:  # a store timeout says only that someone did not join: the servers say why
+            joining_error = error
+        failures = self._failures(futures)
         if failures:
             raise RolloutServerError("init_weights_update_group failed on " + "; ".join(failures)) from joining_error
         if joining_error is not None:
@@ -483,8 +489,7 @@ class WeightSyncer:
         futures = self._submit_all("/update_weights_from_distributed", payload)
         # ProcessGroup.broadcast(tensor, root) returns a Work at once (the list form raises in torch 2.13)
         pending = [self.group.broadcast(tensor, 0) for tensor in tensors]
-        refusals = [f"{url}: {error}" for url, future in zip(self.urls, futures)
-                    if (error := future.exception()) is not None]
+        refusals = self._failures(futures)
         if refusals:
             self._tear_down_after_failed_update(pending)
             raise RolloutServerError(
@@ -509,8 +514,7 @@ class WeightSyncer:
     def _end_update(self, raise_errors: bool) -> None:
         """Close the session on every engine; after a failure, an engine without one (its begin failed) is fine."""
         futures = self._submit_all("/end_weight_update", {})
-        failures = [f"{url}: {error}" for url, future in zip(self.urls, futures)
-                    if (error := future.exception()) is not None]
+        failures = self._failures(futures)
         if failures and raise_errors:
             raise RolloutServerError("end_weight_update failed on " + "; ".join(failures))
 
