@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main():
-    from megatron_dppo.arguments import exit_saying_once, parse_args
+    from megatron_dppo.arguments import exit_saying_once, is_rank0, parse_args
 
     args = parse_args()
     if args.dry_run:  # print the launch plan and parallel layout; start nothing
@@ -30,7 +30,7 @@ def main():
         summary = run(args)
     except PromptDataError as error:  # bad prompt data is the user's to fix: their message, not a traceback
         exit_saying_once(1, f"pretrain_dppo.py: error: {error}")
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_rank0():
         print(json.dumps(summary), flush=True)
 
 

@@ -390,14 +390,19 @@ def default_eval_prompt_data(prompt_data: str, reward_type: str) -> str | None:
     return None if prompt_data == "synthetic" else HELDOUT_SETS.get(reward_type)
 
 
+def is_rank0() -> bool:
+    """Whether this process is rank 0 of its torchrun launch (a process started without torchrun is)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def exit_saying_once(status: int, message: str) -> None:
     """Exit with an error every rank found alike, said once, by rank 0. torchrun stops every rank as soon as one
     exits, so a rank that exited first could take rank 0 down before it speaks: the others wait for rank 0's exit to
     stop them (a bounded wait, in case it cannot)."""
-    if int(os.environ.get("RANK", "0")) != 0:
+    if is_rank0():
+        print(message, file=sys.stderr, flush=True)
+    else:
         time.sleep(RANK0_ERROR_WAIT_S)
-        sys.exit(status)
-    print(message, file=sys.stderr, flush=True)
     sys.exit(status)
 
 
