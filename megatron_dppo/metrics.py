@@ -1,36 +1,44 @@
 """Per-step metrics: one JSON line per step (metrics.jsonl), TensorBoard events, and a progress bar (rank 0 only).
 
-The JSONL file is the record `tools/plot_metrics.py` and the benchmarks read. On resume from the checkpoint of step
-s, the file keeps steps 1..s only (later lines came from work the checkpoint does not hold), so a resumed run's file
-reads as if the run had never stopped.
+The JSONL file is the record `tools/plot_metrics.py` and the benchmarks read. Beside it, prompt_outcomes.jsonl has
+one line per rolled-out group (the step's "prompt_outcomes": what the prompt level predicted before rollout and what
+the group turned out to be), from which bench/prompt_prediction.py measures how well history predicts. On resume
+from the checkpoint of step s, both files keep steps 1..s only (later lines came from work the checkpoint does not
+hold), so a resumed run's files read as if the run had never stopped.
 """
 
 import json
 import math
 from pathlib import Path
 
+OUTCOMES_FILE = "prompt_outcomes.jsonl"
+
+
+def _truncate_after(path: Path, start_step: int) -> None:
+    """Keep the lines of steps <= start_step (all of them on a fresh start)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", -1) <= start_step]
+    path.write_text("".join(line + "\n" for line in kept))
+
 
 class MetricsLogger:
     def __init__(self, log_dir: str | Path, enabled: bool, total_steps: int | None, start_step: int = 0):
         self.enabled = enabled
         self.path = Path(log_dir) / "metrics.jsonl"
+        self.outcomes_path = self.path.parent / OUTCOMES_FILE
         self.writer = self.progress = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._truncate_after(start_step)
+        for path in (self.path, self.outcomes_path):
+            _truncate_after(path, start_step)
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
         self.writer = SummaryWriter(log_dir=str(self.path.parent / "tensorboard"))
         self.progress = tqdm(total=total_steps, initial=start_step, desc="rl", unit="step", dynamic_ncols=True)
-
-    def _truncate_after(self, start_step: int) -> None:
-        if not self.path.is_file():
-            return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", -1) <= start_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -38,6 +46,9 @@ class MetricsLogger:
         record = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if metrics.get("prompt_outcomes"):
+            with open(self.outcomes_path, "a") as f:
+                f.writelines(json.dumps({"step": step, **outcome}) + "\n" for outcome in metrics["prompt_outcomes"])
         for key, value in record.items():
             if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
                 self.writer.add_scalar(key, value, step)

@@ -22,6 +22,7 @@ class Prompt:
     input_ids: list[int]
     reference: object
     text: str = ""
+    difficulty: str = ""  # a stratum known before rollout (synthetic cell, MATH level/type): DPPO's prior
 
 
 class Task:
@@ -56,7 +57,7 @@ def synthetic_task(tokenizer, seed: int, train_size: int, heldout_size: int, cel
     generator = SyntheticArithmetic(seed, cells or TASK_CELLS[check_task(task)])
 
     def as_prompt(index, problem):
-        return Prompt(index, tokenizer.encode(problem.prompt), problem.answer, problem.prompt)
+        return Prompt(index, tokenizer.encode(problem.prompt), problem.answer, problem.prompt, problem.cell)
 
     train = [as_prompt(i, p) for i, p in enumerate(generator.sample(train_size))]
     heldout = [as_prompt(-1 - i, p) for i, p in enumerate(generator.heldout(heldout_size))]
@@ -72,7 +73,7 @@ def dataset_task(train: Sequence[Example], heldout: Sequence[Example], tokenizer
 
     def as_prompts(examples, ids):
         encoded = encode_examples(examples, apply_chat_template, tokenizer)
-        return [Prompt(prompt_id, input_ids, example.answer, tokenizer.decode(input_ids))
+        return [Prompt(prompt_id, input_ids, example.answer, tokenizer.decode(input_ids), example.difficulty)
                 for prompt_id, input_ids, example in zip(ids, encoded, examples)]
 
     return Task(as_prompts(train, range(len(train))), as_prompts(heldout, range(-1, -1 - len(heldout), -1)),

@@ -56,6 +56,7 @@ class Example:
     source: str  # the file (or built-in / hub data set) it came from
     row: int  # 1-based row in that file: for JSON lines, the n-th JSON object
     solution: str | None = None  # worked solution, where the data has one
+    difficulty: str = ""  # a stratum known before rollout (MATH: "Level 3/Algebra"); DPPO's prior for unseen prompts
 
     @property
     def location(self) -> str:
@@ -129,10 +130,15 @@ def _gsm8k_final_answer(answer_text: str) -> str:
 
 
 def _parse_math_row(row: dict, source: str, number: int) -> Example:
-    """MATH and Minerva: 'problem', and the last \\boxed{} of 'solution'."""
+    """MATH and Minerva: 'problem', and the last \\boxed{} of 'solution'; MATH's level and type as its difficulty."""
     solution = _require_string(row, "solution")
     return Example(with_instruction(_require_string(row, "problem")), _boxed_answer(solution), source, number,
-                   solution)
+                   solution, math_difficulty(row))
+
+
+def math_difficulty(row: dict) -> str:
+    """'Level 3/Algebra' from MATH's `level` and `type` fields ('' where a row has neither)."""
+    return "/".join(str(row[key]) for key in ("level", "type") if row.get(key))
 
 
 def _parse_gsm8k_row(row: dict, source: str, number: int) -> Example:
@@ -359,11 +365,12 @@ def load_dataset(name: str, data_dir: str | Path | None = None, skip_bad_rows: b
 def load_prompt_data(source: str, input_key: str = "prompt", label_key: str = "label", reward_type: str = "math",
                      split: str = "train", skip_bad_rows: bool = False, limit: int | None = None,
                      flag: str = "--prompt-data", data_dir: str | Path | None = None,
-                     training: bool = False) -> list[Example]:
+                     training: bool = False, difficulty_key: str | None = None) -> list[Example]:
     """Prompts and reference answers from a built-in set, a local file or directory, or a hub data set.
 
     Built-in sets have their own fields; other sources take the prompt from `input_key` and the answer from
-    `label_key`, which must be readable by `reward_type`. `flag` names the source in error messages.
+    `label_key`, which must be readable by `reward_type`, and their difficulty (optional, any value) from
+    `difficulty_key`. `flag` names the source in error messages.
     """
     if reward_type not in REWARD_TYPES:
         raise ValueError(f"unknown reward type {reward_type!r}; choose one of {REWARD_TYPES}")
@@ -373,8 +380,9 @@ def load_prompt_data(source: str, input_key: str = "prompt", label_key: str = "l
                              limit)
 
     def parse_row(row: dict, name: str, number: int) -> Example:
+        difficulty = "" if difficulty_key is None or row.get(difficulty_key) is None else str(row[difficulty_key])
         return Example(_require_prompt(row, input_key), read_label(row.get(label_key), label_key, reward_type), name,
-                       number)
+                       number, difficulty=difficulty)
 
     required = ((input_key, "--input-key"), (label_key, "--label-key"))
     examples = _parse_tables(_tables(resolved, split, flag), parse_row, required, skip_bad_rows, limit)
