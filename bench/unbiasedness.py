@@ -37,10 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 torch.set_num_threads(1)  # tiny tensors: threads only add overhead
 
 from megatron_dppo.algo.losses import AGGREGATIONS, FullBatchInfo, loss_normalizer, packed_policy_loss  # noqa: E402
+from megatron_dppo.algo.pruning import build_pruner  # noqa: E402
 from megatron_dppo.arguments import parse_args  # noqa: E402
 from megatron_dppo.data.synthetic import END_MARKER, TASK_CELLS, SyntheticArithmetic, format_target  # noqa: E402
 from megatron_dppo.data.tokenizer import CharTokenizer  # noqa: E402
-from megatron_dppo.experience import ExperienceMaker, loss_config  # noqa: E402
+from megatron_dppo.experience import ExperienceMaker, loss_config, pruner_options  # noqa: E402
 from megatron_dppo.packing import TrainingSample, build_thd_batch, pack_micro_batches  # noqa: E402
 from megatron_dppo.rollout.client import Completion  # noqa: E402
 from megatron_dppo.tasks import synthetic_task  # noqa: E402
@@ -49,18 +50,28 @@ NUM_PROMPTS, GROUP = 16, 8
 FEATURES = 4  # the tiny policy's width: FEATURES² parameters, the coordinates of the gradient
 MICRO_BATCH_TOKENS = 640  # small, so that each rank gets several micro-batches
 
-# name: (flags, unbiased). The world's own flags (batch, group size, lengths) are added to each.
+# name: (flags, unbiased). The world's own flags (batch, group size, lengths) are added to each. A refill draws
+# M = B / (1 - rate) prompts, more than the world's 16 at B = 8 with the world's recorded zero-variance share (7 of
+# 12): the draw is then capped at the pool, the whole world, so that the full batch is the same on every draw.
+REFILL = ["--rollout-batch-size", "8"]
 CONFIGURATIONS = {
-    "embedded default (dppo, proportional, below_mean, DAPO)": ([], True),
-    "cli default (dppo, proportional, below_mean, no DAPO)": (["--no-dapo-filter"], True),
-    "dppo uniform, all candidates, DAPO": (["--dppo-keep-policy", "uniform", "--dppo-candidates", "all"], True),
-    "dppo uniform, below_mean, no DAPO": (["--dppo-keep-policy", "uniform", "--no-dapo-filter"], True),
-    "dppo proportional, all candidates, no DAPO": (["--dppo-candidates", "all", "--no-dapo-filter"], True),
-    "dppo, DAPO over-sampling x2": (["--dapo-oversample", "2", "--rollout-batch-size", "8"], True),
+    "embedded default (dppo: predicted zero-variance, auto rate, refill, DAPO)": (REFILL, True),
+    "cli default (dppo: predicted zero-variance, auto rate, refill, no DAPO)": ([*REFILL, "--no-dapo-filter"], True),
+    "dppo uniform keep, refill, DAPO": ([*REFILL, "--dppo-keep-policy", "uniform"], True),
+    "dppo, no refill, rate 0.5, no DAPO": (["--no-dppo-refill", "--dppo-prompt-prune-rate", "0.5", "--no-dapo-filter"],
+                                           True),
+    "dppo mean |A| EMA score, below_mean, no refill, no DAPO": (
+        ["--dppo-prompt-score", "mean_abs_advantage", "--no-dppo-refill", "--dppo-prompt-prune-rate", "0.5",
+         "--no-dapo-filter"], True),
+    "dppo, no refill, DAPO over-sampling x2": (["--no-dppo-refill", "--dapo-oversample", "2", "--rollout-batch-size",
+                                                "8"], True),
     "grpo, DAPO": (["--algorithm", "grpo"], True),
     "grpo, DAPO over-sampling x2": (["--algorithm", "grpo", "--dapo-oversample", "2", "--rollout-batch-size", "8"],
                                     True),
-    "dppo deterministic (the paper's Algorithm 1)": (["--dppo-mode", "deterministic"], False),
+    "dppo deterministic (the paper's Algorithm 1), refill": ([*REFILL, "--dppo-mode", "deterministic"], False),
+    "dppo without importance weights (kept prompts as the batch)": ([*REFILL, "--no-dppo-importance-weights"], False),
+    "grpo, DAPO dynamic sampling (rounds until B varied groups)": (
+        ["--algorithm", "grpo", "--dapo-dynamic-sampling", "--rollout-batch-size", "8"], False),
     "cppo": (["--algorithm", "cppo"], False),
     "d3s": (["--algorithm", "d3s"], False),
 }
@@ -127,14 +138,15 @@ def build_world(seed: int = 0, uniform_groups: int = NUM_PROMPTS // 2) -> World:
                                                 [-rng.uniform(0.05, 2.0) for _ in ids])
             group.append(Completion(0, sample, ids, logprobs, "stop", None))
         completions[tuple(prompt.input_ids)] = group
-    # The history: every fifth prompt never seen; the others with their true score (mean |A|) up to ±30% and a mean
-    # response length off by a factor in [0.5, 1.5] (stale, from an earlier visit).
+    # The history: every fifth prompt never seen (the prompt level gives it its stratum's prior); the others with
+    # their true score (mean |A|) up to ±30%, a mean response length off by a factor in [0.5, 1.5] (stale, from an
+    # earlier visit), and their rewards of that earlier visit: the true ones, except that three prompts with varied
+    # rewards now had all-equal ones then, and one the reverse (the prediction is then wrong, and the importance
+    # weight of a kept informative prompt is large).
     maker = ExperienceMaker(args, task, tokenizer, FixedWorldClient(completions))
     seen = [p for p in task.prompts if p.prompt_id % 5]
     rollouts = maker.generate(0)  # the history is empty: every prompt is rolled out
-    experience_rewards = maker.task.score([tokenizer.decode(ids) for ids in rollouts.output_ids],
-                                          [p.reference for p in rollouts.prompts for _ in range(GROUP)])
-    rewards = torch.tensor(experience_rewards, dtype=torch.float64).view(-1, GROUP)
+    rewards = rollouts.rewards
     from megatron_dppo.algo import compute_advantages, score_prompts
 
     scores = score_prompts(rewards, compute_advantages(rewards))
@@ -143,7 +155,22 @@ def build_world(seed: int = 0, uniform_groups: int = NUM_PROMPTS // 2) -> World:
     rows = [by_id[p.prompt_id] for p in seen]
     noise = torch.tensor([rng.uniform(0.7, 1.3) for _ in seen], dtype=torch.float64)
     stale = torch.tensor([rng.uniform(0.5, 1.5) for _ in seen], dtype=torch.float64)
-    maker.history.update([p.prompt_id for p in seen], scores[rows] * noise, lengths.mean(dim=1)[rows] * stale)
+    earlier = rewards[rows].clone()
+    uniform_now = (earlier == earlier[:, :1]).all(dim=1).tolist()
+    mixed_positions = [i for i, uniform in enumerate(uniform_now) if not uniform]
+    uniform_positions = [i for i, uniform in enumerate(uniform_now) if uniform]
+    for position in mixed_positions[:3]:
+        earlier[position] = 1.0
+    for position in uniform_positions[:1]:
+        earlier[position] = torch.arange(GROUP, dtype=torch.float64) % 2
+    maker.history.update([p.prompt_id for p in seen], scores[rows] * noise, lengths.mean(dim=1)[rows] * stale,
+                         rewards=earlier, difficulties=[p.difficulty for p in seen])
+    refill = world_args(REFILL)
+    name, options = pruner_options(refill)
+    drawn = build_pruner(name, **options).prompts_to_sample(refill.rollout_batch_size, maker.history)
+    if uniform_groups == NUM_PROMPTS // 2 and drawn < NUM_PROMPTS:
+        raise RuntimeError(f"the refill configurations would draw {drawn} of the world's {NUM_PROMPTS} prompts (the "
+                           "recorded zero-variance share is too low): the full batch would change between draws")
     return World(task, tokenizer, completions, maker.history.state_dict(), uniform)
 
 
@@ -254,6 +281,7 @@ def grpo_step(world: World, args):
     """One GRPO step with nothing pruned or filtered: every sample's full-group advantage, and GRPO's counts."""
     grpo = copy.copy(args)
     grpo.algorithm, grpo.dapo_filter, grpo.rollout_batch_size = "grpo", False, NUM_PROMPTS
+    grpo.dapo_dynamic_sampling = False
     maker = ExperienceMaker(grpo, copy.deepcopy(world.task), world.tokenizer, FixedWorldClient(world.completions))
     maker.history.load_state_dict(world.history_state)
     experience = maker.make(maker.generate(0), 0, 0.0)

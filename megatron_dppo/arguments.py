@@ -43,6 +43,11 @@ RANK0_ERROR_WAIT_S = 60  # how long ranks other than 0 wait for rank 0 to report
 EMBEDDED_HEAD_DIM = 32  # the tiny model's attention heads: --embedded-hidden-size / 32 of them
 
 
+def rate_or_auto(value: str) -> float | str:
+    """A rate (a float), or 'auto'."""
+    return value if value == "auto" else float(value)
+
+
 def _by_task(key: str) -> str:
     """'worked: 600, answer: 900': a warm-start flag's embedded defaults, for its --help."""
     return ", ".join(f"{task}: {defaults[key]}" for task, defaults in EMBEDDED_TASK_DEFAULTS.items())
@@ -130,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--algorithm", choices=ALGORITHMS, default="dppo")
     # Defaults here equal algo.pruning's config dataclasses and docs/algorithms.md's table (a test holds them
     # equal); they are written out so that parsing (and --dry-run) does not import torch.
-    algo.add_argument("--dppo-prompt-prune-rate", type=float, default=0.5,
-                      help="expected fraction of the prompt candidates pruned before rollout")
+    algo.add_argument("--dppo-prompt-prune-rate", type=rate_or_auto, default="auto",
+                      help="expected fraction of the drawn prompts pruned before rollout; auto: the pool's recent "
+                           "zero-variance share (about as many prompts are rolled out as are expected to teach)")
     algo.add_argument("--dppo-completion-prune-rate", type=float, default=0.5,
                       help="expected fraction of the completion candidates pruned after rewards")
     algo.add_argument("--dppo-mode", choices=("stochastic", "deterministic"), default="stochastic",
@@ -139,16 +145,28 @@ def build_parser() -> argparse.ArgumentParser:
                            "Algorithm 1 (biased)")
     algo.add_argument("--dppo-keep-policy", choices=("uniform", "proportional"), default="proportional",
                       help="keep probability 1 - rate for every candidate, or proportional to its score")
-    algo.add_argument("--dppo-prompt-p-min", type=float, default=0.3)
+    algo.add_argument("--dppo-prompt-p-min", type=float, default=0.2,
+                      help="floor of a prompt's keep probability (its importance weight is at most 1 / floor)")
     algo.add_argument("--dppo-completion-p-min", type=float, default=0.05)
     algo.add_argument("--dppo-candidates", choices=("all", "below_mean"), default="below_mean",
                       help="which items may be pruned: all, or those scoring <= the mean (of the batch for prompts, "
                            "of the group for completions)")
     # the names of algo.history.PROMPT_SCORES, written out so that parsing (and --dry-run) does not import torch
-    algo.add_argument("--dppo-prompt-score", choices=("mean_abs_advantage", "reward_std", "unsolved_rate"),
-                      default="mean_abs_advantage",
-                      help="what the prompt history records: mean |A| or reward std (0 for all-correct and all-wrong "
-                           "groups), or unsolved_rate = 1 - mean reward (0 only for solved prompts; rewards in [0, 1])")
+    algo.add_argument("--dppo-prompt-score",
+                      choices=("zero_variance", "mean_abs_advantage", "reward_std", "unsolved_rate"),
+                      default="zero_variance",
+                      help="how the prompt level ranks prompts before rollout: zero_variance, the history's predicted "
+                           "probability that the group's rewards are all equal (a stratum prior for unseen prompts); "
+                           "or an EMA of mean |A| or reward std (0 for all-correct and all-wrong groups), or of "
+                           "unsolved_rate = 1 - mean reward (0 only for solved prompts; rewards in [0, 1])")
+    algo.add_argument("--dppo-refill", action=argparse.BooleanOptionalAction, default=True,
+                      help="draw B / (1 - prompt prune rate) prompts so that about B are rolled out (the freed rollout "
+                           "slots go to other prompts; the normaliser is the drawn batch's, so it stays unbiased)")
+    algo.add_argument("--dppo-refill-max", type=float, default=4.0,
+                      help="the refill draws at most this many times --rollout-batch-size prompts")
+    algo.add_argument("--dppo-importance-weights", action=argparse.BooleanOptionalAction, default=True,
+                      help="weight kept prompts by 1 / keep probability and normalise by the drawn batch (unbiased); "
+                           "--no-dppo-importance-weights trains the kept prompts as if they were the batch (biased)")
     algo.add_argument("--cppo-prune-rate", type=float, default=0.5)
     algo.add_argument("--cppo-scope", choices=("per_group", "batch"), default="per_group")
     algo.add_argument("--cppo-refill", action="store_true", help="draw batch / (1 - P) prompts (CPPO's allocation)")
@@ -160,7 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="drop groups whose rewards are all equal (the normaliser still counts them)")
     algo.add_argument("--dapo-oversample", type=float, default=1.0,
                       help="draw this many times the batch; when more groups are varied than the batch holds, a "
-                           "random batch-size subset trains, each weighted by varied / batch size")
+                           "random batch-size subset trains, each weighted by varied / batch size (with "
+                           "--dapo-dynamic-sampling: the size of each round, in batches)")
+    algo.add_argument("--dapo-dynamic-sampling", action="store_true",
+                      help="DAPO's dynamic sampling (--algorithm grpo): generate rounds of prompts until the batch "
+                           "holds --rollout-batch-size groups with varied rewards, and train those as the batch "
+                           "(biased; DPPO's --dppo-refill is the unbiased way to fill the batch)")
+    algo.add_argument("--dapo-max-rounds", type=int, default=10,
+                      help="--dapo-dynamic-sampling: at most this many rounds per step (a shorter batch trains then)")
     algo.add_argument("--advantage-estimator", choices=("grpo", "dr_grpo", "rloo"), default="grpo")
     algo.add_argument("--loss-agg-mode", default="token-mean",
                       choices=("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"))
@@ -176,7 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--importance-level", choices=("token", "sequence"), default="token", help="sequence: GSPO")
     algo.add_argument("--tis-cap", type=float, default=2.0, help="truncated IS cap for rollout/trainer mismatch")
     algo.add_argument("--ppo-epochs", type=int, default=1, help="update passes over each rollout batch")
-    algo.add_argument("--history-ema-decay", type=float, default=0.5)
+    algo.add_argument("--history-ema-decay", type=float, default=0.5,
+                      help="per-visit decay of a prompt's history (0: its latest visit alone)")
+    algo.add_argument("--history-prior-strength", type=float, default=2.0,
+                      help="weight, in visits, of a prompt's difficulty-stratum prior in its zero-variance prediction")
 
     reward = parser.add_argument_group("reward")
     reward.add_argument("--reward-type", choices=REWARD_TYPES, default=None,
@@ -198,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--input-key", default="prompt",
                       help="field of your rows holding the prompt: text, or chat messages [{role, content}]")
     data.add_argument("--label-key", default="label", help="field of your rows holding the reference answer")
+    data.add_argument("--difficulty-key", default=None,
+                      help="field of your rows holding a difficulty or category (any value): DPPO's prompt level "
+                           "pools the history of each value as the prior of prompts not yet seen (MATH's built-in set "
+                           "uses its level and type)")
     data.add_argument("--apply-chat-template", action="store_true",
                       help="render prompts with the tokenizer's chat template (a text prompt becomes one user turn); "
                            "without it a prompt is used as written")
@@ -332,18 +364,23 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                       f"{args.rollout_backend}: drop it or use --rollout-backend vllm")
     if args.algorithm != "dppo":
         touched = [flag for flag, value, default in (
-            ("--dppo-prompt-prune-rate", args.dppo_prompt_prune_rate, 0.5),
+            ("--dppo-prompt-prune-rate", args.dppo_prompt_prune_rate, "auto"),
             ("--dppo-completion-prune-rate", args.dppo_completion_prune_rate, 0.5),
             ("--dppo-mode", args.dppo_mode, "stochastic"),
-            ("--dppo-prompt-score", args.dppo_prompt_score, "mean_abs_advantage")) if value != default]
+            ("--dppo-prompt-score", args.dppo_prompt_score, "zero_variance"),
+            ("--no-dppo-refill", args.dppo_refill, True),
+            ("--no-dppo-importance-weights", args.dppo_importance_weights, True)) if value != default]
         if touched:
             errors.append(f"{touched[0]} only applies to --algorithm dppo, but --algorithm is {args.algorithm}: "
                           f"drop {touched[0]} or use --algorithm dppo")
     if args.algorithm == "d3s" and args.train_iters is None and args.time_budget_s is None:
         errors.append("--algorithm d3s relaxes its sample and token fractions over the run: give its length with "
                       "--train-iters or --time-budget-s")
-    if args.dapo_oversample != 1.0 and not args.dapo_filter:
+    if args.dapo_oversample != 1.0 and not (args.dapo_filter or args.dapo_dynamic_sampling):
         errors.append("--dapo-oversample refills groups removed by the DAPO filter: add --dapo-filter")
+    if args.dapo_dynamic_sampling and args.algorithm != "grpo":
+        errors.append(f"--dapo-dynamic-sampling is DAPO's (biased) way to fill the batch, for --algorithm grpo; "
+                      f"--algorithm {args.algorithm} has its own: drop it or use --algorithm grpo")
     for flag, value in (("--rollout-engine-threads", args.rollout_engine_threads),
                         ("--rollout-engine-workers", args.rollout_engine_workers)):
         if value is not None and value < 1:
@@ -440,6 +477,7 @@ def model_and_data_errors(args: argparse.Namespace) -> list[str]:
     if args.hf_checkpoint and not args.dry_run:
         errors.extend(hf_checkpoint_errors(args.hf_checkpoint))
     own_prompt_flags = (("--input-key", args.input_key != "prompt"), ("--label-key", args.label_key != "label"),
+                        ("--difficulty-key", args.difficulty_key is not None),
                         ("--prompt-data-split", args.prompt_data_split != "train"))
     if args.prompt_data == "synthetic":
         if args.reward_type not in (None, "synthetic"):

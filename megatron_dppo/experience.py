@@ -11,13 +11,14 @@ unbiasedness test and bench/unbiasedness.py drive this very code with a fixed wo
 servers. docs/algorithms.md says which objective each configuration estimates.
 """
 
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron_dppo.algo.advantages import compute_advantages
-from megatron_dppo.algo.history import PromptHistory, score_prompts
+from megatron_dppo.algo.history import PromptHistory, score_prompts, zero_variance_groups
 from megatron_dppo.algo.losses import FullBatchInfo, LossConfig
 from megatron_dppo.algo.pruning import (
     DAPOConfig,
@@ -39,7 +40,8 @@ def pruner_options(args) -> tuple[str, dict]:
             prompt_prune_rate=args.dppo_prompt_prune_rate, completion_prune_rate=args.dppo_completion_prune_rate,
             mode=args.dppo_mode, keep_policy=args.dppo_keep_policy, prompt_p_min=args.dppo_prompt_p_min,
             completion_p_min=args.dppo_completion_p_min, candidates=args.dppo_candidates,
-            prompt_score=args.dppo_prompt_score, seed=args.rl_seed)
+            prompt_score=args.dppo_prompt_score, refill=args.dppo_refill, refill_max=args.dppo_refill_max,
+            importance_weights=args.dppo_importance_weights, seed=args.rl_seed)
     if args.algorithm == "cppo":
         return "cppo", dict(prune_rate=args.cppo_prune_rate, scope=args.cppo_scope, refill=args.cppo_refill)
     if args.algorithm == "d3s":
@@ -73,9 +75,34 @@ class Rollouts:
     prompt_decision: PromptDecision
     output_ids: list[list[int]]  # [num_prompts * G]
     output_logprobs: list[list[float]]
+    rewards: torch.Tensor  # [num_prompts, G] float64
     seconds: float
+    reward_seconds: float
     num_drawn: int
     capacity: int  # the groups one step trains at most (the DAPO filter's cap under over-sampling)
+    tokens_generated: int  # every generated token, of the groups here and of any discarded ones
+    stats: dict = field(default_factory=dict)
+
+    def subset(self, rows: list[int]) -> "Rollouts":
+        """The groups `rows`, each with all its samples; every one stands for the batch (DAPO's dynamic sampling)."""
+        group = self.rewards.shape[1]
+        flat = [row * group + column for row in rows for column in range(group)]
+        return Rollouts([self.prompts[row] for row in rows], PromptDecision.keep_all(len(rows)),
+                        [self.output_ids[i] for i in flat], [self.output_logprobs[i] for i in flat],
+                        self.rewards[rows], self.seconds, self.reward_seconds, self.num_drawn, self.capacity,
+                        self.tokens_generated, dict(self.stats))
+
+
+def concatenate(parts: list[Rollouts]) -> Rollouts:
+    """Rounds of DAPO's dynamic sampling as one Rollouts (each group standing for the batch); times and draws add."""
+    first = parts[0]
+    return Rollouts([p for part in parts for p in part.prompts], PromptDecision.keep_all(sum(len(part.prompts)
+                                                                                          for part in parts)),
+                    [ids for part in parts for ids in part.output_ids],
+                    [lps for part in parts for lps in part.output_logprobs],
+                    torch.cat([part.rewards for part in parts]), sum(part.seconds for part in parts),
+                    sum(part.reward_seconds for part in parts), sum(part.num_drawn for part in parts), first.capacity,
+                    sum(part.tokens_generated for part in parts), dict(first.stats))
 
 
 @dataclass
@@ -126,16 +153,19 @@ def step_statistics(rollouts: Rollouts, rewards, lengths, selection: Selection, 
     drawn = max(rollouts.num_drawn, 1)
     return {
         **{name: float(value) for name, value in selection.stats.items()},
+        **rollouts.stats,
         "reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
         "accuracy": float((rewards == 1).double().mean()) if rewards.numel() else 0.0,
         "zero_variance_group_fraction": float((rewards.std(dim=1) == 0).double().mean()) if len(rewards) else 0.0,
         "kept_fraction_prompts": len(rollouts.prompts) / drawn,
+        "prompts_drawn": float(rollouts.num_drawn),
+        "prompts_pruned": float(rollouts.prompt_decision.num_prompts - len(rollouts.prompts)),
         "kept_fraction_completions": samples_trained / num_rollouts,
         "kept_fraction": samples_trained / (drawn * group),
         "full_batch_sequences": selection.full_batch.num_sequences,
         "full_batch_response_tokens": selection.full_batch.num_response_tokens,
-        "tokens_generated": int(lengths.sum()),
-        "tokens_per_second_rollout": float(lengths.sum()) / max(rollouts.seconds, 1e-9),
+        "tokens_generated": rollouts.tokens_generated,
+        "tokens_per_second_rollout": rollouts.tokens_generated / max(rollouts.seconds, 1e-9),
         "seconds_rollout": rollouts.seconds,
         "seconds_reward": reward_seconds,
         "response_length_mean": float(lengths.double().mean()) if lengths.numel() else 0.0,
@@ -143,12 +173,26 @@ def step_statistics(rollouts: Rollouts, rewards, lengths, selection: Selection, 
     }
 
 
+def prompt_outcomes(rollouts: Rollouts, rewards, lengths) -> list[dict]:
+    """One record per rolled-out group: what the prompt level knew before rollout (keep probability, predicted
+    zero-variance probability) and what came of it (rewards, mean response length); metrics.OUTCOMES_FILE."""
+    decision = rollouts.prompt_decision
+    keep_probs = decision.keep_probs[decision.kept].tolist()
+    predicted = decision.predicted_zero_variance[decision.kept].tolist()
+    return [{"prompt_id": prompt.prompt_id, "difficulty": prompt.difficulty, "rewards": row,
+             "zero_variance": len(set(row)) == 1, "keep_prob": keep_prob,
+             "predicted_zero_variance": None if math.isnan(z) else z, "response_length_mean": length}
+            for prompt, row, keep_prob, z, length in zip(rollouts.prompts, rewards.tolist(), keep_probs, predicted,
+                                                         lengths.double().mean(dim=1).tolist())]
+
+
 class ExperienceMaker:
     """rank 0: draws, generates, scores and selects one step's samples (see the module docstring)."""
 
     def __init__(self, args, task, tokenizer, client, history: PromptHistory | None = None):
         self.args, self.task, self.tokenizer, self.client = args, task, tokenizer, client
-        self.history = history if history is not None else PromptHistory(args.history_ema_decay)
+        self.history = history if history is not None else PromptHistory(args.history_ema_decay,
+                                                                         args.history_prior_strength)
         name, options = pruner_options(args)
         self.pruner = build_pruner(name, **options)
         self.dapo = DAPOFilter(DAPOConfig(args.dapo_oversample, args.rl_seed)) if args.dapo_filter else None
@@ -158,42 +202,81 @@ class ExperienceMaker:
             max_new_tokens=args.rollout_max_response_len, stop_token_ids=[tokenizer.eos_token_id])
 
     def generate(self, step: int) -> Rollouts:
-        """Draw prompts, prune at the prompt level from history, and generate G samples per kept prompt."""
-        capacity = self.pruner.prompts_to_sample(self.args.rollout_batch_size)  # CPPO's refill draws more
+        """Draw prompts (the refill's M), prune at the prompt level from history, generate G samples per kept
+        prompt, and score them."""
+        if self.args.dapo_dynamic_sampling:
+            return self.generate_until_varied(step)
+        # the refill never draws a prompt twice in one step: at most the pool
+        capacity = min(self.pruner.prompts_to_sample(self.args.rollout_batch_size, self.history),
+                       max(len(self.task.prompts), self.args.rollout_batch_size))
         drawn = self.task.next_prompts(self.dapo.prompts_to_sample(capacity) if self.dapo else capacity)
-        decision = self.pruner.select_prompts(torch.tensor([p.prompt_id for p in drawn]), self.history, step)
-        kept = [drawn[i] for i in decision.kept.tolist()]
+        decision = self.pruner.select_prompts([p.prompt_id for p in drawn], self.history, step,
+                                              [p.difficulty for p in drawn])
+        return self.roll_out([drawn[i] for i in decision.kept.tolist()], decision, step, len(drawn), capacity)
+
+    def generate_until_varied(self, step: int) -> Rollouts:
+        """DAPO's dynamic sampling: rounds of ceil(B x --dapo-oversample) drawn prompts until B groups with varied
+        rewards are in hand (at most --dapo-max-rounds rounds); the first B train as if they were the batch. Biased
+        by design: the batch follows the distribution of the varied groups and the stopping rule is random
+        (docs/algorithms.md); it is the baseline many users run."""
+        batch = self.args.rollout_batch_size
+        round_size = math.ceil(batch * self.args.dapo_oversample - 1e-9)
+        parts, varied = [], 0
+        for round_index in range(self.args.dapo_max_rounds):
+            drawn = self.task.next_prompts(round_size)
+            part = self.roll_out(drawn, PromptDecision.keep_all(len(drawn)), step, len(drawn), batch, round_index)
+            rows = (~zero_variance_groups(part.rewards)).nonzero().squeeze(1).tolist()[:batch - varied]
+            parts.append(part.subset(rows))
+            varied += len(rows)
+            if varied == batch:
+                break
+        rollouts = concatenate(parts)
+        rollouts.stats = {"dapo_rounds": float(len(parts)), "dapo_groups_rolled_out": float(round_size * len(parts)),
+                          "dapo_batch_shortfall": float(batch - varied)}
+        return rollouts
+
+    def roll_out(self, prompts: list, decision: PromptDecision, step: int, num_drawn: int, capacity: int,
+                 round_index: int = 0) -> Rollouts:
+        """G samples per prompt from the rollout servers, and their rewards."""
         start = time.perf_counter()
         group = self.args.n_samples_per_prompt
-        completions = self.client.generate([p.input_ids for p in kept], self.sampling_for_step(step), n=group) \
-            if kept else []
-        if len(completions) != len(kept) * group:
-            raise RuntimeError(f"the rollout servers returned {len(completions)} samples for {len(kept)} prompts x "
-                               f"{group}: a server dropped requests")
-        return Rollouts(kept, decision, [c.output_ids for c in completions], [c.output_logprobs for c in completions],
-                        time.perf_counter() - start, len(drawn), capacity)
+        completions = self.client.generate([p.input_ids for p in prompts], self.sampling_for_step(step, round_index),
+                                           n=group) if prompts else []
+        if len(completions) != len(prompts) * group:
+            raise RuntimeError(f"the rollout servers returned {len(completions)} samples for {len(prompts)} prompts "
+                               f"x {group}: a server dropped requests")
+        seconds = time.perf_counter() - start
+        output_ids = [c.output_ids for c in completions]
+        start = time.perf_counter()
+        responses = [self.tokenizer.decode(ids) for ids in output_ids]
+        references = [p.reference for p in prompts for _ in range(group)]
+        rewards = torch.tensor(self.task.score(responses, references), dtype=torch.float64).view(-1, group)
+        return Rollouts(prompts, decision, output_ids, [c.output_logprobs for c in completions], rewards, seconds,
+                        time.perf_counter() - start, num_drawn, capacity, sum(len(ids) for ids in output_ids))
 
-    def sampling_for_step(self, step: int) -> SamplingParams:
-        """Sampling parameters with a seed fixed by (seed, step), so a resumed run draws the same samples."""
-        return SamplingParams(**{**self.sampling.__dict__, "seed": self.args.rl_seed * 1_000_003 + step})
+    def sampling_for_step(self, step: int, round_index: int = 0) -> SamplingParams:
+        """Sampling parameters with a seed fixed by (seed, step, round of dynamic sampling), so a resumed run draws
+        the same samples."""
+        seed = self.args.rl_seed * 1_000_003 + step + round_index * 1_000_000_007
+        return SamplingParams(**{**self.sampling.__dict__, "seed": seed})
 
     def make(self, rollouts: Rollouts, step: int, progress: float) -> Experience:
-        """rewards → advantages → history → selection → the kept samples and the normaliser."""
+        """advantages → history → selection → the kept samples and the normaliser (rewards come with the rollouts)."""
         group = self.args.n_samples_per_prompt
-        start = time.perf_counter()
-        responses = [self.tokenizer.decode(ids) for ids in rollouts.output_ids]
-        references = [p.reference for p in rollouts.prompts for _ in range(group)]
-        rewards = torch.tensor(self.task.score(responses, references), dtype=torch.float64).view(-1, group)
-        reward_seconds = time.perf_counter() - start
+        rewards = rollouts.rewards
         lengths = torch.tensor([len(ids) for ids in rollouts.output_ids], dtype=torch.int64).view(-1, group)
-        selection = select_samples(rewards, lengths, rollouts.prompt_decision, self.pruner, self.dapo,
-                                   rollouts.capacity, self.args.advantage_estimator, step, progress)
+        decision = rollouts.prompt_decision
+        selection = select_samples(rewards, lengths, decision, self.pruner, self.dapo, rollouts.capacity,
+                                   self.args.advantage_estimator, step, progress)
         if rollouts.prompts:
             self.history.update([p.prompt_id for p in rollouts.prompts],
                                 score_prompts(rewards, selection.advantages, self.pruner.prompt_score),
-                                lengths.double().mean(dim=1))
+                                lengths.double().mean(dim=1), rewards=rewards,
+                                difficulties=[p.difficulty for p in rollouts.prompts],
+                                weights=1.0 / decision.keep_probs[decision.kept])
         samples = self.training_samples(rollouts, selection)
-        stats = step_statistics(rollouts, rewards, lengths, selection, len(samples), reward_seconds)
+        stats = step_statistics(rollouts, rewards, lengths, selection, len(samples), rollouts.reward_seconds)
+        stats["prompt_outcomes"] = prompt_outcomes(rollouts, rewards, lengths)
         return Experience(samples, selection.normalizer_counts, progress, stats)
 
     @staticmethod

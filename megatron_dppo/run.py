@@ -45,7 +45,7 @@ def build_task(args, tokenizer) -> Task:
     from megatron_dppo.data.datasets import load_prompt_data
 
     fields = dict(input_key=args.input_key, label_key=args.label_key, reward_type=args.reward_type,
-                  skip_bad_rows=args.skip_bad_rows)
+                  skip_bad_rows=args.skip_bad_rows, difficulty_key=args.difficulty_key)
     train = load_prompt_data(args.prompt_data, split=args.prompt_data_split, training=True, **fields)
     heldout = load_prompt_data(args.eval_prompt_data, split=args.eval_prompt_data_split, limit=args.eval_size,
                                flag="--eval-prompt-data", **fields)

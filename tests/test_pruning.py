@@ -24,7 +24,9 @@ from tests.test_losses import FULL_CONFIG, make_policy_batch
 
 PRUNER_OPTIONS = {
     "none": {},
-    "dppo": dict(prompt_prune_rate=0.5, completion_prune_rate=0.5),
+    # the EMA-score prompt level with a fixed rate and no refill: the tests of that path; the predictive level with
+    # refill has its own tests below
+    "dppo": dict(prompt_prune_rate=0.5, completion_prune_rate=0.5, prompt_score="mean_abs_advantage", refill=False),
     "cppo": dict(prune_rate=0.5),
     "d3s": {},
 }
@@ -396,7 +398,7 @@ def test_dppo_prompt_score_flag_reaches_the_pruner_and_is_refused_for_other_algo
     name, options = pruner_options(parse_args(["--dppo-prompt-score", "unsolved_rate"]))
     assert build_pruner(name, **options).prompt_score == "unsolved_rate"
     name, options = pruner_options(parse_args([]))
-    assert build_pruner(name, **options).prompt_score == "mean_abs_advantage"
+    assert build_pruner(name, **options).prompt_score == "zero_variance"
     with pytest.raises(SystemExit):
         parse_args(["--algorithm", "grpo", "--dppo-prompt-score", "unsolved_rate"])
     assert "--dppo-prompt-score only applies to --algorithm dppo" in capsys.readouterr().err
@@ -417,7 +419,7 @@ def test_a_prompt_without_a_recorded_length_is_never_a_candidate():
     history = PromptHistory()
     history.update([0, 1], score_prompts(rewards[:2], advantages[:2]))  # scores, no lengths
     history.update([2, 3], score_prompts(rewards[2:], advantages[2:]), lengths[2:].double().mean(dim=1))
-    pruner = build_pruner("dppo", keep_policy="uniform", candidates="all")
+    pruner = build_pruner("dppo", keep_policy="uniform", candidates="all", **PRUNER_OPTIONS["dppo"])
     for step in range(20):
         decision = pruner.select_prompts(range(4), history, step)
         assert decision.keep_probs[:2].tolist() == [1.0, 1.0] and (decision.keep_probs[2:] < 1).all()

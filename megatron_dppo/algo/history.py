@@ -1,11 +1,27 @@
-"""Per-prompt history for DPPO's prompt level: an EMA of a score (and of the mean response length) per prompt id.
+"""Per-prompt history for DPPO's prompt level: what past visits of a prompt (and of its difficulty stratum) say
+about its next group, known BEFORE rollout.
 
-after rewards:  score_prompts(rewards, advantages) → history.update(prompt_ids, scores, mean_response_lengths)
-before rollout: history.lookup(prompt_ids) → scores, response lengths, seen  (what the prompt pruner reads)
+after rewards:  history.update(prompt_ids, scores, mean_response_lengths, rewards=[P, G], difficulties=[P])
+before rollout: history.lookup(prompt_ids)                         → score EMA, mean response length, seen
+                history.zero_variance_probability(ids, difficulties) → z [P]: P(the next group's rewards are all equal)
+                history.expected_lengths(ids, difficulties)          → [P] mean response length: the prompt's, else its
+                                                                       stratum's, else the pool's
 
-The EMA starts at the first observed value (no bias towards an arbitrary prior). A prompt never seen has no
-score: the DPPO prompt pruner never prunes it, because nothing is known about it. The state is plain tensors,
-so it goes into a checkpoint with state_dict() and comes back with load_state_dict().
+The zero-variance predictor (the default prompt score, `zero_variance`): per prompt, an EMA over its visits of the
+indicator "the group was zero-variance" (decay `ema_decay` per visit; a zero-variance group has advantage 0 and no
+policy gradient). It is shrunk towards a prior with the weight of `prior_strength` visits:
+
+    z_i = (prior_strength · z_stratum + Σ_v decay^age(v) · zero_variance_v) / (prior_strength + Σ_v decay^age(v))
+
+z_stratum is the zero-variance share of the prompt's difficulty stratum (the synthetic task's cell, MATH's level
+and type), an EMA over the stratum's recent groups, and the pool's share where the stratum has none yet. A prompt
+never seen gets the prior alone: that is what is known about it before its first rollout. Before anything has been
+rolled out there is no prior, and z is NaN (the prompt level then keeps every prompt). bench/prompt_prediction.py
+measured this predictor (and a beta-binomial one, no better) on GRPO runs: docs/algorithms.md.
+
+The other scores (mean_abs_advantage, reward_std, unsolved_rate) are an EMA per prompt of a per-visit score; a
+prompt never seen has none. The state is plain tensors and numbers: state_dict() into a checkpoint,
+load_state_dict() back, so a resumed run predicts exactly as the straight one.
 """
 
 import math
@@ -14,18 +30,22 @@ import torch
 
 from megatron_dppo.algo.advantages import check_rewards, reject_rewards
 
-PROMPT_SCORES = ("mean_abs_advantage", "reward_std", "unsolved_rate")
+PROMPT_SCORES = ("zero_variance", "mean_abs_advantage", "reward_std", "unsolved_rate")
+STRATUM_DECAY = 0.98  # per group of the stratum: its prior follows the last ~50 groups, as the policy changes
+POOL = "\0pool"  # the stratum key that pools every group (the prior of a stratum with no groups yet)
 
 
 def score_prompts(rewards: torch.Tensor, advantages: torch.Tensor, score: str = "mean_abs_advantage") -> torch.Tensor:
-    """One score per prompt [num_prompts] from its full group.
+    """One score per prompt [num_prompts] from its full group (the EMA scores; zero_variance records the indicator).
 
     mean_abs_advantage: mean |A|; reward_std: the std of its rewards (0 when G = 1); both are 0 for an all-correct
     AND for an all-wrong group. unsolved_rate: 1 - mean reward, for rewards in [0, 1]: 0 only for a prompt the
     policy already solves every time, so a prompt it has not solved yet (which may become learnable as the policy
-    improves) is not scored as worthless.
+    improves) is not scored as worthless. zero_variance: 1 for a group whose rewards are all equal, else 0.
     """
     check_rewards(rewards)
+    if score == "zero_variance":
+        return zero_variance_groups(rewards).to(rewards.dtype)
     if score == "mean_abs_advantage":
         return advantages.abs().mean(dim=1)
     if score == "reward_std":
@@ -38,22 +58,39 @@ def score_prompts(rewards: torch.Tensor, advantages: torch.Tensor, score: str = 
     raise ValueError(f"unknown prompt score {score!r}: choose one of {PROMPT_SCORES}")
 
 
-class PromptHistory:
-    """EMA per prompt id: value ← decay · value + (1 - decay) · observation; the first observation is taken as is."""
+def zero_variance_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """[P] bool: the groups whose rewards are all equal (advantage 0 under every estimator)."""
+    return (rewards == rewards[:, :1]).all(dim=1)
 
-    def __init__(self, ema_decay: float = 0.5):
+
+class PromptHistory:
+    """Per prompt id: EMAs of a score, of the zero-variance indicator and of the mean response length; per difficulty
+    stratum: the zero-variance share and mean response length of its recent groups (the prior of unseen prompts)."""
+
+    def __init__(self, ema_decay: float = 0.5, prior_strength: float = 2.0):
         if not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay}: 0 keeps only the latest visit")
-        self.ema_decay = ema_decay
+        if not prior_strength > 0.0:
+            raise ValueError(f"prior_strength must be > 0, got {prior_strength}: it is the prior's weight in visits")
+        self.ema_decay, self.prior_strength = ema_decay, prior_strength
         self._scores: dict[int, float] = {}
         self._lengths: dict[int, float] = {}
         self._visits: dict[int, int] = {}
+        # per prompt: Σ decay^age · zero_variance and Σ decay^age (the discounted visit count)
+        self._zero_variance: dict[int, tuple[float, float]] = {}
+        # per stratum: discounted (groups, zero-variance groups, Σ mean response length)
+        self._strata: dict[str, tuple[float, float, float]] = {}
 
     def __len__(self) -> int:
         return len(self._scores)
 
-    def update(self, prompt_ids, scores, mean_response_lengths=None) -> None:
-        """Fold one visit of each prompt into its EMA; `mean_response_lengths` (per prompt) is optional."""
+    def update(self, prompt_ids, scores, mean_response_lengths=None, rewards=None, difficulties=None,
+               weights=None) -> None:
+        """Fold one visit of each prompt: its score into the score EMA, its mean response length (optional, per
+        prompt), and, given its rewards [P, G], whether its group was zero-variance, per prompt and per stratum
+        (`difficulties`, one string per prompt; default: one stratum for all). `weights` (default 1) are the
+        prompts' inverse keep probabilities: a stratum's share then estimates that of every drawn prompt, not only
+        of those the prompt level kept (Horvitz-Thompson)."""
         prompt_ids = [int(prompt_id) for prompt_id in prompt_ids]
         scores = torch.as_tensor(scores, dtype=torch.float64).reshape(-1).tolist()
         lengths = (
@@ -61,18 +98,35 @@ class PromptHistory:
             if mean_response_lengths is None
             else torch.as_tensor(mean_response_lengths, dtype=torch.float64).reshape(-1).tolist()
         )
-        if not len(prompt_ids) == len(scores) == len(lengths):
+        zero_variance = [None] * len(prompt_ids) if rewards is None else zero_variance_groups(
+            torch.as_tensor(rewards)).tolist()
+        difficulties = [""] * len(prompt_ids) if difficulties is None else [str(d) for d in difficulties]
+        weights = [1.0] * len(prompt_ids) if weights is None else torch.as_tensor(weights).reshape(-1).tolist()
+        if rewards is not None and mean_response_lengths is None:
+            raise ValueError("history.update got rewards without mean_response_lengths: the stratum statistics need "
+                             "both (pass the groups' mean response lengths)")
+        if not len(prompt_ids) == len(scores) == len(lengths) == len(zero_variance) == len(difficulties) == len(
+                weights):
             raise ValueError(
-                f"history.update got {len(prompt_ids)} prompt ids, {len(scores)} scores and {len(lengths)} lengths: "
-                "pass one score (and one mean response length) per prompt id"
+                f"history.update got {len(prompt_ids)} prompt ids, {len(scores)} scores, {len(lengths)} lengths, "
+                f"{len(zero_variance)} reward rows, {len(difficulties)} difficulties and {len(weights)} weights: pass "
+                "one of each per prompt"
             )
-        for prompt_id, score, length in zip(prompt_ids, scores, lengths):
+        for prompt_id, score, length, zero, difficulty, weight in zip(prompt_ids, scores, lengths, zero_variance,
+                                                                       difficulties, weights):
             if not math.isfinite(score):
                 raise ValueError(f"score of prompt id {prompt_id} is {score}: history scores must be finite")
             self._scores[prompt_id] = self._fold(self._scores.get(prompt_id), score)
             if length is not None:
                 self._lengths[prompt_id] = self._fold(self._lengths.get(prompt_id), length)
             self._visits[prompt_id] = self._visits.get(prompt_id, 0) + 1
+            if zero is not None:
+                total, visits = self._zero_variance.get(prompt_id, (0.0, 0.0))
+                self._zero_variance[prompt_id] = (self.ema_decay * total + zero, self.ema_decay * visits + 1.0)
+                for stratum in {difficulty, POOL}:
+                    groups, zeros, length_sum = self._strata.get(stratum, (0.0, 0.0, 0.0))
+                    self._strata[stratum] = (STRATUM_DECAY * groups + weight, STRATUM_DECAY * zeros + weight * zero,
+                                             STRATUM_DECAY * length_sum + weight * length)
 
     def _fold(self, old: float | None, new: float) -> float:
         return new if old is None else self.ema_decay * old + (1.0 - self.ema_decay) * new
@@ -84,25 +138,71 @@ class PromptHistory:
         lengths = torch.tensor([self._lengths.get(i, math.nan) for i in prompt_ids], dtype=torch.float64)
         return scores, lengths, ~torch.isnan(scores)
 
+    def _stratum(self, difficulty: str) -> tuple[float, float, float] | None:
+        """The stratum's discounted (groups, zero-variance groups, length sum), the pool's where it has none."""
+        return self._strata.get(str(difficulty)) or self._strata.get(POOL)
+
+    def zero_variance_probability(self, prompt_ids, difficulties=None) -> torch.Tensor:
+        """[P] float64: each prompt's predicted probability that its next group is zero-variance (module docstring);
+        NaN while no group at all has been recorded."""
+        difficulties = [""] * len(prompt_ids) if difficulties is None else difficulties
+        probabilities = []
+        for prompt_id, difficulty in zip(prompt_ids, difficulties):
+            stratum = self._stratum(difficulty)
+            if stratum is None:
+                probabilities.append(math.nan)
+                continue
+            prior = stratum[1] / stratum[0]
+            total, weight = self._zero_variance.get(int(prompt_id), (0.0, 0.0))
+            probabilities.append((self.prior_strength * prior + total) / (self.prior_strength + weight))
+        return torch.tensor(probabilities, dtype=torch.float64)
+
+    def expected_lengths(self, prompt_ids, difficulties=None) -> torch.Tensor:
+        """[P] float64: the prompt's mean response length EMA, else its stratum's recent mean, else the pool's; NaN
+        where nothing is known (before any rollout)."""
+        difficulties = [""] * len(prompt_ids) if difficulties is None else difficulties
+        _, lengths, _ = self.lookup(prompt_ids)
+        for index, (length, difficulty) in enumerate(zip(lengths.tolist(), difficulties)):
+            stratum = self._stratum(difficulty)
+            if math.isnan(length) and stratum is not None and stratum[2] > 0:
+                lengths[index] = stratum[2] / stratum[0]
+        return lengths
+
+    def zero_variance_share(self) -> float:
+        """The pool's recent zero-variance share (NaN before any group): the refill's estimate of the prune rate."""
+        pool = self._strata.get(POOL)
+        return math.nan if pool is None else pool[1] / pool[0]
+
     def visits(self, prompt_id: int) -> int:
         return self._visits.get(int(prompt_id), 0)
 
     def state_dict(self) -> dict:
         ids = sorted(self._scores)
+        strata = sorted(self._strata)
         return {
             "ema_decay": self.ema_decay,
+            "prior_strength": self.prior_strength,
             "prompt_ids": torch.tensor(ids, dtype=torch.int64),
             "scores": torch.tensor([self._scores[i] for i in ids], dtype=torch.float64),
             "mean_response_lengths": torch.tensor([self._lengths.get(i, math.nan) for i in ids], dtype=torch.float64),
             "visits": torch.tensor([self._visits[i] for i in ids], dtype=torch.int64),
+            "zero_variance": torch.tensor([self._zero_variance.get(i, (math.nan, math.nan)) for i in ids],
+                                          dtype=torch.float64).reshape(len(ids), 2),
+            "strata": strata,
+            "strata_counts": torch.tensor([self._strata[s] for s in strata], dtype=torch.float64).reshape(-1, 3),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        missing = {"ema_decay", "prompt_ids", "scores", "mean_response_lengths", "visits"} - set(state)
+        missing = {"ema_decay", "prior_strength", "prompt_ids", "scores", "mean_response_lengths", "visits",
+                   "zero_variance", "strata", "strata_counts"} - set(state)
         if missing:
-            raise ValueError(f"prompt history state lacks {sorted(missing)}: it was not written by state_dict()")
-        self.ema_decay = float(state["ema_decay"])
+            raise ValueError(f"prompt history state lacks {sorted(missing)}: it was not written by state_dict() of "
+                             "this version")
+        self.ema_decay, self.prior_strength = float(state["ema_decay"]), float(state["prior_strength"])
         ids = state["prompt_ids"].tolist()
         self._scores = dict(zip(ids, state["scores"].tolist()))
         self._lengths = {i: v for i, v in zip(ids, state["mean_response_lengths"].tolist()) if not math.isnan(v)}
         self._visits = dict(zip(ids, state["visits"].tolist()))
+        self._zero_variance = {i: tuple(pair) for i, pair in zip(ids, state["zero_variance"].tolist())
+                               if not math.isnan(pair[0])}
+        self._strata = {s: tuple(counts) for s, counts in zip(state["strata"], state["strata_counts"].tolist())}

@@ -1,8 +1,8 @@
 """Pruners: one registry, one interface. Which prompts to roll out, which completions (and tokens) to train on.
 
 per step, in the trainer (megatron_dppo/experience.py):
-  prompts_to_sample(batch_size)                          how many prompts to draw (CPPO refill; DAPO over-sampling)
-  select_prompts(prompt_ids, history, step)  → PromptDecision                  BEFORE rollout (DPPO level 1)
+  prompts_to_sample(batch_size, history)                 how many prompts to draw (DPPO and CPPO refill)
+  select_prompts(prompt_ids, history, step, difficulties) → PromptDecision     BEFORE rollout (DPPO level 1)
   rollout, rewards, advantages on the FULL groups of the kept prompts
   full_batch_counts(prompt_decision, lengths) → FullBatchInfo   the step's full batch: ONE rule, fixed before any
                                                                  filter or pruning draw
@@ -14,7 +14,10 @@ per step, in the trainer (megatron_dppo/experience.py):
 Registry (PRUNERS, build_pruner):
   none  GRPO: keep everything; normalise by the full batch.
   dppo  two levels, stochastic (unbiased: keep with probability p, weight 1/p, product over levels, the full batch's
-        normaliser) or deterministic (the paper's Algorithm 1: drop the floor(r·n) lowest, rescale the rest).
+        normaliser) or deterministic (the paper's Algorithm 1: drop the floor(r·n) lowest, rescale the rest). The
+        prompt level scores each drawn prompt by its history's predicted probability z that its group is
+        zero-variance (history.py), keeps it with p ∝ sqrt(1 - z) floored at p_min, and with refill draws a fixed
+        M ≈ B / (1 - prune rate) candidates per step so that about B are rolled out (DPPOPruner).
   cppo  keep the k = floor(G(1-P)) largest |A| per group or over the batch; renormalise over the survivors (biased
         by design, as its paper).
   d3s   keep the subset of maximal Var(A), then the top-K% tokens by |A|·H; both relaxed by a linear schedule over
@@ -47,6 +50,15 @@ class PromptDecision:
     keep_probs: torch.Tensor  # [num_prompts] float64
     expected_response_lengths: torch.Tensor  # [num_prompts] float64 history mean response length, NaN if unknown
     stats: dict[str, float] = field(default_factory=dict)
+    # [num_prompts] float64: the history's probability that the prompt's group will be zero-variance, NaN if none
+    predicted_zero_variance: torch.Tensor | None = None
+    # False: the kept prompts stand for the whole batch (weight 1, the kept batch's normaliser), the biased shortcut
+    # of history-skipping methods; True: the drawn batch is the full batch and kept prompts carry 1 / keep_prob
+    corrected: bool = True
+
+    def __post_init__(self):
+        if self.predicted_zero_variance is None:
+            self.predicted_zero_variance = torch.full((self.num_prompts,), math.nan, dtype=torch.float64)
 
     @property
     def num_prompts(self) -> int:
@@ -56,7 +68,8 @@ class PromptDecision:
         """The decision for a subset `rows` of the kept prompts (a filter behind the prompt level), their weights
         multiplied by the filter's own `row_weights`; keep probabilities of all drawn prompts unchanged."""
         return PromptDecision(self.kept[rows], self.weights[rows] * row_weights, self.keep_probs,
-                              self.expected_response_lengths, self.stats)
+                              self.expected_response_lengths, self.stats, self.predicted_zero_variance,
+                              self.corrected)
 
     @classmethod
     def keep_all(cls, num_prompts: int) -> "PromptDecision":
@@ -83,10 +96,11 @@ class Pruner:
     prompt_score = "mean_abs_advantage"  # the score the trainer records in the PromptHistory
     selects_tokens = False  # True: the trainer runs select_tokens on the old policy's entropy (D3S)
 
-    def prompts_to_sample(self, batch_size: int) -> int:
+    def prompts_to_sample(self, batch_size: int, history: PromptHistory | None = None) -> int:
         return batch_size
 
-    def select_prompts(self, prompt_ids, history: PromptHistory | None, step: int) -> PromptDecision:
+    def select_prompts(self, prompt_ids, history: PromptHistory | None, step: int,
+                       difficulties=None) -> PromptDecision:
         return PromptDecision.keep_all(len(prompt_ids))
 
     def select_completions(self, rewards, advantages, lengths, prompt_decision, full_batch: FullBatchInfo, step: int,
@@ -125,9 +139,12 @@ def full_batch_counts(prompt_decision: PromptDecision, lengths: torch.Tensor) ->
     with probability 1 counts its real tokens. A prompt that could have been pruned (p < 1) counts G x its history
     mean response length, known before rollout, whether or not the draw kept it, so that the count does not depend
     on the draw (a random normaliser would make the loss a ratio of random sums, and biased). The DAPO filter and
-    the completion level come later, so the groups and samples they drop are counted too.
+    the completion level come later, so the groups and samples they drop are counted too. An uncorrected decision
+    (PromptDecision.corrected False) counts only the kept prompts' real tokens: the kept batch stands for the batch.
     """
     group_size = lengths.shape[1]
+    if not prompt_decision.corrected:
+        return FullBatchInfo.from_lengths(lengths)
     kept_probs = prompt_decision.keep_probs[prompt_decision.kept]
     tokens = float(lengths.to(torch.float64).sum(dim=1)[kept_probs >= 1.0].sum())
     uncertain = prompt_decision.keep_probs < 1.0
@@ -210,27 +227,40 @@ def proportional_keep_probs(scores: torch.Tensor, keep_fraction: float, p_min: f
 
 @dataclass
 class DPPOConfig:
-    prompt_prune_rate: float = 0.5  # r_q: expected fraction of prompt candidates pruned before rollout
+    # r_q: expected fraction of the drawn prompts pruned before rollout; "auto": the pool's recent zero-variance share
+    # (PromptHistory.zero_variance_share), so that about as many prompts are rolled out as are expected to teach
+    prompt_prune_rate: float | str = "auto"
     completion_prune_rate: float = 0.5  # r_o: expected fraction of completion candidates pruned after rewards
     mode: str = "stochastic"  # "stochastic" (unbiased) | "deterministic" (the paper's Algorithm 1)
     keep_policy: str = "proportional"  # "uniform" (p = 1 - r) | "proportional" (p ∝ score, floored at a p_min)
-    # The prompt floor is higher: a history score is a stale guess (a prompt all-correct last time may be informative
-    # now, and would then carry weight 1/p_min), while a completion's |A| is exact (bench/pruning_variance.py).
-    prompt_p_min: float = 0.3
+    # The prompt floor is higher: a history's prediction is a stale guess (a prompt all-correct last time may be
+    # informative now, and would then carry weight 1/p_min), while a completion's |A| is exact.
+    prompt_p_min: float = 0.2
     completion_p_min: float = 0.05
-    candidates: str = "below_mean"  # "all" | "below_mean" (only items scoring <= the mean: batch for prompts,
-    # group for completions, may be pruned; InfoBatch-style, our reading of "low |A|")
-    prompt_score: str = "mean_abs_advantage"  # what the history records per prompt
+    # "all" | "below_mean" (only items scoring <= the mean may be pruned: batch for prompts, group for completions;
+    # InfoBatch-style, our reading of "low |A|")
+    candidates: str = "below_mean"
+    # what the prompt level scores: "zero_variance" ranks by sqrt(1 - z), z the predicted probability that the group
+    # is zero-variance (every prompt has one once anything was rolled out: its stratum's prior); the others rank by an
+    # EMA of a per-visit score, and only prompts seen before may be pruned
+    prompt_score: str = "zero_variance"
+    refill: bool = True  # draw M = B / (1 - r_q) candidates (at most refill_max x B), so about B are rolled out
+    refill_max: float = 4.0
+    importance_weights: bool = True  # False: the biased shortcut (kept prompts weight 1, the kept batch normalises)
     seed: int = 0
 
     def __post_init__(self):
-        check_keep_fraction("dppo prompt_prune_rate", self.prompt_prune_rate)
+        if self.prompt_prune_rate != "auto":
+            check_keep_fraction("dppo prompt_prune_rate", self.prompt_prune_rate)
         check_keep_fraction("dppo completion_prune_rate", self.completion_prune_rate)
         choices = {"mode": ("stochastic", "deterministic"), "keep_policy": ("uniform", "proportional"),
                    "candidates": ("all", "below_mean"), "prompt_score": PROMPT_SCORES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"dppo {name} is {getattr(self, name)!r}: choose one of {allowed}")
+        if not self.refill_max >= 1.0:
+            raise ValueError(f"dppo refill_max is {self.refill_max}: it must be >= 1 (at most refill_max x the "
+                             "batch is drawn)")
         for level in ("prompt", "completion"):
             p_min, prune_rate = getattr(self, f"{level}_p_min"), getattr(self, f"{level}_prune_rate")
             if not 0.0 < p_min <= 1.0:
@@ -238,7 +268,8 @@ class DPPOConfig:
                     f"dppo {level}_p_min is {p_min}: it must be in (0, 1]; a keep probability of 0 makes the "
                     "importance weight infinite and the estimate biased"
                 )
-            if self.keep_policy == "proportional" and prune_rate > 0 and p_min > 1.0 - prune_rate:
+            if self.keep_policy == "proportional" and prune_rate != "auto" and prune_rate > 0 \
+                    and p_min > 1.0 - prune_rate:
                 raise ValueError(
                     f"dppo {level}_p_min {p_min} exceeds the keep fraction 1 - {prune_rate}: the floor alone would "
                     f"keep more than asked; lower {level}_p_min or {level}_prune_rate"
@@ -246,29 +277,73 @@ class DPPOConfig:
 
 
 class DPPOPruner(Pruner):
+    """DPPO's two levels. The prompt level, per step:
+
+        rate r = --dppo-prompt-prune-rate, or the pool's recent zero-variance share ("auto", clipped to the refill)
+        ─► draw M = B / (1 - r) candidates (refill; M = B without it), fixed before any keep coin is flipped
+        ─► score each: sqrt(1 - z) from the history's zero-variance prediction z (or a score EMA)
+        ─► keep probabilities p_i = clip(c · score_i, p_min, 1), c such that Σ p = B (mean 1 - r), over candidates
+        ─► keep each with its own coin (stochastic; weight 1 / p) or the top ones (deterministic; weight M / kept)
+
+    Unbiased (stochastic, importance weights on): every drawn prompt has p > 0 and the loss normaliser is that of
+    the M drawn prompts x G (full_batch_counts), so E[loss] is the GRPO loss of the drawn batch whatever M is; a
+    rule "draw until B are kept" would not be (its random stopping makes the estimate a biased ratio). Why sqrt:
+    a zero-variance group adds nothing to the gradient, so pruning prompt i costs variance ∝ (1/p_i - 1)(1 - z_i),
+    and minimising Σ (1 - z_i)/p_i for a fixed Σ p_i gives p_i ∝ sqrt(1 - z_i).
+    """
+
     def __init__(self, config: DPPOConfig):
         self.config = config
         self.prompt_score = config.prompt_score
 
-    def select_prompts(self, prompt_ids, history, step) -> PromptDecision:
+    def prune_rate(self, history: PromptHistory | None) -> float:
+        """The prompt level's expected prune fraction of the drawn prompts, known before the draw."""
+        limit = 1.0 - 1.0 / self.config.refill_max if self.config.refill else 1.0 - self.config.prompt_p_min
+        if self.config.prompt_prune_rate != "auto":
+            return self.config.prompt_prune_rate
+        share = math.nan if history is None else history.zero_variance_share()
+        return 0.0 if math.isnan(share) else min(max(share, 0.0), limit)
+
+    def prompts_to_sample(self, batch_size: int, history: PromptHistory | None = None) -> int:
+        if not self.config.refill:
+            return batch_size
+        return math.ceil(batch_size / (1.0 - self.prune_rate(history)) - 1e-9)
+
+    def select_prompts(self, prompt_ids, history, step, difficulties=None) -> PromptDecision:
         num_prompts = len(prompt_ids)
         if history is None:
             history = PromptHistory()
-        scores, lengths, seen = history.lookup(prompt_ids)
-        # a prompt never seen has no score, and one without a recorded length could not be counted in the full
-        # batch before the draw (full_batch_counts): neither is ever a pruning candidate.
-        known = seen & ~torch.isnan(lengths)
-        candidates = known & self._below_mean(scores, known)
+        lengths = history.expected_lengths(prompt_ids, difficulties)
+        predicted = history.zero_variance_probability(prompt_ids, difficulties)
+        if self.config.prompt_score == "zero_variance":
+            # every prompt ranks by its own prediction (the sqrt rule above); no "below the mean" cut
+            scores = (1.0 - predicted).clamp(min=0.0).sqrt()
+            known = ~torch.isnan(predicted) & ~torch.isnan(lengths)
+            candidates = known
+        else:
+            scores, _, known = history.lookup(prompt_ids)
+            known = known & ~torch.isnan(lengths)
+            candidates = known & self._below_mean(scores, known)
+        # a prompt without a score, or whose length could not be counted in the full batch before the draw
+        # (full_batch_counts), is never a pruning candidate
+        rate = self.prune_rate(history)
+        if self.config.refill and candidates.any():  # about B of the M drawn are rolled out
+            batch_size = num_prompts * (1.0 - rate)
+            rate = min(max(1.0 - (batch_size - float((~candidates).sum())) / float(candidates.sum()), 0.0),
+                       1.0 - self.config.prompt_p_min)
         keep, keep_probs, weights = self._prune(
-            scores.nan_to_num(0.0), candidates, self.config.prompt_prune_rate, self.config.prompt_p_min, step,
-            PROMPT_LEVEL, groups=None,
+            scores.nan_to_num(0.0), candidates, rate, self.config.prompt_p_min, step, PROMPT_LEVEL, groups=None,
         )
         kept = keep.nonzero().squeeze(1)
         stats = {
             "kept_fraction_prompts": len(kept) / num_prompts if num_prompts else 0.0,
             "prompt_candidates_fraction": float(candidates.double().mean()) if num_prompts else 0.0,
+            "prompt_prune_rate": rate,
         }
-        return PromptDecision(kept, weights[kept], keep_probs, lengths, stats)
+        if not self.config.importance_weights:
+            weights = torch.ones_like(weights)
+        return PromptDecision(kept, weights[kept], keep_probs, lengths, stats, predicted,
+                              self.config.importance_weights)
 
     def select_completions(self, rewards, advantages, lengths, prompt_decision, full_batch, step,
                            progress=0.0) -> CompletionDecision:
@@ -346,7 +421,7 @@ class CPPOPruner(Pruner):
     def __init__(self, config: CPPOConfig):
         self.config = config
 
-    def prompts_to_sample(self, batch_size: int) -> int:
+    def prompts_to_sample(self, batch_size: int, history: PromptHistory | None = None) -> int:
         return int(batch_size / (1.0 - self.config.prune_rate)) if self.config.refill else batch_size
 
     def select_completions(self, rewards, advantages, lengths, prompt_decision, full_batch, step,
