@@ -39,7 +39,13 @@ torch.set_num_threads(1)  # tiny tensors: threads only add overhead
 from megatron_dppo.algo.losses import AGGREGATIONS, FullBatchInfo, loss_normalizer, packed_policy_loss  # noqa: E402
 from megatron_dppo.algo.pruning import build_pruner  # noqa: E402
 from megatron_dppo.arguments import parse_args  # noqa: E402
-from megatron_dppo.data.synthetic import END_MARKER, TASK_CELLS, SyntheticArithmetic, format_target  # noqa: E402
+from megatron_dppo.data.synthetic import (  # noqa: E402
+    END_MARKER,
+    TASK_CELLS,
+    SyntheticArithmetic,
+    format_target,
+    rl_pool_seed,
+)
 from megatron_dppo.data.tokenizer import CharTokenizer  # noqa: E402
 from megatron_dppo.experience import ExperienceMaker, loss_config, pruner_options  # noqa: E402
 from megatron_dppo.packing import TrainingSample, build_thd_batch, pack_micro_batches  # noqa: E402
@@ -112,13 +118,14 @@ def build_world(seed: int = 0, uniform_groups: int = NUM_PROMPTS // 2) -> World:
     args = world_args([])
     tokenizer = CharTokenizer.for_synthetic_task()
     task = synthetic_task(tokenizer, seed, NUM_PROMPTS, 1, task=args.synthetic_task)
-    problems = SyntheticArithmetic(seed, TASK_CELLS[args.synthetic_task]).sample(NUM_PROMPTS)  # the task's pool
+    problems = SyntheticArithmetic(rl_pool_seed(seed), TASK_CELLS[args.synthetic_task]).sample(NUM_PROMPTS)  # its pool
     rng = random.Random(seed)
     uniform = set(rng.sample(range(NUM_PROMPTS), uniform_groups))
     completions, logprob_cache = {}, {}
     for prompt, problem in zip(task.prompts, problems):
         if prompt.text != problem.prompt:
-            raise RuntimeError("the synthetic task's pool is no longer SyntheticArithmetic(seed, cells).sample(n)")
+            raise RuntimeError("the synthetic task's pool is no longer SyntheticArithmetic(rl_pool_seed(seed), "
+                               "cells).sample(n)")
         if prompt.prompt_id in uniform:
             correct = GROUP if prompt.prompt_id % 2 else 0
         else:

@@ -49,12 +49,13 @@ class Task:
 
 
 def synthetic_task(tokenizer, seed: int, train_size: int, heldout_size: int, cells=None, task: str = "worked") -> Task:
-    """A recurring pool of `train_size` synthetic problems (so prompts come back and history can prune them), and
-    the fixed held-out split (seed 12345, never in training), over `cells` (default: the task's). A prompt carries
-    only its final answer, the reward's reference: the worked solutions are the warm start's alone."""
-    from megatron_dppo.data.synthetic import TASK_CELLS, SyntheticArithmetic, check_task
+    """A recurring pool of `train_size` synthetic problems (so prompts come back and history can prune them; drawn
+    from a stream apart from the warm start's, data.synthetic.rl_pool_seed), and the fixed held-out split (seed
+    12345, never in training), over `cells` (default: the task's). A prompt carries only its final answer, the
+    reward's reference: the worked solutions are the warm start's alone."""
+    from megatron_dppo.data.synthetic import TASK_CELLS, SyntheticArithmetic, check_task, rl_pool_seed
 
-    generator = SyntheticArithmetic(seed, cells or TASK_CELLS[check_task(task)])
+    generator = SyntheticArithmetic(rl_pool_seed(seed), cells or TASK_CELLS[check_task(task)])
 
     def as_prompt(index, problem):
         return Prompt(index, tokenizer.encode(problem.prompt), problem.answer, problem.prompt, problem.cell)

@@ -200,3 +200,13 @@ def test_bad_cells_tasks_and_references_are_clear_errors():
     for score in (compute_score, compute_answer_only_score):
         with pytest.raises(ValueError, match="is not an integer"):
             score("3$", "three")
+
+
+def test_the_rl_pool_is_drawn_apart_from_the_warm_starts_worked_problems():
+    from megatron_dppo.data.synthetic import TASK_CELLS
+    from megatron_dppo.tasks import synthetic_task
+
+    # one --seed for both: without a stream of its own the pool would begin with the warm start's 500 problems
+    warm = {p.prompt for p in WarmStartData(seed=1, cells=TASK_CELLS["worked"], problems=500).pool}
+    pool = {p.text for p in synthetic_task(CharTokenizer.for_synthetic_task(), 1, 500, 1).prompts}
+    assert len(warm & pool) < 25  # chance overlaps only (the one-digit cells hold a few thousand problems)

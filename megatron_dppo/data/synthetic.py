@@ -109,10 +109,17 @@ def max_prompt_length(cells: Sequence[str]) -> int:
     return max(2 + (operators + 1) * digits + operators + 4 for operators, digits in shapes)
 
 
+def rl_pool_seed(seed: int) -> str:
+    """The seed of the RL prompt pool's stream, named apart from the warm start's (which draws from `seed` itself):
+    with one --seed for both, the pool would otherwise begin with the warm start's own worked problems, already
+    solved, and a small pool would be little else."""
+    return f"rl pool {seed}"
+
+
 class SyntheticArithmetic:
     """An unlimited, seeded stream of training problems, and a disjoint held-out split."""
 
-    def __init__(self, seed: int, cells: Sequence[str]):
+    def __init__(self, seed: int | str, cells: Sequence[str]):
         if not cells:
             raise ValueError("cells must name at least one difficulty cell, e.g. ('2x1', '3x2')")
         self.cells = tuple(cells)
