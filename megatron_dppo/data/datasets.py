@@ -27,10 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_dppo.answers import find_last_boxed, reference_number
 from megatron_dppo.data.paths import DATA_DIR_VARIABLE, data_dir, where_data_is
 from megatron_dppo.data.templates import Messages, encode_prompt, require_chat_template, with_instruction
-from megatron_dppo.rewards.gsm8k import reference_number
-from megatron_dppo.rewards.math import find_last_boxed
 
 logger = logging.getLogger(__name__)
 

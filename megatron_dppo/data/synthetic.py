@@ -25,9 +25,8 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-END_MARKER = "$"
-ANSWER_MARKER = "#"  # the worked task's final answer follows it (the role of \boxed{} in a math solution)
-STEP_SEPARATOR = ","
+from megatron_dppo.answers import ANSWER_MARKER, END_MARKER, STEP_SEPARATOR
+
 TASKS = ("worked", "answer")
 TASK_CELLS = {
     # 14 to ~160 response tokens: chains of 2 to 16 one-digit operations, and short chains of two-digit ones (a

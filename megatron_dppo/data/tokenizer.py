@@ -21,7 +21,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders
 from tokenizers.models import BPE
 
-from megatron_dppo.data.synthetic import ANSWER_MARKER, END_MARKER, STEP_SEPARATOR
+from megatron_dppo.answers import ANSWER_MARKER, END_MARKER, STEP_SEPARATOR
 
 # the synthetic prompts ("Q:5+37=?A:") and both tasks' targets (worked steps joined by ",", "#" before the answer)
 SYNTHETIC_ALPHABET = "0123456789+-=?QA:" + STEP_SEPARATOR + ANSWER_MARKER

@@ -7,37 +7,9 @@ GSM8K answers are plain numbers, so no symbolic check is needed and no process p
 (`Fraction`), so 18, 18.0, 18.00 and \\$18 all match 18, and 18.5 does not.
 """
 
-import re
 from fractions import Fraction
 
-from megatron_dppo.rewards.math import extract_final_answer
-
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-_FRACTION = re.compile(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}")
-
-
-def reference_number(reference: str) -> Fraction:
-    """The reference as a number: either a bare number or a full GSM8K answer ending in '#### N'."""
-    text = reference.rsplit("####", 1)[1] if "####" in reference else reference
-    number = parse_number(text)
-    if number is None:
-        raise ValueError(f"GSM8K reference {reference!r} holds no number; pass the number or the '#### N' answer text")
-    return number
-
-
-def parse_number(text: str) -> Fraction | None:
-    """The last number in `text`, as an exact fraction; thousands separators and LaTeX fractions understood.
-
-    The last, because an answer sentence often shows its working: "15 gallons * 8 = 120 pints".
-    """
-    cleaned = _FRACTION.sub(r"\1/\2", text.replace(",", ""))
-    numbers = _NUMBER.findall(cleaned)
-    if not numbers:
-        return None
-    numerator, _, denominator = numbers[-1].partition("/")
-    if denominator and int(denominator) == 0:
-        return None
-    return Fraction(numerator) / Fraction(denominator or 1)
+from megatron_dppo.answers import extract_final_answer, parse_number, reference_number
 
 
 def final_number(response: str) -> Fraction | None:

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from megatron_dppo.answers import extract_final_answer
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -42,12 +44,6 @@ DEFAULT_TIMEOUT_S = 5.0
 HARD_DEADLINE_GRACE_S = 2.0
 WORKER_STARTUP_TIMEOUT_S = 120.0
 
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
-_ANSWER_IS = re.compile(r"answer\s+is\s*:?", re.IGNORECASE)
-_HASH_MARK = "####"
-_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-_SENTENCE_END = re.compile(r"\.(?:\s|$)")
-_INLINE_MATH = re.compile(r"(?<!\\)\$((?:\\\$|[^$])+?)(?<!\\)\$")  # $...$, where \$ is a dollar sign
 _WHOLE_TEXT = re.compile(r"^\\(?:text|textbf|mathrm|mbox)\{(.*)\}$", re.DOTALL)
 _SIZED_DELIMITER = re.compile(r"\\(?:left|right)(?![A-Za-z])")  # \left( but not \leftarrow
 _NORMALISE_DROP = ("\\!", "\\,", "\\;", "\\:", "\\ ", "^\\circ", "^{\\circ}", "\\%", "%", "\\$")
@@ -62,80 +58,6 @@ class ScoreResult:
     source: str  # where the answer came from: boxed | answer-is | #### | last-number | none
     reason: str  # exact-match | math-verify-equal | math-verify-different | math-verify-unparsable | no-answer
     #              | timeout | error: <what>
-
-
-def find_last_boxed(text: str) -> str | None:
-    """Content of the last complete \\boxed{...} or \\fbox{...} (also the brace-less `\\boxed 5` form)."""
-    position = len(text)
-    while True:
-        start = max(text.rfind(command, 0, position) for command in _BOX_COMMANDS)
-        if start < 0:
-            return None
-        command = next(c for c in _BOX_COMMANDS if text.startswith(c, start))
-        content = _read_box_argument(text, start + len(command))
-        if content is not None:
-            return content.strip()
-        position = start
-
-
-def _read_box_argument(text: str, index: int) -> str | None:
-    """The argument after a box command at `index`: a balanced {...} group or one space-separated token."""
-    if text.startswith("{", index):
-        depth = 0
-        for end in range(index, len(text)):
-            if text[end] == "{":
-                depth += 1
-            elif text[end] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[index + 1 : end]
-        return None  # unbalanced: the response was cut inside the box
-    if text.startswith(" ", index):
-        token = text[index + 1 :].split(maxsplit=1)
-        if token:
-            return token[0].rstrip("$.")
-    return None
-
-
-def _after_answer_is(text: str) -> str | None:
-    """What follows the last "the answer is", up to the end of that sentence or line."""
-    matches = list(_ANSWER_IS.finditer(text))
-    if not matches:
-        return None
-    tail = text[matches[-1].end() :].split("\n", 1)[0]
-    inline_math = _INLINE_MATH.search(tail)
-    if inline_math:
-        return inline_math.group(1).strip() or None
-    sentence_end = _SENTENCE_END.search(tail)
-    if sentence_end:
-        tail = tail[: sentence_end.start()]
-    return tail.strip().strip("$").rstrip(".").strip() or None
-
-
-def _after_hash_mark(text: str) -> str | None:
-    index = text.rfind(_HASH_MARK)
-    if index < 0:
-        return None
-    return text[index + len(_HASH_MARK) :].split("\n", 1)[0].strip().rstrip(".") or None
-
-
-def _last_number(text: str) -> str | None:
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
-
-
-def extract_final_answer(response: str) -> tuple[str | None, str]:
-    """(answer, source) in priority order: last box, "the answer is", ####, last number."""
-    for source, extract in (
-        ("boxed", find_last_boxed),
-        ("answer-is", _after_answer_is),
-        (_HASH_MARK, _after_hash_mark),
-        ("last-number", _last_number),
-    ):
-        answer = extract(response)
-        if answer:
-            return answer, source
-    return None, "none"
 
 
 def normalize_answer(answer: str) -> str:

@@ -14,7 +14,7 @@ is the char tokenizer's eos token.
 
 import re
 
-from megatron_dppo.data.synthetic import ANSWER_MARKER, END_MARKER
+from megatron_dppo.answers import ANSWER_MARKER, END_MARKER
 
 _NOT_MARKERS = "[^" + re.escape(ANSWER_MARKER + END_MARKER) + "]*"
 _INTEGER = r"(-?\d+)"
