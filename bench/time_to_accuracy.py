@@ -36,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -47,22 +48,29 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import prompt_prediction  # noqa: E402
 from megatron_dppo.arguments import EMBEDDED_TASK_DEFAULTS  # noqa: E402
 from tools.plot_metrics import Run, load_run, plot_runs, smoothed  # noqa: E402
 
 METHODS = {
     "grpo": ["--algorithm", "grpo"],
-    "dppo-uniform": ["--algorithm", "dppo", "--dppo-mode", "stochastic", "--dppo-keep-policy", "uniform"],
-    "dppo-proportional": ["--algorithm", "dppo", "--dppo-mode", "stochastic", "--dppo-keep-policy", "proportional"],
-    "dppo-deterministic": ["--algorithm", "dppo", "--dppo-mode", "deterministic"],
-    # two ablations of the default mode: the completion level alone, and a prompt score that never scores a prompt
-    # the policy has not solved yet as worthless (mean |A| scores all-wrong groups 0, like all-correct ones)
-    "dppo-completion-only": ["--algorithm", "dppo", "--dppo-prompt-prune-rate", "0"],
-    "dppo-unsolved": ["--algorithm", "dppo", "--dppo-prompt-score", "unsolved_rate"],
+    # what many users run: rounds of prompts until the batch holds B groups with varied rewards, trained as the batch
+    "dapo-dynamic-sampling": ["--algorithm", "grpo", "--dapo-dynamic-sampling"],
+    # DPPO's defaults (docs/algorithms.md): the predictive prompt level, refill, 1/p weights, the completion level
+    "dppo": ["--algorithm", "dppo"],
+    "dppo-deterministic": ["--algorithm", "dppo", "--dppo-mode", "deterministic"],  # the paper's Algorithm 1
+    # the same prompt level without the 1/p correction: the shortcut history-skipping methods (GRESO) take
+    "dppo-uncorrected": ["--algorithm", "dppo", "--no-dppo-importance-weights"],
     "cppo": ["--algorithm", "cppo", "--cppo-refill"],  # with its paper's refill: batch / (1 - P) prompts drawn
     "d3s": ["--algorithm", "d3s"],
 }
-HEADLINE_METHOD = "dppo-proportional"
+# DPPO variants measured to choose its defaults (not in the default method list; --methods runs them)
+ABLATIONS = {
+    "dppo-no-completion-level": ["--algorithm", "dppo", "--dppo-completion-prune-rate", "0"],
+    "dppo-no-refill": ["--algorithm", "dppo", "--no-dppo-refill"],
+}
+ALL_METHODS = {**METHODS, **ABLATIONS}
+HEADLINE_METHOD = "dppo"
 CONTROL = "sft-control"
 # Every method runs with these flags, so the page records them (the embedded defaults may change under us).
 # A pool of 800 training problems comes back every 50 steps, so DPPO's prompt level (which needs a prompt's
@@ -80,6 +88,11 @@ MATH_MODEL = dict(architecture="qwen2", hidden_size=128, num_layers=3, num_heads
                   ffn_hidden_size=512, tie_word_embeddings=True, max_position_embeddings=4096)
 FINAL_WINDOW = 3  # evaluations averaged for "final accuracy" and for reaching the target
 PHASES = ("seconds_rollout", "seconds_reward", "seconds_logprobs", "seconds_update", "seconds_sync")
+
+
+def pool_size() -> int:
+    """The training pool of every run (RL_FLAGS' --data-train-size)."""
+    return int(RL_FLAGS[RL_FLAGS.index("--data-train-size") + 1])
 
 
 def task_flags(task: str) -> list[str]:
@@ -202,7 +215,7 @@ def rl_flags(settings: Settings, method: str, seed: int, warm_start: Path) -> li
     # --load pins the start to the shared warm start and --seed stays the warm start's, so every run shares one
     # embedded init (the rollout engine's starting file, overwritten by the first weight sync); --rl-seed varies the
     # RL randomness only.
-    return [*RL_FLAGS, *task_flags(settings.task), *METHODS[method], "--seed", str(settings.seeds[0]),
+    return [*RL_FLAGS, *task_flags(settings.task), *ALL_METHODS[method], "--seed", str(settings.seeds[0]),
             "--rl-seed", str(seed), "--load", str(warm_start),
             "--cache-dir", str(settings.out_dir / "cache" / "init"), "--warm-start-steps", "0",
             "--time-budget-s", str(settings.budget_s), "--eval-interval", str(settings.eval_interval),
@@ -244,7 +257,7 @@ def prepare_math_model(out_dir: Path) -> Path:
 
 def run_math(settings: Settings, method: str, seed: int, model_dir: Path) -> Path:
     return launch_unless_finished(
-        [*MATH_FLAGS, *METHODS[method], "--hf-checkpoint", str(model_dir), "--seed", str(seed),
+        [*MATH_FLAGS, *ALL_METHODS[method], "--hf-checkpoint", str(model_dir), "--seed", str(seed),
          "--time-budget-s", str(settings.math_budget_s)], settings.out_dir / "math" / method / f"seed_{seed}",
         settings.processes)
 
@@ -316,6 +329,70 @@ def time_to_reach(points: list[tuple[float, float]], target: float, window: int 
     return None
 
 
+def mean_curve(points_by_seed: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """Evaluation by evaluation: the mean RL time and the mean held-out accuracy over seeds (a method's seeds
+    evaluate at the same steps; cut to the seed with the fewest evaluations)."""
+    count = min(len(points) for points in points_by_seed)
+    return [(statistics.fmean(points[i][0] for points in points_by_seed),
+             statistics.fmean(points[i][1] for points in points_by_seed)) for i in range(count)]
+
+
+def crossing_time(points: list[tuple[float, float]], target: float, window: int = FINAL_WINDOW) -> float | None:
+    """When the trailing mean of `window` evaluations first reaches `target`, linearly interpolated between the two
+    evaluations it lies between (a resolution finer than the evaluation interval); None if it never does."""
+    trailing = list(zip([x for x, _ in points], smoothed([y for _, y in points], window)))
+    for index, (x, y) in enumerate(trailing):
+        if y >= target - 1e-12:
+            if index == 0:
+                return x
+            (x0, y0) = trailing[index - 1]
+            return x0 + (x - x0) * (target - y0) / (y - y0)
+    return None
+
+
+def compare_mean_curves(curves: dict[str, dict[int, list]], baseline: str = "grpo", resamples: int = 2000,
+                        seed: int = 0) -> dict[str, dict]:
+    """The headline comparison, on each method's seed-mean curve: the target is the baseline's final accuracy
+    (of its seed-mean curve); time to target is where a seed-mean curve's trailing mean crosses it
+    (crossing_time); speed-up = baseline time / method time. The 95% interval resamples each method's seeds
+    and the baseline's (with replacement, independently, target recomputed) `resamples` times. A baseline that
+    never crosses counts its whole run; a method resample that never crosses counts its whole run too (an upper
+    bound of its speed-up), and "crossed" says how often that did not happen."""
+    if baseline not in curves or not curves[baseline]:
+        raise ValueError(f"no {baseline} runs to compare against: include {baseline} in --methods")
+
+    def times(base_points: list, method_points: list) -> tuple[float, float | None, float]:
+        base_curve, method_curve = mean_curve(base_points), mean_curve(method_points)
+        target = final_accuracy(base_curve)
+        base_time = crossing_time(base_curve, target) or base_curve[-1][0]
+        return base_time, crossing_time(method_curve, target), method_curve[-1][0]
+
+    rng = random.Random(seed)
+    base_points = list(curves[baseline].values())
+    target = final_accuracy(mean_curve(base_points))
+    results = {}
+    for method, by_seed in curves.items():
+        points = list(by_seed.values())
+        base_time, method_time, _ = times(base_points, points)
+        ratios, crossed = [], 0
+        for _ in range(resamples):
+            base_sample = [rng.choice(base_points) for _ in base_points]
+            method_sample = [rng.choice(points) for _ in points]
+            sample_base, sample_time, sample_end = times(base_sample, method_sample)
+            crossed += sample_time is not None
+            ratios.append(sample_base / max(sample_time if sample_time is not None else sample_end, 1e-9))
+        ratios.sort()
+        finals = [final_accuracy(p) for p in points]
+        results[method] = {
+            "target": target, "baseline_seconds": base_time, "seconds": method_time,
+            "speedup": base_time / method_time if method_time else None,
+            "interval": (ratios[int(0.025 * resamples)], ratios[min(int(0.975 * resamples), resamples - 1)]),
+            "crossed": crossed / resamples, "final_mean": statistics.fmean(finals),
+            "final_se": statistics.stdev(finals) / math.sqrt(len(finals)) if len(finals) > 1 else 0.0,
+        }
+    return results
+
+
 def median_spread(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
@@ -364,11 +441,9 @@ def seed_mean_runs(groups: dict[str, dict[int, Run]]) -> list[Run]:
     the trailing mean of FINAL_WINDOW evaluations that the time to target uses."""
     curves = []
     for method, by_seed in groups.items():
-        points = [accuracy_points(run, "seconds_steps") for run in by_seed.values()]
-        count = min(len(p) for p in points)
-        xs = [statistics.fmean(p[i][0] for p in points) for i in range(count)]
-        ys = smoothed([statistics.fmean(p[i][1] for p in points) for i in range(count)], FINAL_WINDOW)
-        curves.append(Run(method, [{"seconds_steps": x, "heldout_accuracy": y} for x, y in zip(xs, ys)]))
+        points = mean_curve([accuracy_points(run, "seconds_steps") for run in by_seed.values()])
+        ys = smoothed([y for _, y in points], FINAL_WINDOW)
+        curves.append(Run(method, [{"seconds_steps": x, "heldout_accuracy": y} for (x, _), y in zip(points, ys)]))
     return curves
 
 
@@ -393,24 +468,20 @@ def steps_at(run: Run, seconds: float) -> float:
 
 def speedup_decomposition(runs: dict[str, dict[int, Run]], results: dict[str, dict],
                           baseline: str = "grpo") -> dict[str, dict]:
-    """Per method, the speed-up split into fewer steps x shorter steps, per seed where both reached the target:
-    step_ratio = baseline steps to target / method steps, step_time_ratio = baseline s/step / method s/step (both up
-    to the target); their product is the speed-up (the baseline's times are compare_to_baseline's)."""
+    """Per method, the speed-up (compare_mean_curves) split into fewer steps x shorter steps at the seed-mean times
+    to target: step_ratio = the baseline's mean steps to its time / the method's mean steps to its time,
+    step_time_ratio = baseline s/step / method s/step over those spans; their product is the speed-up."""
     out = {}
+    base_time = results[baseline]["baseline_seconds"]
+    base_steps = statistics.fmean(steps_at(run, base_time) for run in runs[baseline].values())
     for method, by_seed in runs.items():
-        step_ratios, time_ratios, method_steps = [], [], []
-        for seed, run in by_seed.items():
-            reached, baseline_times = results[method]["times"].get(seed), results[method]["baseline_times"]
-            if not reached or seed not in baseline_times:
-                continue
-            base_time = baseline_times[seed]
-            base_steps, steps = steps_at(runs[baseline][seed], base_time), steps_at(run, reached)
-            step_ratios.append(base_steps / steps)
-            time_ratios.append((base_time / base_steps) / (reached / steps))
-            method_steps.append(steps)
-        out[method] = {"steps": statistics.median(method_steps) if method_steps else None,
-                       "step_ratio": median_spread(step_ratios) if step_ratios else None,
-                       "step_time_ratio": median_spread(time_ratios) if time_ratios else None}
+        reached = results[method]["seconds"]
+        if not reached:
+            out[method] = {"steps": None, "step_ratio": None, "step_time_ratio": None}
+            continue
+        steps = statistics.fmean(steps_at(run, reached) for run in by_seed.values())
+        out[method] = {"steps": steps, "step_ratio": base_steps / steps,
+                       "step_time_ratio": (base_time / base_steps) / (reached / steps)}
     return out
 
 
@@ -455,31 +526,41 @@ def fmt_count(value: float | None) -> str:
     return f"{value:.0f}"
 
 
+def fmt_interval(result: dict) -> str:
+    if result["speedup"] is None:
+        return "not reached"
+    low, high = result["interval"]
+    crossed = "" if result["crossed"] >= 0.999 else f", {100 * result['crossed']:.0f}% of resamples reach"
+    return f"**{result['speedup']:.2f}x** [{low:.2f}, {high:.2f}{crossed}]"
+
+
 def accuracy_table(runs: dict[str, dict[int, Run]]) -> tuple[str, dict]:
     curves = {method: {seed: accuracy_points(run, "seconds_steps") for seed, run in by_seed.items()}
               for method, by_seed in runs.items()}
-    results = compare_to_baseline(curves)
+    results = compare_mean_curves(curves)
+    per_seed = compare_to_baseline(curves)
     baseline_costs = {}
     rows = []
     for method, result in results.items():
         costs = {}
         for key in ("tokens_generated_total", "tokens_trained_total", "flops_total"):
-            values = [value_at(runs[method][s], key, "seconds_steps", t) for s, t in result["times"].items()]
-            values = [v for v in values if v is not None]
-            costs[key] = statistics.median(values) if values else None
+            values = [value_at(run, key, "seconds_steps", result["seconds"]) for run in runs[method].values()]
+            costs[key] = statistics.fmean(values) if result["seconds"] and None not in values else None
         if method == "grpo":
             baseline_costs = costs
-        times = [t for t in result["times"].values() if t is not None]
-        rows.append([method, f"{result['final_mean']:.3f} ± {result['final_std']:.3f}",
-                     f"{statistics.median(times):.0f}" if times else "-", f"{result['reached']}/{result['seeds']}",
-                     fmt_speedup(result["speedup"]), *[fmt_count(costs[k]) for k in costs], costs])
+        seed_result = per_seed[method]
+        rows.append([method, f"{result['final_mean']:.3f} ± {result['final_se']:.3f}",
+                     f"{result['seconds']:.0f}" if result["seconds"] else "-", fmt_interval(result),
+                     f"{fmt_speedup(seed_result['speedup'])} ({seed_result['reached']}/{seed_result['seeds']})",
+                     *[fmt_count(costs[k]) for k in costs], costs])
     for row in rows:
         costs = row.pop()
         ratios = [costs[k] / baseline_costs[k] if costs[k] and baseline_costs.get(k) else None for k in costs]
         row.append(" / ".join("-" if r is None else f"{r:.2f}" for r in ratios))
-    header = ["method", "final accuracy (mean ± std)", "s to target (median)", "seeds reaching",
-              "speed-up vs GRPO, median [min, max]", "tokens generated to target", "tokens trained to target",
-              "FLOPs to target", "cost vs GRPO (gen / trained / FLOPs)"]
+    header = ["method", "final accuracy (mean ± SE)", "s to target (seed-mean curve)",
+              "speed-up vs GRPO [95% bootstrap interval]", "per seed: median [min, max] (seeds reaching)",
+              "tokens generated to target", "tokens trained to target", "FLOPs to target",
+              "cost vs GRPO (gen / trained / FLOPs)"]
     return markdown(header, rows), results
 
 
@@ -511,10 +592,11 @@ def decomposition_table(runs: dict[str, dict[int, Run]], results: dict[str, dict
     for method, part in parts.items():
         step, tokens = token_cost[method]
         rows.append([method, f"{part['steps']:.0f}" if part["steps"] is not None else "-",
-                     fmt_speedup(part["step_ratio"]), fmt_speedup(part["step_time_ratio"]),
+                     f"{part['step_ratio']:.2f}x" if part["step_ratio"] else "-",
+                     f"{part['step_time_ratio']:.2f}x" if part["step_time_ratio"] else "-",
                      f"{1000 * (step - tokens):.0f} / {1000 * tokens:.0f}", f"{base_tokens / tokens:.2f}x"
                      if tokens > 0 else "-"])
-    header = ["method", "steps to target (median)", "fewer steps: GRPO steps / steps, median [min, max]",
+    header = ["method", "steps to target (seed mean)", "fewer steps: GRPO steps / steps",
               "shorter steps: GRPO s/step / s/step", "fixed / token-dependent ms per step (fit)",
               "GRPO token-dependent time / method's"]
     fit = (f"Fit over every step of every run (R² {cost['r_squared']:.2f}): step ≈ {1000 * cost['fixed']:.0f} ms "
@@ -540,6 +622,49 @@ def math_table(groups: dict[str, list[Run]], size: ModelSize) -> str:
     header = ["method", "steps", "mean reward", "ms/step", "kept fraction", "tokens gen/step", "tokens trained/step",
               "FLOPs/step", "vs GRPO (s / trained / FLOPs per step)"]
     return markdown(header, rows) + f"\n\nModel: {size.parameters} parameters, {size.layers} layers, d={size.hidden}."
+
+
+def first_epoch_end(run: Run, pool: int) -> int:
+    """The step at which the run's draws have covered the pool once (after it, every prompt has a history)."""
+    drawn = 0.0
+    for record in run.records:
+        drawn += float(record.get("prompts_drawn", 0.0))
+        if drawn >= pool:
+            return int(record["step"])
+    return int(run.records[-1]["step"]) if run.records else 0
+
+
+def prompt_level_table(root: Path, runs: dict[str, dict[int, Run]], pool: int) -> str:
+    """Per method, summed over its seeds: epochs over the pool (drawn and rolled out), the share of drawn prompts
+    the prompt level pruned after the first epoch, the share of rolled-out groups that were zero-variance, and how
+    well the history predicted zero-variance groups after the first epoch (bench/prompt_prediction.py; each
+    rolled-out group weighted by 1 / its keep probability)."""
+    rows = []
+    for method, by_seed in runs.items():
+        drawn = rolled = pruned_late = drawn_late = zero = 0.0
+        late_outcomes = []
+        for seed, run in by_seed.items():
+            boundary = first_epoch_end(run, pool)
+            for record in run.records:
+                drawn += float(record.get("prompts_drawn", 0.0))
+                rolled += float(record.get("groups_rolled_out", 0.0))
+                zero += float(record.get("zero_variance_groups_rolled_out", 0.0))
+                if record["step"] > boundary:
+                    drawn_late += float(record.get("prompts_drawn", 0.0))
+                    pruned_late += float(record.get("prompts_pruned", 0.0))
+            late_outcomes += [outcome for outcome in prompt_prediction.read_outcomes(root / method / f"seed_{seed}")
+                              if outcome["step"] > boundary]
+        quality = prompt_prediction.recorded_quality(late_outcomes)
+        count = len(by_seed)
+        rows.append([method, f"{drawn / count / pool:.1f}", f"{rolled / count / pool:.1f}",
+                     f"{pruned_late / drawn_late:.2f}" if drawn_late else "-",
+                     f"{zero / rolled:.2f}" if rolled else "-",
+                     f"{quality.precision:.2f}", f"{quality.recall:.2f}",
+                     f"{quality.brier:.3f} ({quality.base_brier:.3f})"])
+    header = ["method", "epochs drawn", "epochs rolled out", "drawn prompts pruned after the first epoch",
+              "rolled-out groups zero-variance", "prediction precision", "prediction recall",
+              "Brier (base rate's)"]
+    return markdown(header, rows)
 
 
 def load_groups(root: Path, methods: list[str], seeds: list[int], size: ModelSize) -> dict[str, dict[int, Run]]:
@@ -578,7 +703,7 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="smoke check: 1 seed, 25 s budget, 200-step warm start, 128 evaluation problems")
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=list(ALL_METHODS), default=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="RL seeds (default 1 2 3; quick: 1)")
     parser.add_argument("--budget-s", type=float, default=None, help="RL wall time per run (default 200; quick 25)")
     parser.add_argument("--synthetic-task", choices=list(EMBEDDED_TASK_DEFAULTS), default="worked",
@@ -640,9 +765,11 @@ def main(argv: list[str] | None = None) -> None:
         f"(`{' '.join(warm_start_flags(settings.task))}`), {settings.eval_size} held-out problems every "
         f"{settings.eval_interval} steps, {settings.processes} processes. Model: {size.parameters} parameters.\n"
         f"Common RL flags: `{' '.join(RL_FLAGS + task_flags(settings.task))}`; per method: "
-        + "; ".join(f"{m}: `{' '.join(METHODS[m])}`" for m in settings.methods) + ".",
+        + "; ".join(f"{m}: `{' '.join(ALL_METHODS[m])}`" for m in settings.methods) + ".",
         f"### Time to GRPO's final accuracy ({results['grpo']['target']:.3f}) on the {settings.task} synthetic "
         f"task\n\n{table}",
+        f"### The prompt level at work (all seeds; epochs over the {pool_size()}-problem pool)\n\n"
+        f"{prompt_level_table(settings.out_dir / 'runs', groups, pool_size())}",
         f"### Where the time goes (mean per step, ms and share of the step)\n\n{phase_table(flat)}",
         f"### Fewer steps or shorter steps\n\n{decomposition_table(groups, results)}",
     ]

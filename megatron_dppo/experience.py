@@ -102,7 +102,8 @@ def concatenate(parts: list[Rollouts]) -> Rollouts:
                     [lps for part in parts for lps in part.output_logprobs],
                     torch.cat([part.rewards for part in parts]), sum(part.seconds for part in parts),
                     sum(part.reward_seconds for part in parts), sum(part.num_drawn for part in parts), first.capacity,
-                    sum(part.tokens_generated for part in parts), dict(first.stats))
+                    sum(part.tokens_generated for part in parts),
+                    {key: sum(part.stats.get(key, 0.0) for part in parts) for key in first.stats})
 
 
 @dataclass
@@ -231,8 +232,7 @@ class ExperienceMaker:
             if varied == batch:
                 break
         rollouts = concatenate(parts)
-        rollouts.stats = {"dapo_rounds": float(len(parts)), "dapo_groups_rolled_out": float(round_size * len(parts)),
-                          "dapo_batch_shortfall": float(batch - varied)}
+        rollouts.stats.update({"dapo_rounds": float(len(parts)), "dapo_batch_shortfall": float(batch - varied)})
         return rollouts
 
     def roll_out(self, prompts: list, decision: PromptDecision, step: int, num_drawn: int, capacity: int,
@@ -251,8 +251,10 @@ class ExperienceMaker:
         responses = [self.tokenizer.decode(ids) for ids in output_ids]
         references = [p.reference for p in prompts for _ in range(group)]
         rewards = torch.tensor(self.task.score(responses, references), dtype=torch.float64).view(-1, group)
+        stats = {"groups_rolled_out": float(len(prompts)),
+                 "zero_variance_groups_rolled_out": float(zero_variance_groups(rewards).sum())}
         return Rollouts(prompts, decision, output_ids, [c.output_logprobs for c in completions], rewards, seconds,
-                        time.perf_counter() - start, num_drawn, capacity, sum(len(ids) for ids in output_ids))
+                        time.perf_counter() - start, num_drawn, capacity, sum(len(ids) for ids in output_ids), stats)
 
     def sampling_for_step(self, step: int, round_index: int = 0) -> SamplingParams:
         """Sampling parameters with a seed fixed by (seed, step, round of dynamic sampling), so a resumed run draws

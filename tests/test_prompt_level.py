@@ -162,6 +162,8 @@ def test_dapo_dynamic_sampling_rolls_out_rounds_until_the_batch_holds_varied_gro
     assert client.requests == rollouts.stats["dapo_rounds"] > 1  # a round of 4 finds about half a varied group
     assert rollouts.num_drawn == 4 * client.requests
     assert rollouts.tokens_generated == rollouts.num_drawn * G  # discarded groups' tokens are counted
+    assert rollouts.stats["groups_rolled_out"] == rollouts.num_drawn
+    assert rollouts.stats["zero_variance_groups_rolled_out"] <= rollouts.num_drawn - 4  # 4 varied (or more)
     experience = maker.make(rollouts, 1, 0.0)
     assert experience.normalizer_counts.num_sequences == 4 * G  # the kept batch normalises (DAPO)
 

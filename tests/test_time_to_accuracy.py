@@ -139,17 +139,22 @@ def test_tables_from_metric_files_on_disk(tmp_path):
     groups = bench.load_groups(tmp_path / "runs", ["grpo", "dppo-proportional", "cppo"], [1, 2, 3], size)
     assert sorted(groups) == ["dppo-proportional", "grpo"] and sorted(groups["grpo"]) == [1, 2]
     table, results = bench.accuracy_table(groups)
-    # GRPO's target is 0.4, reached (trailing mean of 3) at 5 s; DPPO's trailing mean reaches 0.4 at 1.5 s
+    # GRPO's target is 0.4, reached (trailing mean of 3) at 5 s. DPPO's trailing mean is 1/3 at 1.0 s and 1.22/3 at
+    # 1.5 s: it crosses 0.4 at 1.0 + 0.5 x (0.4 - 1/3) / (1.22/3 - 1/3) s (interpolated); per seed, at the 1.5 s
+    # evaluation (no interpolation), 3.33x
+    crossing = 1.0 + 0.5 * (0.4 - 1 / 3) / (1.22 / 3 - 1 / 3)
     assert results["grpo"]["target"] == pytest.approx(0.4)
-    assert results["dppo-proportional"]["speedup"] == pytest.approx((5 / 1.5, 5 / 1.5, 5 / 1.5))
+    assert results["dppo-proportional"]["speedup"] == pytest.approx(5 / crossing)
+    assert results["dppo-proportional"]["interval"] == pytest.approx((5 / crossing,) * 2)  # identical seeds
     dppo_row = next(line for line in table.splitlines() if line.startswith("| dppo-proportional"))
-    assert "3.33x" in dppo_row and "2/2" in dppo_row
+    assert f"**{5 / crossing:.2f}x**" in dppo_row and "3.33x [3.33, 3.33] (2/2)" in dppo_row
     assert "| ms/step |" in bench.phase_table({m: list(r.values()) for m, r in groups.items()})
-    # the speed-up splits into fewer steps (GRPO 5 steps to target, DPPO 3) x shorter steps (1 s vs 0.5 s)
+    # the speed-up splits into fewer steps (GRPO 5 steps to target, DPPO 3) x shorter steps
     parts = bench.speedup_decomposition(groups, results)
     assert parts["dppo-proportional"]["steps"] == 3
-    assert parts["dppo-proportional"]["step_ratio"] == pytest.approx((5 / 3,) * 3)
-    assert parts["dppo-proportional"]["step_time_ratio"] == pytest.approx((2.0,) * 3)
+    assert parts["dppo-proportional"]["step_ratio"] == pytest.approx(5 / 3)
+    assert parts["dppo-proportional"]["step_ratio"] * parts["dppo-proportional"]["step_time_ratio"] == \
+        pytest.approx(5 / crossing)
     assert "| dppo-proportional | 3 | 1.67x" in bench.decomposition_table(groups, results)
 
 
