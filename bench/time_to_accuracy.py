@@ -86,6 +86,8 @@ MATH_FLAGS = ["--prompt-data", "math", "--reward-type", "math", "--lr", "1e-4", 
               "--max-tokens-per-gpu", "8192", "--eval-size", "16", "--skip-bad-rows"]
 MATH_MODEL = dict(architecture="qwen2", hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=4,
                   ffn_hidden_size=512, tie_word_embeddings=True, max_position_embeddings=4096)
+# GRPO's own tuning (--tune-grpo): each setting changed alone from RL_FLAGS, every method then shares the best
+GRPO_GRID = {"--lr": ["5e-5", "1e-4", "2e-4"], "--rollout-batch-size": ["8", "16", "32"]}
 FINAL_WINDOW = 3  # evaluations averaged for "final accuracy" and for reaching the target
 PHASES = ("seconds_rollout", "seconds_reward", "seconds_logprobs", "seconds_update", "seconds_sync")
 
@@ -127,6 +129,7 @@ class Settings:
     quick: bool
     page: Path | None
     figures_dir: Path
+    tune_grpo: bool = False
 
 
 @dataclass
@@ -227,6 +230,39 @@ def run_rl(settings: Settings, method: str, seed: int, warm_start: Path) -> Path
                                   settings.out_dir / "runs" / method / f"seed_{seed}", settings.processes)
 
 
+def flag_value(flags: list[str], name: str) -> str:
+    """The last value given to `name` in a flag list (argparse keeps the last)."""
+    return flags[len(flags) - 1 - flags[::-1].index(name) + 1]
+
+
+def grpo_settings() -> list[tuple[str, list[str]]]:
+    """(label, extra flags) of the GRPO tuning runs: RL_FLAGS' own setting, then one setting changed at a time."""
+    settings = [("RL_FLAGS", [])]
+    for flag, values in GRPO_GRID.items():
+        settings += [(f"{flag} {value}", [flag, value]) for value in values if value != flag_value(RL_FLAGS, flag)]
+    return settings
+
+
+def tune_grpo(settings: Settings, warm_start: Path) -> str:
+    """GRPO at each of grpo_settings() over the seeds, scored by the mean held-out accuracy over the RL budget (the
+    area under its seed-mean accuracy-vs-time curve / the budget: higher is faster to any accuracy); a table."""
+    rows = []
+    for label, extra in grpo_settings():
+        runs = []
+        for seed in settings.seeds:
+            run_dir = settings.out_dir / "tuning" / label.replace(" ", "_").lstrip("-") / f"seed_{seed}"
+            launch_unless_finished([*rl_flags(settings, "grpo", seed, warm_start), *extra], run_dir,
+                                   settings.processes)
+            runs.append(with_costs(load_run(run_dir, label), None, False))
+        curve = mean_curve([accuracy_points(run, "seconds_steps") for run in runs])
+        area = sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(curve, curve[1:]))
+        rows.append([label, f"{area / max(curve[-1][0], 1e-9):.3f}", f"{final_accuracy(curve):.3f}",
+                     f"{statistics.fmean(len(run.records) for run in runs):.0f}"])
+    best = max(rows, key=lambda row: float(row[1]))
+    return (markdown(["GRPO setting", "mean held-out accuracy over the budget", "final accuracy", "steps"], rows)
+            + f"\n\nBest: {best[0]} ({len(settings.seeds)} seeds, {settings.budget_s:.0f} s each).")
+
+
 def run_control(settings: Settings, steps_per_second: float) -> tuple[Path, int]:
     """More supervised steps in place of RL: the warm start lengthened by the RL budget's worth of steps, on the same
     warm-start data (same flags and seed, so the same problems in the same order, then more epochs of them)."""
@@ -293,13 +329,14 @@ def step_flops(record: dict, size: ModelSize, old_logprob_pass: bool) -> tuple[f
             generated * (2 * size.parameters + 4 * size.layers * size.hidden * rollout_context))
 
 
-def with_costs(run: Run, size: ModelSize, old_logprob_pass: bool) -> Run:
+def with_costs(run: Run, size: ModelSize | None, old_logprob_pass: bool) -> Run:
     """The run with cumulative cost columns added to every record: seconds_steps (RL wall time without
-    evaluations), tokens_generated_total, tokens_trained_total, flops_total (training + rollout)."""
+    evaluations), tokens_generated_total, tokens_trained_total, flops_total (training + rollout; 0 without a
+    model size)."""
     totals = {"seconds_steps": 0.0, "tokens_generated_total": 0.0, "tokens_trained_total": 0.0, "flops_total": 0.0}
     records = []
     for record in run.records:
-        train, rollout = step_flops(record, size, old_logprob_pass)
+        train, rollout = step_flops(record, size, old_logprob_pass) if size is not None else (0.0, 0.0)
         totals["seconds_steps"] += float(record.get("seconds_step", 0.0))
         totals["tokens_generated_total"] += float(record.get("tokens_generated", 0))
         totals["tokens_trained_total"] += float(record.get("tokens_trained", 0))
@@ -606,6 +643,38 @@ def decomposition_table(runs: dict[str, dict[int, Run]], results: dict[str, dict
     return markdown(header, rows) + "\n\n" + fit
 
 
+# Qwen3-4B on MATH on 8 H100s: the share of a GRPO step that is generation (the rest: log-probs and update), as peers
+# report for long math responses; an assumption, not a measurement of ours
+PROJECTION_GENERATION_SHARE = 0.65
+
+
+def projection(runs: dict[str, dict[int, Run]], results: dict[str, dict], method: str = HEADLINE_METHOD) -> str:
+    """The measured ratios carried to a token-bound step (no fixed cost): speed-up = fewer steps / (generation share
+    x generated-token ratio + update share x trained-token ratio), per step, up to the time to target."""
+    parts = speedup_decomposition(runs, results)
+    if method not in runs or parts[method]["step_ratio"] is None:
+        return f"No projection: {method} did not reach GRPO's final accuracy."
+    per_step = {}
+    for name in ("grpo", method):
+        seconds = results[name]["seconds"] if name != "grpo" else results[name]["baseline_seconds"]
+        steps = statistics.fmean(steps_at(run, seconds) for run in runs[name].values())
+        per_step[name] = [statistics.fmean(value_at(run, key, "seconds_steps", seconds) for run in
+                                           runs[name].values()) / steps
+                          for key in ("tokens_generated_total", "tokens_trained_total")]
+    generated = per_step[method][0] / per_step["grpo"][0]
+    trained = per_step[method][1] / per_step["grpo"][1]
+    share = PROJECTION_GENERATION_SHARE
+    step_cost = share * generated + (1 - share) * trained
+    return (f"Assumptions: (1) the step is token-bound: generation scales with generated tokens and the update with "
+            f"trained tokens (at 4,096-token responses and batches of 32 x 8 a fixed cost like ours is small); "
+            f"(2) a GRPO step is {100 * share:.0f}% generation and {100 * (1 - share):.0f}% log-probs and update; "
+            f"(3) {method}'s measured ratios carry over: {generated:.2f}x GRPO's generated tokens and {trained:.2f}x "
+            f"its trained tokens per step, and {parts[method]['step_ratio']:.2f}x fewer steps to GRPO's final "
+            f"accuracy. Then a {method} step costs {share:.2f} x {generated:.2f} + {1 - share:.2f} x {trained:.2f} "
+            f"= {step_cost:.2f} of GRPO's, and the time to target {1 / parts[method]['step_ratio']:.2f} x "
+            f"{step_cost:.2f}: **about {parts[method]['step_ratio'] / step_cost:.2f}x** (the paper: 2.37x).")
+
+
 def math_table(groups: dict[str, list[Run]], size: ModelSize) -> str:
     rows = []
     base = None
@@ -719,6 +788,10 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument("--out-dir", default=None, help="runs and caches (default runs/time_to_accuracy[_quick])")
     parser.add_argument("--write-page", default=None, help="rewrite the generated block of this markdown page")
     parser.add_argument("--figures-dir", default=None, help="default: <page dir>/figures, else <out-dir>/figures")
+    parser.add_argument("--tune-grpo", action="store_true",
+                        help="instead of the methods: GRPO over GRPO_GRID (one setting changed at a time from "
+                             "RL_FLAGS), scored by its mean held-out accuracy over the budget; writes the grpo-tuning "
+                             "block")
     args = parser.parse_args(argv)
     quick = args.quick
 
@@ -737,7 +810,7 @@ def parse_args(argv: list[str] | None) -> Settings:
         eval_size=pick(args.eval_size, 512, 128), control=not args.no_control,
         math_budget_s=pick(args.math_budget_s, 60.0, 0.0), processes=args.processes, quick=quick, page=page,
         figures_dir=Path(args.figures_dir) if args.figures_dir else (
-            (page.parent if page else out_dir) / "figures" / page_block(task, quick)))
+            (page.parent if page else out_dir) / "figures" / page_block(task, quick)), tune_grpo=args.tune_grpo)
     for name, value in (("--budget-s", settings.budget_s), ("--warm-start-steps", settings.warm_start_steps),
                         ("--eval-interval", settings.eval_interval), ("--eval-size", settings.eval_size)):
         if value <= 0:
@@ -751,6 +824,12 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_args(argv)
     started = time.perf_counter()
     warm_start, sft_steps_per_second = prepare_warm_start(settings)
+    if settings.tune_grpo:
+        report = tune_grpo(settings, warm_start)
+        print(report)
+        if settings.page:
+            write_page(settings.page, "grpo-tuning", report)
+        return
     for seed in settings.seeds:
         for method in settings.methods:
             run_rl(settings, method, seed, warm_start)
@@ -772,6 +851,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{prompt_level_table(settings.out_dir / 'runs', groups, pool_size())}",
         f"### Where the time goes (mean per step, ms and share of the step)\n\n{phase_table(flat)}",
         f"### Fewer steps or shorter steps\n\n{decomposition_table(groups, results)}",
+        f"### Projection for Qwen3-4B on MATH, 8 H100s (on paper, not measured)\n\n{projection(groups, results)}",
     ]
     if settings.control:
         control_dir, extra_steps = run_control(settings, sft_steps_per_second)

@@ -194,3 +194,22 @@ def test_the_maker_draws_the_refill_and_records_each_groups_prediction_and_outco
         assert outcome["zero_variance"] == (outcome["prompt_id"] % 2 == 0)
         assert outcome["predicted_zero_variance"] is not None and 0.0 < outcome["keep_prob"] <= 1.0
     assert experience.stats["prompts_pruned"] == rollouts.num_drawn - len(rollouts.prompts)
+
+
+def test_prompt_prediction_bench_replays_outcomes_through_the_trainers_history(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "prompt_prediction.py"
+    spec = importlib.util.spec_from_file_location("prompt_prediction", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # prompts 0-9 always all-right, 10-19 always mixed, each visited on 5 steps
+    records = [{"step": step, "prompt_id": i, "difficulty": "c", "rewards": ALL_RIGHT if i < 10 else MIXED,
+                "zero_variance": i < 10, "response_length_mean": 10.0} for step in range(5) for i in range(20)]
+    (tmp_path / "prompt_outcomes.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    kinds = bench.replay([bench.read_outcomes(tmp_path)], decay=0.5, prior=2.0)
+    seen = bench.quality(*kinds["seen"])
+    assert seen.visits == 80 and seen.precision == 1.0 and seen.recall == 1.0 and seen.brier < seen.base_brier
+    assert kinds["first"] == ([], [])  # every first visit came before any group: no prior, no prediction

@@ -256,3 +256,64 @@ def test_supervised_control_trains_on_the_warm_starts_data_for_the_rl_budgets_st
     assert without(warm, "--warm-start-steps", "--cache-dir") == without(control, "--warm-start-steps", "--cache-dir")
     for flag in ("--warm-start-problems", "--synthetic-task", "--seed"):
         assert flag in control
+
+
+def test_crossing_time_interpolates_the_trailing_mean_between_evaluations():
+    points = curve([(0, 0.2), (10, 0.2), (20, 0.2), (30, 0.5), (40, 0.5)])
+    # trailing means: 0.2, 0.2, 0.2, 0.3 at 30 s, 0.4 at 40 s: 0.35 is crossed halfway between 30 and 40 s
+    assert bench.crossing_time(points, 0.35) == pytest.approx(35.0)
+    assert bench.crossing_time(points, 0.2) == 0.0
+    assert bench.crossing_time(points, 0.9) is None
+
+
+def test_mean_curve_bootstrap_interval_holds_the_speedup_and_widens_with_seed_spread():
+    grpo = {seed: curve([(0, 0.2), (100, 0.3), (200, 0.4), (300, 0.4), (400, 0.4)]) for seed in range(5)}
+    same = {seed: curve([(0, 0.2), (50, 0.3), (100, 0.4), (150, 0.4), (200, 0.4)]) for seed in range(5)}
+    spread = {seed: curve([(0, 0.2), (50 + 20 * seed, 0.3), (100 + 40 * seed, 0.4), (150 + 60 * seed, 0.4),
+                           (200 + 80 * seed, 0.4)]) for seed in range(5)}
+    results = bench.compare_mean_curves({"grpo": grpo, "same": same, "spread": spread}, resamples=500)
+    assert results["grpo"]["speedup"] == pytest.approx(1.0)
+    assert results["same"]["speedup"] == pytest.approx(2.0)
+    assert results["same"]["interval"] == pytest.approx((2.0, 2.0))  # identical seeds: nothing to resample
+    low, high = results["spread"]["interval"]
+    assert low < results["spread"]["speedup"] < high and high - low > 0.2
+    assert results["same"]["crossed"] == 1.0
+
+
+def write_outcomes(directory: Path, steps: int, per_step: int, pruned: int, zero_every: int) -> None:
+    """prompt_outcomes.jsonl: per step, `per_step` groups, every `zero_every`-th zero-variance and predicted so."""
+    lines = []
+    for step in range(1, steps + 1):
+        for index in range(per_step):
+            zero = index % zero_every == 0
+            lines.append(json.dumps({"step": step, "prompt_id": index, "difficulty": "c", "rewards": [1.0, 1.0]
+                                     if zero else [1.0, 0.0], "zero_variance": zero, "keep_prob": 0.5 if zero else 1.0,
+                                     "predicted_zero_variance": 0.9 if zero else 0.1, "response_length_mean": 5.0}))
+    (directory / "prompt_outcomes.jsonl").write_text("\n".join(lines) + "\n")
+    metrics = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    for record in metrics:
+        record.update(prompts_drawn=float(per_step + pruned), prompts_pruned=float(pruned),
+                      groups_rolled_out=float(per_step),
+                      zero_variance_groups_rolled_out=float(len(range(0, per_step, zero_every))))
+    (directory / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in metrics) + "\n")
+
+
+def test_prompt_level_table_counts_epochs_pruned_share_and_prediction_quality(tmp_path):
+    run_dir = write_run(tmp_path / "runs" / "dppo" / "seed_1", [0.3] * 11, 1.0)
+    write_outcomes(run_dir, steps=10, per_step=4, pruned=4, zero_every=2)
+    groups = {"dppo": {1: bench.load_run(run_dir, "dppo")}}
+    table = bench.prompt_level_table(tmp_path / "runs", groups, pool=16)
+    row = next(line for line in table.splitlines() if line.startswith("| dppo"))
+    # 10 steps x 8 drawn over a pool of 16: 5 epochs drawn, 2.5 rolled out; the first epoch ends at step 2; half the
+    # drawn prompts pruned; half the rolled-out groups zero-variance, each predicted right: precision and recall 1
+    assert row.startswith("| dppo | 5.0 | 2.5 | 0.50 | 0.50 | 1.00 | 1.00 |")
+
+
+def test_grpo_tuning_changes_one_setting_at_a_time_from_the_common_flags():
+    settings = bench.grpo_settings()
+    assert settings[0] == ("RL_FLAGS", [])
+    for label, extra in settings[1:]:
+        flag, value = extra
+        assert flag in bench.GRPO_GRID and value != bench.flag_value(bench.RL_FLAGS, flag)
+        assert label == f"{flag} {value}"
+    assert len(settings) == 1 + sum(len(values) - 1 for values in bench.GRPO_GRID.values())
