@@ -750,19 +750,6 @@ def build_app(engine: EmbeddedEngine, api_key: str | None = None):
     return app
 
 
-def exit_when_orphaned(poll_s: float = 1.0) -> None:
-    """A daemon thread that ends this process once its parent is gone (it is then re-parented), so a trainer
-    killed with kill -9 leaves no engine behind."""
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", required=True, help="saved HF model directory (config.json + weights)")
@@ -784,11 +771,7 @@ def main(argv: list[str] | None = None) -> None:
                              "42 when the request gives none); without it sampling_seed is ignored")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads of each worker (default: cores / 2)")
-    parser.add_argument("--exit-with-parent", action="store_true",
-                        help="exit when the process that started this server dies (set by our launcher)")
     args = parser.parse_args(argv)
-    if args.exit_with_parent:
-        exit_when_orphaned()
 
     from aiohttp import web
 
