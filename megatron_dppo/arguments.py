@@ -3,7 +3,14 @@
 Megatron's own flags keep Megatron-LM's names (--tensor-model-parallel-size, --lr, --save, ...); ours come in
 prefixed groups: --rollout-*, --dppo-* (and the other algorithms' options), --reward-*, --data-*, --warm-start-*.
 Every --sglang-* flag is forwarded verbatim to `python -m sglang.launch_server` (without the prefix).
-A bad combination is reported naming both flags and the fix.
+
+    argv ─► argparse, each numeric flag through its Domain (its range, declared where the flag is added)
+         ─► combinations that cannot run, the model folder, the prompt sources ─► defaults that depend on other flags
+
+Invariants:
+- every numeric flag has a Domain (build_parser refuses one without), so no out-of-range value reaches the run;
+- every problem is one line naming the flag, the value and the fix, exit status 2, said once under torchrun (rank 0);
+- parsing imports no torch: --dry-run runs before every Slurm launch.
 """
 
 import argparse
