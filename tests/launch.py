@@ -27,6 +27,31 @@ def start_torchrun(script: Path, nproc: int, args=(), env: dict | None = None) -
                             cwd=REPO_ROOT, start_new_session=True)
 
 
+def processes_marked(marker: str) -> list[int]:
+    """Pids of the live processes whose environment holds `marker` (a unique NAME=value given to a launch, which
+    every process it starts inherits): what a launch left behind. Zombies are dead and not counted."""
+    needle = b"\0" + marker.encode() + b"\0"
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if needle in b"\0" + (entry / "environ").read_bytes() + b"\0" and state != "Z":
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return found
+
+
+def kill_marked(marker: str) -> None:
+    for pid in processes_marked(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def kill_group(process: subprocess.Popen) -> None:
     try:
         os.killpg(process.pid, signal.SIGKILL)

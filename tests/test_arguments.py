@@ -5,11 +5,13 @@ import json
 import os
 import subprocess
 import sys
+import time
+import uuid
 
 import pytest
 
 from megatron_dppo.arguments import parse_args
-from tests.launch import REPO_ROOT, finish, start_torchrun
+from tests.launch import REPO_ROOT, finish, kill_marked, processes_marked, start_torchrun
 
 ENTRY = REPO_ROOT / "examples" / "pretrain_dppo.py"
 
@@ -51,6 +53,56 @@ def test_under_torchrun_the_flag_error_is_said_once_and_nothing_starts(prompts_f
     output = finish(process, 300, "torchrun with a bad flag")
     assert process.returncode != 0
     assert len(error_lines(output)) == 1 and "needs --hf-checkpoint DIR" in error_lines(output)[0]
+
+
+def tracebacks_of_ours(output: str) -> list[str]:
+    """The tracebacks in `output` other than torchrun's own failure summary (which ends in its ChildFailedError):
+    those of our processes, through megatron_dppo's or torch's frames."""
+    blocks = output.split("Traceback (most recent call last):")[1:]
+    return [block for block in blocks if "ChildFailedError" not in block.split("\n\n")[0]
+            or f"{REPO_ROOT / 'megatron_dppo'}{os.sep}" in block]
+
+
+def test_out_of_range_flags_under_torchrun_end_within_30_s_with_one_line_no_traceback_and_no_process_left():
+    for flag, value, domain in (("--lr", "-1", "a finite number > 0"),
+                                ("--rollout-batch-size", "0", "an integer >= 1"),
+                                ("--dppo-prompt-prune-rate", "1.5", "a number in [0, 1)")):
+        name, marker = "MEGATRON_DPPO_ARGUMENTS_TEST", uuid.uuid4().hex
+        process = start_torchrun(ENTRY, 2, [flag, value], env={name: marker})
+        try:
+            output, _ = process.communicate(timeout=30)
+            assert process.returncode != 0
+            assert error_lines(output) == [f"pretrain_dppo.py: error: argument {flag}: {value} is out of range; "
+                                           f"give {domain}"], output[-3000:]
+            assert not tracebacks_of_ours(output), output[-3000:]
+            deadline = time.monotonic() + 5
+            while processes_marked(f"{name}={marker}"):
+                assert time.monotonic() < deadline, f"{flag} {value} left {processes_marked(f'{name}={marker}')}"
+                time.sleep(0.1)
+        finally:
+            kill_marked(f"{name}={marker}")
+
+
+def test_python_without_torchrun_says_the_flag_error_or_how_to_launch_in_one_line_without_a_traceback(tmp_path):
+    finished = run_entry("--lr", "-1")
+    assert finished.returncode == 2
+    assert finished.stderr.splitlines() == ["pretrain_dppo.py: error: argument --lr: -1 is out of range; give a "
+                                            "finite number > 0", "(--help lists every flag)"]
+    finished = run_entry()
+    assert finished.returncode == 2
+    assert finished.stderr.splitlines() == [
+        f"pretrain_dppo.py: error: {ENTRY} runs under torchrun, which gives each process RANK, WORLD_SIZE and "
+        f"MASTER_ADDR, and this python was started without it: launch with torchrun --nproc-per-node N {ENTRY} "
+        "[FLAGS]"]
+    from tests.tiny_chat import save_tiny_chat_model
+
+    save_tiny_chat_model(tmp_path / "model")  # a built-in set whose ../shared data is missing: one line per file
+    finished = run_entry("--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", "gsm8k",
+                         env={"DPPO_DATA_DIR": str(tmp_path / "nowhere")})
+    assert finished.returncode == 2 and "Traceback" not in finished.stderr
+    lines = finished.stderr.splitlines()
+    assert lines[0] == "pretrain_dppo.py: error: invalid arguments:" and lines[-1] == "(--help lists every flag)"
+    assert lines[1].startswith(f"  --prompt-data gsm8k: the built-in set is read from {tmp_path / 'nowhere'}")
 
 
 def test_a_bad_prompt_row_stops_the_run_with_its_file_row_and_fix(tmp_path):

@@ -70,9 +70,9 @@ def test_cache_key_changes_with_every_warm_start_setting_and_only_with_them():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--embedded-hidden-size", "100"], "--embedded-hidden-size 100 must be a positive multiple of 32"),
-    (["--warm-start-problems", "-1"], "--warm-start-problems -1 must be >= 0"),
-    (["--warm-start-batch-size", "0"], "--warm-start-batch-size 0 must be >= 1"),
+    (["--embedded-hidden-size", "100"], "--embedded-hidden-size 100 must be a multiple of 32"),
+    (["--warm-start-problems", "-1"], "argument --warm-start-problems: -1 is out of range; give an integer >= 0"),
+    (["--warm-start-batch-size", "0"], "argument --warm-start-batch-size: 0 is out of range; give an integer >= 1"),
     (["--warm-start-cells", "2y1"], "--warm-start-cells: difficulty cell '2y1' must read"),
     (["--synthetic-task", "proof"], "invalid choice: 'proof'"),
     (["--data-synthetic-cells", "16x1", "--rollout-max-response-len", "100"],

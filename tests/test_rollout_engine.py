@@ -140,7 +140,7 @@ def test_api_key_is_required_except_for_health(engine):
 
 def test_bad_request_is_answered_with_a_clear_400(engine):
     handle, _ = engine
-    with pytest.raises(RolloutServerError, match=r"HTTP 400.*input_ids must be integers in \[0, 96\)"):
+    with pytest.raises(RolloutServerError, match=r"HTTP 400.*input_ids must be a list of integers in \[0, 96\)"):
         control_request(handle.url, "/generate", {"input_ids": [500]}, api_key=API_KEY)
     with pytest.raises(RolloutServerError, match="HTTP 400.*not supported"):
         control_request(handle.url, "/generate", {"input_ids": [1], "sampling_params": {"min_p": 0.1}},

@@ -175,8 +175,10 @@ def group_alive(group: int) -> bool:
 
 
 def test_a_killed_vllm_server_is_detected_with_a_clear_error_and_leaves_no_process(server):
-    group = server.process.pid
-    os.kill(server.process.pid, signal.SIGKILL)  # the API server dies; vLLM's engine processes outlive it
+    group = server.process.pid  # the tether, leader of the server's process group
+    # the tether dies, and with it the API server (the parent-death signal the tether arms); vLLM's engine processes
+    # outlive it
+    os.kill(server.process.pid, signal.SIGKILL)
     time.sleep(2)
     assert group_alive(group)  # ... so stop() below has something to end
     client = RolloutClient([server.url], api=VLLMCompletionsAPI(), max_retries=1, retry_backoff_s=0.1)

@@ -49,6 +49,19 @@ def _barrier():
         dist.barrier()
 
 
+def stop_writer_results_manager() -> None:
+    """Stop the process that megatron's torch_dist writer serves its results queue from. megatron 0.16.1 starts it
+    (a multiprocessing Manager, spawned) at a rank's first save and keeps it for the rank's lifetime
+    (`filesystem_async._results_queue`); it never checks for its parent, so a rank killed later (SIGKILL, the OOM
+    killer, a failing peer under torchrun) would leave it and multiprocessing's resource tracker running forever.
+    The next save starts a new one."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        filesystem_async._results_queue._manager.shutdown()
+        filesystem_async._results_queue = None
+
+
 def save_checkpoint(save_dir: str | Path, step: int, sharded_state: dict, hf_config: dict,
                     trainer_state: dict | None = None, keep_last: int | None = None, sharded_strategy=None) -> Path:
     """Save `sharded_state` (values from `.sharded_state_dict()`) atomically as checkpoint `step`; every rank calls.
@@ -64,6 +77,7 @@ def save_checkpoint(save_dir: str | Path, step: int, sharded_state: dict, hf_con
         staging.mkdir(parents=True)
     _barrier()
     dist_checkpointing.save(sharded_state, str(staging), sharded_strategy=sharded_strategy)
+    stop_writer_results_manager()
     _barrier()
     if _rank0():
         (staging / HF_CONFIG).write_text(json.dumps(hf_config, indent=2))

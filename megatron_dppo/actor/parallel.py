@@ -1,12 +1,12 @@
 """Start torch.distributed and megatron-core's parallel state for a TP x PP x DP layout."""
 
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_dppo.errors import require_torchrun
 from megatron_dppo.platform import distributed_backend, is_cpu, setup_device
 
 
@@ -15,11 +15,10 @@ def init_parallel(tp_size: int = 1, pp_size: int = 1, seed: int = 1234, timeout_
 
     Returns this rank's device. Weight initialisation draws from the seeded CPU generator on every rank, so a
     randomly initialised model is the same whatever the TP/PP layout."""
+    if not dist.is_initialized():
+        require_torchrun()
     device = setup_device()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            raise RuntimeError("init_parallel needs torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR): "
-                               "launch with torchrun --nproc-per-node N ...")
         dist.init_process_group(backend=distributed_backend(), timeout=timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     if world % (tp_size * pp_size):

@@ -30,6 +30,7 @@ import numpy as np
 from megatron_dppo.answers import find_last_boxed, reference_number
 from megatron_dppo.data.paths import DATA_DIR_VARIABLE, data_dir, where_data_is
 from megatron_dppo.data.templates import Messages, encode_prompt, require_chat_template, with_instruction
+from megatron_dppo.errors import UserInputError
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ _HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
 _SKIP_FIX = "fix the row, or leave bad rows out with --skip-bad-rows"
 
 
-class PromptDataError(ValueError):
+class PromptDataError(UserInputError):
     """A prompt source that cannot be found, read or used; the message names it and the fix."""
 
 

@@ -27,18 +27,25 @@ Invariants:
   finish_reason "abort", pause(retract) puts them back in the queue with their tokens, resumed on continue;
 - every received tensor must name a parameter of the model with the same shape, or the update fails
   and says which names were wrong;
+- a /generate body is checked whole before anything of it is queued, and refused with HTTP 400 and the reason:
+  values of the wrong JSON type (numbers in strings, NaN, infinity), what SGLang's SamplingParams.verify refuses,
+  n outside [1, --max-n], token ids outside the vocabulary, a prompt plus max_new_tokens beyond the model's context
+  (SGLang's tokenizer manager), and a request whose sequences need more KV-cache slots (prompt + max_new_tokens,
+  summed) than the KV budget. The KV budget is --max-total-tokens (default: the token slots 1 GiB of K/V holds for
+  the model); it also caps one batch's cache, so no request can make the engine hold more than it;
 - a batch is split over the workers as a function of the batch alone, and a seeded sample's randomness depends on
   its seed and position only: the same request gives the same samples, and another batching changes a sample only
   through the rounding of its logits.
 
 Run: python -m megatron_dppo.rollout.engine --model-dir DIR [--host 127.0.0.1] [--port P] [--api-key K]
-     [--workers W] [--threads T]
+     [--workers W] [--threads T] [--max-total-tokens KV_BUDGET] [--max-n N]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import threading
 import time
@@ -72,11 +79,35 @@ SESSION_SELECTORS = ("target", "draft", "all")  # BeginWeightUpdateReqInput.sele
 # Below this many sequences per worker, splitting a batch costs more (smaller matmuls, a second prefill of shared
 # prompts) than a second core gives back.
 MIN_ROWS_PER_WORKER = 16
-DEFAULT_KV_CACHE_BYTES = 2**30  # a batch's KV cache at most, unless --max-total-tokens says otherwise
+DEFAULT_KV_CACHE_BYTES = 2**30  # the KV budget's default size: see --max-total-tokens
+DEFAULT_MAX_N = 256  # samples per prompt one request may ask for, unless --max-n says otherwise (SGLang has no cap)
 
 
 class RequestError(ValueError):
     """A request the engine refuses (answered with HTTP 400 and this message)."""
+
+
+def _field(fields: dict, key: str, kind: str, default):
+    """`fields[key]` if it is a JSON value of `kind` (null or absent: `default`). Python's JSON parser takes NaN and
+    Infinity, and a bool is an int to Python: both are refused here, as are numbers written as strings."""
+    value = fields.get(key)
+    if value is None:
+        return default
+    accepted = {"bool": isinstance(value, bool),
+                "integer": isinstance(value, int) and not isinstance(value, bool),
+                "number": isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
+    if not accepted[kind]:
+        raise RequestError(f"{key} must be {'a finite number' if kind == 'number' else f'a JSON {kind}'}, "
+                           f"got {value!r}")
+    return float(value) if kind == "number" else value
+
+
+def _token_ids(value, what: str, vocab: int | None = None) -> list[int]:
+    """`value` if it is a list of token ids: integers >= 0, and below `vocab` when given."""
+    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                          or (vocab is not None and t >= vocab) for t in value):
+        raise RequestError(f"{what} must be a list of integers in [0, {vocab if vocab is not None else 'inf'})")
+    return value
 
 
 @dataclass
@@ -90,31 +121,34 @@ class SequenceParams:
     sampling_seed: int | None = None  # SGLang's per-request seed; acts only with --enable-deterministic-inference
 
     @classmethod
-    def from_sglang(cls, params: dict) -> tuple[SequenceParams, int]:
-        """Parse SGLang's sampling_params dict; returns the params and n (samples per prompt)."""
+    def from_sglang(cls, params) -> tuple[SequenceParams, int]:
+        """Parse SGLang's sampling_params dict; returns the params and n (samples per prompt). Refuses what
+        SGLang 0.5.23's SamplingParams.verify refuses (sampling/sampling_params.py), and more: every value must be a
+        JSON value of its type (no numbers in strings, no NaN or infinity), n >= 1, stop ids are integers >= 0."""
+        if not isinstance(params, dict):
+            raise RequestError(f"sampling_params must be a JSON object (or a list of them), got {params!r}")
         known = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "n",
                  "sampling_seed"}
         unknown = sorted(set(params) - known)
         if unknown:
             raise RequestError(f"sampling_params {unknown} are not supported by the embedded engine; "
                                f"supported: {sorted(known)}")
-        top_k = int(params.get("top_k", TOP_K_ALL) if params.get("top_k") is not None else TOP_K_ALL)
-        parsed = cls(
-            temperature=float(params.get("temperature", 1.0) if params.get("temperature") is not None else 1.0),
-            top_p=float(params.get("top_p", 1.0) if params.get("top_p") is not None else 1.0),
-            top_k=TOP_K_ALL if top_k >= 1 << 30 else top_k,
-            max_new_tokens=int(params.get("max_new_tokens", 128) if params.get("max_new_tokens") is not None
-                               else 128),
-            stop_token_ids=set(params.get("stop_token_ids") or []),
-            ignore_eos=bool(params.get("ignore_eos", False)),
-            sampling_seed=None if params.get("sampling_seed") is None else int(params["sampling_seed"]),
-        )
-        n = int(params.get("n", 1) or 1)
+        top_k = _field(params, "top_k", "integer", TOP_K_ALL)
+        parsed = cls(temperature=_field(params, "temperature", "number", 1.0),
+                     top_p=_field(params, "top_p", "number", 1.0),
+                     top_k=TOP_K_ALL if top_k >= 1 << 30 else top_k,
+                     max_new_tokens=_field(params, "max_new_tokens", "integer", 128),
+                     stop_token_ids=set(_token_ids(params.get("stop_token_ids") or [], "stop_token_ids")),
+                     ignore_eos=_field(params, "ignore_eos", "bool", False),
+                     sampling_seed=_field(params, "sampling_seed", "integer", None))
+        n = _field(params, "n", "integer", 1)
         if parsed.temperature < 0 or not 0 < parsed.top_p <= 1 or parsed.top_k == 0 or parsed.top_k < -1:
             raise RequestError(f"invalid sampling_params {params}: need temperature >= 0, 0 < top_p <= 1, "
                                "top_k -1 or >= 1")
         if parsed.max_new_tokens < 0 or n < 1:
             raise RequestError(f"invalid sampling_params {params}: need max_new_tokens >= 0 and n >= 1")
+        if parsed.sampling_seed is not None and not -2**63 <= parsed.sampling_seed < 2**63:
+            raise RequestError(f"sampling_seed must be in [-2**63, 2**63 - 1], got {parsed.sampling_seed}")
         return parsed, n
 
 
@@ -147,15 +181,17 @@ class EmbeddedEngine:
 
     def __init__(self, model_dir: str, dtype: str = "float32", max_batch_size: int = 256,
                  batch_window_s: float = 0.005, seed: int = 0, model_name: str | None = None,
-                 deterministic_inference: bool = False, workers: int = 1, max_total_tokens: int | None = None):
+                 deterministic_inference: bool = False, workers: int = 1, max_total_tokens: int | None = None,
+                 max_n: int = DEFAULT_MAX_N):
         """deterministic_inference: SGLang's --enable-deterministic-inference, without which sampling_seed is
         ignored (see the module docstring). workers: a batch of at least MIN_ROWS_PER_WORKER sequences per worker is
         split into that many contiguous parts, decoded concurrently by as many threads. max_total_tokens: the KV
-        cache slots one batch may take (rows x (longest context + largest token budget)); default: what
-        DEFAULT_KV_CACHE_BYTES hold."""
-        if workers < 1 or max_batch_size < 1 or (max_total_tokens is not None and max_total_tokens < 1):
-            raise ValueError(f"--workers {workers}, --max-batch-size {max_batch_size} and --max-total-tokens "
-                             f"{max_total_tokens} must be >= 1")
+        budget, the cache slots one batch may take (rows x (longest context + largest token budget)) and one
+        request may ask for; default: what DEFAULT_KV_CACHE_BYTES hold. max_n: samples per prompt in one request."""
+        if min(workers, max_batch_size, max_n, 1 if max_total_tokens is None else max_total_tokens) < 1:
+            raise ValueError(f"--workers {workers}, --max-batch-size {max_batch_size}, --max-n {max_n} and "
+                             f"--max-total-tokens {max_total_tokens} must be >= 1")
+        self.max_n = max_n
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if not Path(model_dir, "config.json").is_file():
@@ -392,19 +428,19 @@ class EmbeddedEngine:
         return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
 
     def _parse_generate(self, body: dict) -> tuple[list[Sequence], bool]:
+        """The sequences a /generate body asks for, in SGLang's order, or RequestError (HTTP 400) before anything is
+        queued: malformed fields, prompts or samples past the model's context, n above --max-n, or a request whose
+        sequences need more KV-cache slots than the engine's KV budget (see the module docstring)."""
         if not isinstance(body, dict) or body.get("input_ids") is None:
             raise RequestError("the embedded engine needs `input_ids` (a list of token ids or a list of lists); "
                                "`text` prompts need a tokenizer-backed SGLang server")
-        if body.get("stream"):
+        if _field(body, "stream", "bool", False):
             raise RequestError("stream=true is not supported by the embedded engine")
-        input_ids = body["input_ids"]
-        single = not input_ids or not isinstance(input_ids[0], list)
-        prompts = [input_ids] if single else input_ids
+        input_ids, vocab = body["input_ids"], self.model.config.vocab_size
+        single = not isinstance(input_ids, list) or not input_ids or not isinstance(input_ids[0], list)
+        prompts = [_token_ids(prompt, "input_ids", vocab) for prompt in ([input_ids] if single else input_ids)]
         if not prompts or any(not prompt for prompt in prompts):
             raise RequestError("input_ids must hold at least one token per prompt")
-        vocab = self.model.config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for prompt in prompts for t in prompt):
-            raise RequestError(f"input_ids must be integers in [0, {vocab})")
         params_list = body.get("sampling_params") or {}
         params_list = params_list if isinstance(params_list, list) else [params_list] * len(prompts)
         if len(params_list) != len(prompts):
@@ -413,17 +449,29 @@ class EmbeddedEngine:
         n = parsed[0][1]
         if any(count != n for _, count in parsed):
             raise RequestError("every sampling_params entry must have the same n")
-        return_logprob = bool(body.get("return_logprob") or False)
-        logprob_start_len = body.get("logprob_start_len")
-        logprob_start_len = -1 if logprob_start_len is None else int(logprob_start_len)
+        if n > self.max_n:
+            raise RequestError(f"n={n} samples per prompt exceeds this engine's --max-n {self.max_n}: send fewer "
+                               "samples per request, or start the engine with a larger --max-n")
+        return_logprob = _field(body, "return_logprob", "bool", False)
+        logprob_start_len = _field(body, "logprob_start_len", "integer", -1)
+        kv_slots = 0
+        for prompt, (params, _) in zip(prompts, parsed):
+            if logprob_start_len >= len(prompt):
+                raise RequestError(f"logprob_start_len={logprob_start_len} >= prompt length {len(prompt)}")
+            # SGLang's tokenizer manager refuses a prompt, or a prompt plus max_new_tokens, beyond the context
+            if self.max_positions and len(prompt) + max(params.max_new_tokens, 1) > self.max_positions:
+                raise RequestError(f"a prompt of {len(prompt)} tokens and max_new_tokens {params.max_new_tokens} "
+                                   f"exceed the model's context length of {self.max_positions} tokens: shorten "
+                                   "the prompt or lower max_new_tokens")
+            kv_slots += n * (len(prompt) + params.max_new_tokens)
+        if kv_slots > self.max_total_tokens:
+            raise RequestError(f"this request needs {kv_slots} KV-cache token slots (prompt + max_new_tokens, summed "
+                               f"over its {n * len(prompts)} sequences), more than the engine's KV budget of "
+                               f"{self.max_total_tokens} (--max-total-tokens): send fewer or shorter sequences per "
+                               "request, or start the engine with a larger --max-total-tokens")
         sequences = []
         for _ in range(n):  # SGLang's expansion order: all prompts for sample 0, then sample 1, ...
             for prompt, (params, _) in zip(prompts, parsed):
-                if self.max_positions and len(prompt) >= self.max_positions:
-                    raise RequestError(f"prompt of {len(prompt)} tokens exceeds the model's "
-                                       f"{self.max_positions} positions")
-                if logprob_start_len >= len(prompt):
-                    raise RequestError(f"logprob_start_len={logprob_start_len} >= prompt length {len(prompt)}")
                 sequences.append(Sequence(rid=uuid.uuid4().hex, prompt_ids=list(prompt), params=params,
                                           return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                                           seed=self._sampling_seed(params)))
@@ -750,52 +798,41 @@ def build_app(engine: EmbeddedEngine, api_key: str | None = None):
     return app
 
 
-def exit_when_orphaned(poll_s: float = 1.0) -> None:
-    """A daemon thread that ends this process once its parent is gone (it is then re-parented), so a trainer
-    killed with kill -9 leaves no engine behind."""
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_dppo.arguments import COUNT, SEED, Domain, FlagParser, require_domains
+
+    parser = FlagParser(prog="megatron_dppo.rollout.engine", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", required=True, help="saved HF model directory (config.json + weights)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--port", type=Domain("a TCP port in [1, 65535]", int, 1, 65535), default=30000)
     parser.add_argument("--api-key", default=os.environ.get("MEGATRON_DPPO_ENGINE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route except /health*")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-batch-size", type=int, default=256, help="sequences decoded together at most")
-    parser.add_argument("--max-total-tokens", type=int, default=None,
-                        help="KV cache slots one batch may take, rows x (longest context + largest max_new_tokens) "
-                             f"(default: what {DEFAULT_KV_CACHE_BYTES // 2**20} MiB hold)")
-    parser.add_argument("--workers", type=int, default=1,
+    parser.add_argument("--max-batch-size", type=COUNT, default=256, help="sequences decoded together at most")
+    parser.add_argument("--max-total-tokens", type=COUNT, default=None,
+                        help="the KV budget: cache slots one batch may take, rows x (longest context + largest "
+                             "max_new_tokens), and one request may ask for, the sum of prompt + max_new_tokens over "
+                             f"its sequences (default: what {DEFAULT_KV_CACHE_BYTES // 2**20} MiB of K/V hold)")
+    parser.add_argument("--max-n", type=COUNT, default=DEFAULT_MAX_N, help="samples per prompt in one request")
+    parser.add_argument("--workers", type=COUNT, default=1,
                         help=f"decode threads: a batch of at least {MIN_ROWS_PER_WORKER} sequences per worker is split "
                              "into this many parts decoded concurrently (each with --threads torch threads)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=SEED, default=0)
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="as SGLang's flag: only then does a request's sampling_seed act (every sample is seeded, "
                              "42 when the request gives none); without it sampling_seed is ignored")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=COUNT, default=None,
                         help="torch intra-op threads of each worker (default: cores / 2)")
-    parser.add_argument("--exit-with-parent", action="store_true",
-                        help="exit when the process that started this server dies (set by our launcher)")
+    require_domains(parser)
     args = parser.parse_args(argv)
-    if args.exit_with_parent:
-        exit_when_orphaned()
 
     from aiohttp import web
 
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
     engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed,
                             deterministic_inference=args.enable_deterministic_inference, workers=args.workers,
-                            max_total_tokens=args.max_total_tokens)
+                            max_total_tokens=args.max_total_tokens, max_n=args.max_n)
     start = time.perf_counter()
     print(f"embedded engine: model {args.model_dir} loaded, serving http://{args.host}:{args.port}", flush=True)
     web.run_app(build_app(engine, args.api_key), host=args.host, port=args.port, print=None,

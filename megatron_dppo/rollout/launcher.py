@@ -8,8 +8,10 @@ ServerPool.ensure_alive(url): dead process → restart on the same port → wait
 Invariants:
 - every wait is bounded (`startup_timeout_s`); a server that exits or never gets healthy raises
   RolloutServerError with the command and the tail of its log;
-- servers started here run in their own process group, without torchrun's variables, and are stopped with that
-  whole group (even when the process that led it has already died); external URLs are only probed.
+- servers started here run behind a tether (platform/tether.py) that SIGKILLs their whole process group once the
+  process that started them is gone, at any stage of their start-up; they run without torchrun's variables and are
+  stopped with that whole group (even when the process that led it has already died); external URLs are only
+  probed.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from megatron_dppo.platform import tether
 from megatron_dppo.platform.network import free_port
 from megatron_dppo.rollout.client import RolloutServerError, control_request
 
@@ -73,8 +76,7 @@ class ServerHandle:
             return self
         log = tempfile.NamedTemporaryFile("w", prefix="rollout_server_", suffix=".log", delete=False)
         self.log_path = Path(log.name)
-        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                        start_new_session=True)
+        self.process = tether.spawn(self.command, self.env, log)
         log.close()
         try:
             wait_healthy(self.url, self.startup_timeout_s, self.process, self._describe, self.health_path)
@@ -107,7 +109,7 @@ class ServerHandle:
         if self.process is None:
             return
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.terminate()  # the tether hands SIGTERM to the server, which shuts down in its own way
             try:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -153,7 +155,7 @@ def python_env() -> dict[str, str]:
 
 def embedded_engine_command(model_dir: str, host: str, port: int, **engine_options) -> list[str]:
     command = [sys.executable, "-m", "megatron_dppo.rollout.engine", "--model-dir", str(model_dir),
-               "--host", host, "--port", str(port), "--exit-with-parent"]
+               "--host", host, "--port", str(port)]
     for key, value in engine_options.items():
         flag = f"--{key.replace('_', '-')}"
         if value is True:

