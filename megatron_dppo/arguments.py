@@ -165,8 +165,9 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron.add_argument("--save-interval", type=COUNT_OR_NONE, default=0,
                           help="save every N steps (0: only at the end)")
     megatron.add_argument("--keep-last-checkpoints", type=COUNT_OR_NONE, default=2, help="0: keep every checkpoint")
-    megatron.add_argument("--train-iters", type=COUNT, default=None,
-                          help="RL steps (default: until the time budget)")
+    megatron.add_argument("--train-iters", type=COUNT_OR_NONE, default=None,
+                          help="RL steps (default: until the time budget; 0: none, the start is evaluated only, as "
+                               "the benchmarks' warm-start and supervised-control runs do)")
     megatron.add_argument("--lr", type=POSITIVE, default=1e-6)
     megatron.add_argument("--min-lr", type=NON_NEGATIVE, default=0.0)
     megatron.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant")
