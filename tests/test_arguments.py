@@ -66,7 +66,7 @@ def tracebacks_of_ours(output: str) -> list[str]:
 def test_out_of_range_flags_under_torchrun_end_within_30_s_with_one_line_no_traceback_and_no_process_left():
     for flag, value, domain in (("--lr", "-1", "a finite number > 0"),
                                 ("--rollout-batch-size", "0", "an integer >= 1"),
-                                ("--dppo-prompt-prune-rate", "1.5", "a number in [0, 1)")):
+                                ("--dppo-prompt-prune-rate", "1.5", "auto or a number in [0, 1)")):
         name, marker = "MEGATRON_DPPO_ARGUMENTS_TEST", uuid.uuid4().hex
         process = start_torchrun(ENTRY, 2, [flag, value], env={name: marker})
         try:
