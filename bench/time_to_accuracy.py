@@ -1,35 +1,39 @@
-"""Time to accuracy: GRPO vs DPPO (three modes, two ablations), CPPO and D3S from one warm start, and a supervised
-control.
+"""Time to accuracy in the paper's regime: GRPO, DAPO's dynamic sampling, DPPO (its defaults, its unbiased
+alternatives, the paper's deterministic variant, the uncorrected shortcut), CPPO and D3S from one warm start.
 
+    0. (--tune-grpo, first) GRPO's own learning rate and batch, one changed at a time from RL_FLAGS: every method
+       then shares GRPO's best, so that no method wins against a mistuned rival
     1. warm start: one supervised warm start of the embedded tiny model (cached), timed twice (built, then cached)
        to measure its supervised steps per second
-    2. RL: every method x seed starts from that checkpoint (--load) with the same flags and time budget;
-       --rl-seed varies the RL randomness (training pool, its order, sampling, pruning draws), never the start
+    2. RL: every method x seed starts from that checkpoint (--load) with the same flags and time budget, on a pool
+       of 256 problems that every prompt revisits about ten times (the paper: 15 epochs); --rl-seed varies the RL
+       randomness (training pool, its order, sampling, pruning draws), never the start
     3. control: a longer supervised warm start that spends the RL budget on more supervised steps instead, on the
-       same warm-start data (the worked task's warm start sees a limited set: --warm-start-problems problems
-       from --warm-start-cells; RL sees answer-only prompts from every cell)
-    4. analysis: accuracy curves against RL wall time (sum of step times, evaluations excluded) and cost proxies
-       ─► tables, figures (tools/plot_metrics.py), the generated part of docs/results.md
-    5. optional: the same methods on MATH train prompts (tiny random model, character tokenizer, fixed budget)
+       same warm-start data
+    4. analysis ─► tables, figures (tools/plot_metrics.py), the generated part of docs/results.md:
+       time, tokens and FLOPs to GRPO's final accuracy with a bootstrap interval; the prompt level at work (epochs,
+       pruned share, zero-variance share, how well history predicted); where the time goes; the step-cost fit;
+       fewer steps x shorter steps; the Qwen3-4B projection
+    5. optional (--math-budget-s): the same methods' costs on MATH train prompts (tiny random model)
 
-Runs are resumable: a run whose directory holds summary.json is read, not re-run; --methods/--seeds/--budget-s
-restrict a run. --synthetic-task picks the task (worked, the embedded default; or the older answer-only task), whose
-response limit and warm-start settings are the embedded default's for that task. Definitions (also on the results page):
+Runs are resumable: a run whose directory holds summary.json (and was started with the same command) is read, not
+re-run, so the full table is finished over several sittings; --methods/--seeds/--budget-s restrict a run.
+Definitions (also on the results page):
 - final accuracy: mean of the last 3 held-out evaluations (the trainer's --eval-interval ones and the final one)
-- target: GRPO's final accuracy, averaged over seeds
-- time to target: first RL second at which the mean of the last 3 evaluations (warm-start evaluation at 0
-  included) reaches the target; a GRPO seed that never reaches it counts its whole budget (a conservative speed-up)
-- speed-up of a method: per seed, GRPO's time to target over the method's; median [min, max] over seeds
+- the headline: each method's seed-mean curve (accuracy averaged over seeds, evaluation by evaluation); the target
+  is GRPO's final accuracy on its own seed-mean curve; time to target is where a seed-mean curve's trailing mean of
+  3 evaluations crosses it, interpolated between evaluations; speed-up = GRPO's time / the method's, with a 95%
+  bootstrap interval over seeds (compare_mean_curves); beside it the per-seed speed-ups
 - FLOPs: forward 2·P per token plus attention 4·L·d·(context / 2), backward twice the forward; training counts
   forward+backward over every trained token (plus one forward when an old-log-prob pass runs), rollout counts a
   forward over every generated token (decode; prompt prefill not counted); P counts the tied embedding once.
 
 Examples:
-    python bench/time_to_accuracy.py --quick                                   # smoke check, < 10 min
+    python bench/time_to_accuracy.py --tune-grpo --seeds 1 2 --write-page docs/results.md   # GRPO's own settings
     python bench/time_to_accuracy.py --write-page docs/results.md              # the full benchmark and the page
-    python bench/time_to_accuracy.py --methods grpo dppo-proportional --seeds 1 2 --budget-s 120
-    python bench/time_to_accuracy.py --synthetic-task answer                   # the older answer-only task
-Last line: dppo_speedup_vs_grpo: X (stochastic-proportional DPPO, the default mode; median over seeds).
+    python bench/time_to_accuracy.py --quick                                   # smoke check, < 10 min
+    python bench/time_to_accuracy.py --methods grpo dppo --seeds 1 2 --budget-s 120
+Last line: dppo_speedup_vs_grpo: X [low, high] (DPPO's defaults; the seed-mean speed-up and its 95% interval).
 """
 
 import argparse
@@ -63,24 +67,26 @@ METHODS = {
     "dppo-uncorrected": ["--algorithm", "dppo", "--no-dppo-importance-weights"],
     "cppo": ["--algorithm", "cppo", "--cppo-refill"],  # with its paper's refill: batch / (1 - P) prompts drawn
     "d3s": ["--algorithm", "d3s"],
-}
-# DPPO variants measured to choose its defaults (not in the default method list; --methods runs them)
-ABLATIONS = {
-    "dppo-no-completion-level": ["--algorithm", "dppo", "--dppo-completion-prune-rate", "0"],
+    # the unbiased alternatives to the defaults, so that the page shows which is best
     "dppo-no-refill": ["--algorithm", "dppo", "--no-dppo-refill"],
+    "dppo-no-completion-level": ["--algorithm", "dppo", "--dppo-completion-prune-rate", "0"],
+    "dppo-p-min-0.1": ["--algorithm", "dppo", "--dppo-prompt-p-min", "0.1"],
 }
+ABLATIONS: dict[str, list[str]] = {}  # further variants: not run by default, --methods runs them
 ALL_METHODS = {**METHODS, **ABLATIONS}
 HEADLINE_METHOD = "dppo"
 CONTROL = "sft-control"
 # Every method runs with these flags, so the page records them (the embedded defaults may change under us).
-# A pool of 800 training problems comes back every 50 steps, so DPPO's prompt level (which needs a prompt's
-# history) acts within the budget, as it does over the many epochs of a real run; with 4000 it would not act at all.
+# The paper's regime: a pool of 256 training problems comes back every 16 GRPO steps, so within the budget every
+# prompt is visited about ten times and DPPO's prompt level has a history to act on, as over the 15 epochs of the
+# paper's run (research notes: every method that wins before rollout revisits its prompts 10-60 times).
 # --dapo-filter (drop zero-variance groups, exact) is the embedded default, kept for every method: GRPO is the
 # strong baseline that already skips them. The MATH runs go without it: there each pruner meets them itself.
+# --lr and --rollout-batch-size are GRPO's own best (--tune-grpo, docs/results.md).
 RL_FLAGS = ["--lr", "1e-4", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
             "--rollout-temperature", "1.0", "--max-tokens-per-gpu", "4096",
             "--loss-agg-mode", "token-mean", "--eps-clip", "0.2", "--eps-clip-high", "0.28", "--kl-coef", "0",
-            "--ppo-epochs", "1", "--data-train-size", "800", "--dapo-filter"]
+            "--ppo-epochs", "1", "--data-train-size", "256", "--dapo-filter"]
 MATH_FLAGS = ["--prompt-data", "math", "--reward-type", "math", "--lr", "1e-4", "--rollout-batch-size", "8",
               "--n-samples-per-prompt", "8", "--rollout-max-response-len", "32", "--rollout-temperature", "1.0",
               "--max-tokens-per-gpu", "8192", "--eval-size", "16", "--skip-bad-rows"]
@@ -773,17 +779,18 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument("--quick", action="store_true",
                         help="smoke check: 1 seed, 25 s budget, 200-step warm start, 128 evaluation problems")
     parser.add_argument("--methods", nargs="+", choices=list(ALL_METHODS), default=list(METHODS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="RL seeds (default 1 2 3; quick: 1)")
-    parser.add_argument("--budget-s", type=float, default=None, help="RL wall time per run (default 200; quick 25)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="RL seeds (default 1 2 3 4 5; quick: 1)")
+    parser.add_argument("--budget-s", type=float, default=None, help="RL wall time per run (default 150; quick 25)")
     parser.add_argument("--synthetic-task", choices=list(EMBEDDED_TASK_DEFAULTS), default="worked",
                         help="worked (the embedded default) or the older answer-only task")
     parser.add_argument("--warm-start-steps", type=int, default=None,
                         help="default: the task's embedded default; quick 200")
-    parser.add_argument("--eval-interval", type=int, default=None, help="steps between evaluations (default 25)")
-    parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 512; quick 128)")
+    parser.add_argument("--eval-interval", type=int, default=None,
+                        help="steps between evaluations (default 15; quick 25)")
+    parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 1024; quick 128)")
     parser.add_argument("--no-control", action="store_true", help="skip the supervised control")
     parser.add_argument("--math-budget-s", type=float, default=None,
-                        help="RL seconds per MATH run (default 60; quick 0); 0 skips the MATH table")
+                        help="RL seconds per MATH run (default 0: skipped); 60 gives the cost table on MATH prompts")
     parser.add_argument("--processes", type=int, default=2, help="torchrun --nproc-per-node")
     parser.add_argument("--out-dir", default=None, help="runs and caches (default runs/time_to_accuracy[_quick])")
     parser.add_argument("--write-page", default=None, help="rewrite the generated block of this markdown page")
@@ -804,11 +811,11 @@ def parse_args(argv: list[str] | None) -> Settings:
     page = Path(args.write_page) if args.write_page else None
     settings = Settings(
         out_dir=out_dir, methods=["grpo", *[m for m in args.methods if m != "grpo"]],
-        seeds=pick(args.seeds, [1, 2, 3], [1]), budget_s=pick(args.budget_s, 200.0, 25.0), task=task,
+        seeds=pick(args.seeds, [1, 2, 3, 4, 5], [1]), budget_s=pick(args.budget_s, 150.0, 25.0), task=task,
         warm_start_steps=pick(args.warm_start_steps, EMBEDDED_TASK_DEFAULTS[task]["warm_start_steps"], 200),
-        eval_interval=pick(args.eval_interval, 25, 25),
-        eval_size=pick(args.eval_size, 512, 128), control=not args.no_control,
-        math_budget_s=pick(args.math_budget_s, 60.0, 0.0), processes=args.processes, quick=quick, page=page,
+        eval_interval=pick(args.eval_interval, 15, 25),
+        eval_size=pick(args.eval_size, 1024, 128), control=not args.no_control,
+        math_budget_s=pick(args.math_budget_s, 0.0, 0.0), processes=args.processes, quick=quick, page=page,
         figures_dir=Path(args.figures_dir) if args.figures_dir else (
             (page.parent if page else out_dir) / "figures" / page_block(task, quick)), tune_grpo=args.tune_grpo)
     for name, value in (("--budget-s", settings.budget_s), ("--warm-start-steps", settings.warm_start_steps),
@@ -882,8 +889,9 @@ def main(argv: list[str] | None = None) -> None:
         sections.append(f"### MATH train prompts, tiny random model, {settings.math_budget_s:.0f} s per method "
                         f"(seed {settings.seeds[0]})\n\n"
                         f"{math_table({m: list(r.values()) for m, r in math_groups.items()}, math_size)}")
-    headline = results.get(HEADLINE_METHOD, {}).get("speedup")
-    last_line = f"dppo_speedup_vs_grpo: {headline[0]:.2f}" if headline else "dppo_speedup_vs_grpo: nan"
+    headline = results.get(HEADLINE_METHOD, {})
+    last_line = (f"dppo_speedup_vs_grpo: {headline['speedup']:.2f} [{headline['interval'][0]:.2f}, "
+                 f"{headline['interval'][1]:.2f}]" if headline.get("speedup") else "dppo_speedup_vs_grpo: nan")
     sections.append(f"Bench wall time (runs not already finished + analysis): {time.perf_counter() - started:.0f} s. "
                     f"Last line: `{last_line}`")
     report = "\n\n".join(sections)
