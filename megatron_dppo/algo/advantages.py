@@ -43,7 +43,7 @@ def compute_advantages(rewards: torch.Tensor, estimator: str = "grpo", eps: floa
         raise ValueError(f"unknown advantage estimator {estimator!r}: choose one of {ESTIMATORS}")
     check_rewards(rewards)
     group_size = rewards.shape[1]
-    if group_size == 1:
+    if group_size == 1 or rewards.shape[0] == 0:  # no group to centre (a step whose prompts were all pruned)
         return torch.zeros_like(rewards)
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     if estimator == "grpo":
