@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_dppo.data.synthetic import TASKS as SYNTHETIC_TASKS
-from megatron_dppo.rollout.launcher import VLLM_PYTHON_VARIABLE
+from megatron_dppo.rollout.launcher import VLLM_PYTHON_VARIABLE, forward_sglang_args, sglang_flag_value
 
 ALGORITHMS = ("grpo", "dppo", "cppo", "d3s")
 # Clip ranges (eps_low, eps_high): DAPO's clip-higher for token-level ratios; a sequence-level (GSPO) ratio is the
@@ -109,8 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--rollout-max-concurrency", type=int, default=64)
     rollout.add_argument("--rollout-timeout-s", type=float, default=600.0)
     rollout.add_argument("--rollout-weight-bucket-mb", type=int, default=512, help="weight-sync bucket size")
-    rollout.add_argument("--rollout-server-gpus", type=int, default=1,
-                         help="GPUs of one rollout server (SGLang tp x dp): its ranks in the weight-sync group")
+    rollout.add_argument("--rollout-server-gpus", type=int, default=None,
+                         help="GPUs of one rollout server, its tensor-parallel size (SGLang refuses weight updates "
+                              "with more than one data-parallel replica): its ranks in the weight-sync group "
+                              "(default 1). --rollout-backend sglang: forwarded as SGLang's --tp-size, which "
+                              "--sglang-tp-size also sets")
     rollout.add_argument("--weight-sync-master-address", default=None,
                          help="address of trainer rank 0 that rollout servers reach for the weight-sync group "
                               "(default: 127.0.0.1 for local servers, this host's address for external ones)")
@@ -279,23 +282,23 @@ class Topology:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and validate; `args.sglang_args` holds the forwarded --sglang-* flags."""
+    """Parse and validate; `args.sglang_args` holds the --sglang-* flags as SGLang takes them (without the prefix)."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if is_embedded_default(args):
         parser.set_defaults(**EMBEDDED_DEFAULTS, **EMBEDDED_TASK_DEFAULTS[args.synthetic_task])
         args, unknown = parser.parse_known_args(argv)
-    sglang_args, rest = [], []
+    sglang_tokens, rest = [], []
     for index, token in enumerate(unknown):
         takes_value = index > 0 and unknown[index - 1].startswith("--sglang-") and "=" not in unknown[index - 1]
         if token.startswith("--sglang-") or (takes_value and not token.startswith("--")):
-            sglang_args.append(token)
+            sglang_tokens.append(token)
         else:
             rest.append(token)
     if rest:
         renamed = [f"{flag} is now {RENAMED_FLAGS[flag]}" for flag in rest if flag in RENAMED_FLAGS]
         parser.error(f"unrecognized arguments: {' '.join(rest)}" + (f" ({'; '.join(renamed)})" if renamed else ""))
-    args.sglang_args = sglang_args
+    args.sglang_args = forward_sglang_args(sglang_tokens)
     validate(args, parser)
     return args
 
@@ -323,7 +326,10 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.rollout_colocate and args.rollout_backend != "sglang":
         errors.append("--rollout-colocate places SGLang servers on the trainer's GPUs: use --rollout-backend sglang")
     if args.sglang_args and args.rollout_backend != "sglang":
-        errors.append(f"--sglang-* flags ({args.sglang_args[0]}) need --rollout-backend sglang")
+        errors.append(f"--sglang-* flags (--sglang-{args.sglang_args[0].removeprefix('--')}) need --rollout-backend "
+                      "sglang")
+    server_gpus, layout_errors = rollout_server_gpus(args)
+    errors += layout_errors
     if args.rollout_backend == "vllm" and not (args.rollout_python or os.environ.get(VLLM_PYTHON_VARIABLE)):
         errors.append(f"--rollout-backend vllm needs --rollout-python PATH (or {VLLM_PYTHON_VARIABLE}=PATH): the "
                       "interpreter of vLLM's environment; tools/install_vllm_cpu.sh builds one on CPU")
@@ -360,6 +366,9 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         # errors; rank 0 says them.
         text = errors[0] if len(errors) == 1 else "\n  ".join(["invalid arguments:", *errors])
         exit_saying_once(2, f"{parser.prog}: error: {text}\n(--help lists every flag)")
+    args.rollout_server_gpus = server_gpus
+    if args.rollout_backend == "sglang" and sglang_flag_value(args.sglang_args, SGLANG_TP_FLAGS) is None:
+        args.sglang_args += ["--tp-size", str(server_gpus)]
     if args.rl_seed is None:
         args.rl_seed = args.seed
     clip = SEQUENCE_CLIP if args.importance_level == "sequence" else TOKEN_CLIP
@@ -367,6 +376,34 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     args.eps_clip_high = clip[1] if args.eps_clip_high is None else args.eps_clip_high
     args.reward_type = args.reward_type or default_reward_type(args.prompt_data)
     args.eval_prompt_data = args.eval_prompt_data or default_eval_prompt_data(args.prompt_data, args.reward_type)
+
+
+# SGLang's names for its tensor- and data-parallel sizes (srt/arg_groups/fields/parallel.py in sglang 0.5.23)
+SGLANG_TP_FLAGS = ("--tp-size", "--tensor-parallel-size")
+SGLANG_DP_FLAGS = ("--dp-size", "--data-parallel-size")
+
+
+def rollout_server_gpus(args: argparse.Namespace) -> tuple[int, list[str]]:
+    """(GPUs of one rollout server, errors). One number: an SGLang server's GPUs are its tensor-parallel size, given
+    by --sglang-tp-size or --rollout-server-gpus (both only if they agree), as SGLang refuses weight updates with more
+    than one data-parallel replica (its tokenizer manager asserts dp_size == 1)."""
+    given = args.rollout_server_gpus
+    if args.rollout_backend != "sglang":
+        return given or 1, []
+    errors = []
+    dp = sglang_flag_value(args.sglang_args, SGLANG_DP_FLAGS)
+    if dp is not None and dp.strip() != "1":
+        errors.append(f"--sglang-dp-size {dp}: SGLang refuses weight updates from the trainer with more than one "
+                      "data-parallel replica; start more servers instead (--rollout-num-servers)")
+    tp = sglang_flag_value(args.sglang_args, SGLANG_TP_FLAGS)
+    if tp is None:
+        return given or 1, errors
+    if not tp.isdigit() or int(tp) < 1:
+        return given or 1, [*errors, f"--sglang-tp-size {tp} must be a positive integer"]
+    if given is not None and given != int(tp):
+        errors.append(f"--rollout-server-gpus {given} and --sglang-tp-size {tp} disagree on an SGLang server's GPUs: "
+                      "give one of them")
+    return int(tp), errors
 
 
 # ------------------------------------------------------------------------------------------------ model and data

@@ -201,6 +201,17 @@ def forward_sglang_args(argv: list[str]) -> list[str]:
     return forwarded
 
 
+def sglang_flag_value(sglang_args: list[str], names: tuple[str, ...]) -> str | None:
+    """The value SGLang reads for a flag with these `names` (its aliases) in `sglang_args`, forwarded flags without
+    the prefix: the last `--name value` or `--name=value` wins, as in argparse. None when the flag is not there."""
+    value = None
+    for index, item in enumerate(sglang_args):
+        name, equals, inline = item.partition("=")
+        if name in names:
+            value = inline if equals else (sglang_args[index + 1] if index + 1 < len(sglang_args) else None)
+    return value
+
+
 # Every seeded request (the trainer seeds each sample) is reproducible only on an SGLang server started with this
 # flag: without it SGLang ignores sampling_seed (sampling/sampling_batch_info.py). With it SGLang also picks a
 # deterministic attention backend itself (fa3 on Hopper) and refuses a non-deterministic one given explicitly.
