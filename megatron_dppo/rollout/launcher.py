@@ -227,23 +227,30 @@ def sglang_command(model_path: str, host: str, port: int, sglang_args: list[str]
             "--port", str(port), *deterministic, *sglang_args]
 
 
-def server_gpus(n: int, gpus_per_server: int, environ=None, colocate: bool = False) -> list[str]:
-    """CUDA_VISIBLE_DEVICES of each of n servers: the node's GPUs after the trainer's, which torchrun's local ranks
-    0 .. LOCAL_WORLD_SIZE-1 hold (each rank binds cuda:LOCAL_RANK), so trainer and servers never share a GPU;
-    `colocate`: from the first GPU on, shared with the trainer (a one-GPU machine)."""
+def visible_gpus(environ=None) -> list[str]:
+    """This node's GPUs as CUDA_VISIBLE_DEVICES names them (else every device torch sees)."""
     environ = os.environ if environ is None else environ
     if "CUDA_VISIBLE_DEVICES" in environ:
-        visible = [gpu for gpu in environ["CUDA_VISIBLE_DEVICES"].split(",") if gpu.strip()]
-    else:
-        import torch
+        return [gpu.strip() for gpu in environ["CUDA_VISIBLE_DEVICES"].split(",") if gpu.strip()]
+    import torch
 
-        visible = [str(index) for index in range(torch.cuda.device_count())]
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
+def server_gpus(n: int, gpus_per_server: int, environ=None, colocate: bool = False,
+                visible: list[str] | None = None, engine: str = "SGLang") -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each of n servers: the node's GPUs (`visible`, default `visible_gpus(environ)`) after
+    the trainer's, which torchrun's local ranks 0 .. LOCAL_WORLD_SIZE-1 hold (each rank binds cuda:LOCAL_RANK), so
+    trainer and servers never share a GPU; `colocate`: from the first GPU on, shared with the trainer (a one-GPU
+    machine). The launcher and the --dry-run plan both lay servers out here."""
+    environ = os.environ if environ is None else environ
+    visible = visible_gpus(environ) if visible is None else visible
     trainer_gpus = 0 if colocate else int(environ.get("LOCAL_WORLD_SIZE", "1"))
     needed = trainer_gpus + n * gpus_per_server
     if needed > len(visible):
         raise RolloutServerError(
-            f"{trainer_gpus} trainer ranks and {n} SGLang servers x {gpus_per_server} GPUs need {needed} GPUs on this "
-            f"node, but {len(visible)} are visible ({','.join(visible) or 'none'}): run fewer trainer ranks "
+            f"{trainer_gpus} trainer ranks and {n} {engine} servers x {gpus_per_server} GPUs need {needed} GPUs on "
+            f"this node, but {len(visible)} are visible ({','.join(visible) or 'none'}): run fewer trainer ranks "
             "(--nproc-per-node) or servers (--rollout-num-servers), or start the servers elsewhere "
             "(--rollout-backend external)")
     free = visible[trainer_gpus:]
@@ -291,10 +298,10 @@ def vllm_python(python: str | None = None) -> str:
     return python
 
 
-def vllm_env() -> dict[str, str]:
+def vllm_env(environ=None) -> dict[str, str]:
     """A clean server environment: no torchrun variables, only this package on PYTHONPATH (whatever the trainer's
     PYTHONPATH holds would shadow vLLM's own packages), the dev routes on (/collective_rpc, /pause, ...)."""
-    env = python_env()
+    env = server_env(environ)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     env["VLLM_SERVER_DEV_MODE"] = "1"
     # vLLM on CPU reserves this many GiB of KV cache (GPU builds ignore it); sized for the CPU test models
@@ -302,24 +309,37 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
-def launch_vllm_servers(n: int, model_dir: str, python: str | None = None, host: str = "127.0.0.1",
-                        ports: list[int] | None = None, dtype: str = "float32", max_model_len: int | None = None,
-                        enforce_eager: bool = False, startup_timeout_s: float = 600.0) -> list[ServerHandle]:
-    """Start n vLLM OpenAI-compatible servers from vLLM's own environment (rollout/vllm.py) and wait for /health.
-    A server that dies while starting raises with its command and log tail; the others are then stopped."""
+def vllm_servers(n: int, model_dir: str, python: str, host: str = "127.0.0.1", ports: list[int] | None = None,
+                 dtype: str = "float32", max_model_len: int | None = None, enforce_eager: bool = False,
+                 startup_timeout_s: float = 600.0, gpus_per_server: int = 1, environ=None) -> list[ServerHandle]:
+    """The n vLLM servers `launch_vllm_servers` starts, not started yet: each on its own GPUs (see `server_gpus`),
+    or, with gpus_per_server=0, vLLM's CPU build, which uses none."""
     from megatron_dppo.rollout.vllm import vllm_server_command
 
-    python = vllm_python(python)
-    if not Path(model_dir, "config.json").is_file():
-        raise FileNotFoundError(f"model_dir {model_dir} has no config.json; vLLM starts from an HF model directory")
     ports = ports or [free_port() for _ in range(n)]
     if len(ports) != n:
         raise ValueError(f"{len(ports)} ports given for {n} vLLM servers")
-    commands = [vllm_server_command(python, model_dir, host, port, dtype, max_model_len, enforce_eager)
-                for port in ports]
-    return start_all([ServerHandle(f"http://{host}:{port}", command, env=vllm_env(),
-                                   startup_timeout_s=startup_timeout_s, health_path="/health")
-                      for port, command in zip(ports, commands)])
+    env = vllm_env(environ)
+    devices = server_gpus(n, gpus_per_server, environ, engine="vLLM") if gpus_per_server else [None] * n
+    return [ServerHandle(f"http://{host}:{port}",
+                         vllm_server_command(python, model_dir, host, port, dtype, max_model_len, enforce_eager),
+                         env=env if gpus is None else {**env, "CUDA_VISIBLE_DEVICES": gpus},
+                         startup_timeout_s=startup_timeout_s, health_path="/health")
+            for port, gpus in zip(ports, devices)]
+
+
+def launch_vllm_servers(n: int, model_dir: str, python: str | None = None, host: str = "127.0.0.1",
+                        ports: list[int] | None = None, dtype: str = "float32", max_model_len: int | None = None,
+                        enforce_eager: bool = False, startup_timeout_s: float = 600.0,
+                        gpus_per_server: int = 1) -> list[ServerHandle]:
+    """Start the n vLLM OpenAI-compatible servers of `vllm_servers` from vLLM's own environment (rollout/vllm.py) and
+    wait for /health. A server that dies while starting raises with its command and log tail; the others are then
+    stopped."""
+    python = vllm_python(python)
+    if not Path(model_dir, "config.json").is_file():
+        raise FileNotFoundError(f"model_dir {model_dir} has no config.json; vLLM starts from an HF model directory")
+    return start_all(vllm_servers(n, model_dir, python, host, ports, dtype, max_model_len, enforce_eager,
+                                  startup_timeout_s, gpus_per_server))
 
 
 def external_servers(urls: list[str], startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> list[ServerHandle]:

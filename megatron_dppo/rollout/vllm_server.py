@@ -130,16 +130,22 @@ def end_group_when_orphaned(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def main(argv: list[str]) -> None:
-    """`[--exit-with-parent] -- <vLLM server flags>`: run vLLM's OpenAI-compatible server with those flags."""
-    import runpy
-
+def split_server_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`[--exit-with-parent] -- <vLLM server flags>` → (our options, vLLM's flags); anything else is refused."""
     if "--" not in argv:
         raise SystemExit("usage: python -m megatron_dppo.rollout.vllm_server [--exit-with-parent] -- <vLLM flags>")
     ours, vllm_args = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     unknown = [arg for arg in ours if arg != "--exit-with-parent"]
     if unknown:
         raise SystemExit(f"unknown option(s) {unknown}; vLLM's own flags go after `--`")
+    return ours, vllm_args
+
+
+def main(argv: list[str]) -> None:
+    """`[--exit-with-parent] -- <vLLM server flags>`: run vLLM's OpenAI-compatible server with those flags."""
+    import runpy
+
+    ours, vllm_args = split_server_argv(argv)
     if "--exit-with-parent" in ours:
         end_group_when_orphaned()
     sys.argv = ["vllm.entrypoints.openai.api_server", *vllm_args]
