@@ -61,6 +61,12 @@ def embedded_engine_options(args, local_processes: int) -> dict:
             "enable_deterministic_inference": True}
 
 
+def weight_sync_backend(args) -> str:
+    """gloo for the embedded engine (its model lives in host memory, on any machine) and for servers colocated with
+    the trainer (NCCL refuses two ranks on one GPU); else the trainer's own: NCCL on GPUs, gloo on the CPU."""
+    return "gloo" if args.rollout_backend == "embedded" or args.rollout_colocate else distributed_backend()
+
+
 def start_rollout(args, model_dir: Path):
     """rank 0: the servers, a client on them, a weight syncer, and the pool that restarts dead servers."""
     from megatron_dppo.rollout.client import RolloutClient, SGLangGenerateAPI, control_request
@@ -97,8 +103,7 @@ def start_rollout(args, model_dir: Path):
         "127.0.0.1" if args.rollout_backend != "external" else socket.gethostbyname(socket.gethostname()))
     # The embedded engine takes large tensors in SGLang's per-tensor format: over gloo in host memory, packing them
     # would copy every byte once more (docs/rollout.md); SGLang over NCCL and vLLM take flattened buckets.
-    syncer = WeightSyncer(urls, master_address=master_address,
-                          backend="gloo" if args.rollout_colocate else distributed_backend(),
+    syncer = WeightSyncer(urls, master_address=master_address, backend=weight_sync_backend(args),
                           bucket_bytes=args.rollout_weight_bucket_mb * 2**20, timeout_s=args.rollout_timeout_s,
                           engine_ranks=[args.rollout_server_gpus] * len(urls),
                           keep_host_copy=args.rollout_backend != "external", control=control,

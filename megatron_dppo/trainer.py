@@ -32,6 +32,7 @@ from megatron_dppo.actor.step import logprob_loss_fn, next_token_targets
 from megatron_dppo.algo.losses import loss_normalizer, packed_policy_loss
 from megatron_dppo.experience import Experience, ExperienceMaker, Rollouts, run_progress
 from megatron_dppo.packing import pack_micro_batches, sequence_pad_multiple
+from megatron_dppo.platform import collectives
 from megatron_dppo.rollout.client import SamplingParams
 
 
@@ -238,17 +239,18 @@ def select_step_tokens(pruner, micro_batches, progress: float):
 
 
 def gather_data_parallel(values: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """All data-parallel ranks' 1-D `values` (of any lengths) concatenated in rank order, and where this rank's
-    part starts in the concatenation."""
-    group = parallel_state.get_data_parallel_group()
+    """All data-parallel ranks' 1-D host `values` (of any lengths) concatenated in rank order, and where this rank's
+    part starts in the concatenation. Host tensors go over Megatron's gloo data-parallel group (the other one is
+    NCCL on GPUs, which carries CUDA tensors only), as megatron-core gathers its own host state."""
     if parallel_state.get_data_parallel_world_size() == 1:
         return values, 0
+    group = parallel_state.get_data_parallel_group_gloo()
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, torch.tensor([len(values)], dtype=torch.int64), group=group)
+    collectives.all_gather(sizes, torch.tensor([len(values)], dtype=torch.int64), group, "D3S token counts")
     sizes = [int(size) for size in sizes]
     padded = torch.zeros(max(sizes), dtype=values.dtype)
     padded[:len(values)] = values
     parts = [torch.zeros_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
+    collectives.all_gather(parts, padded, group, "D3S token values")
     offset = sum(sizes[:parallel_state.get_data_parallel_rank()])
     return torch.cat([part[:size] for part, size in zip(parts, sizes)]), offset

@@ -394,9 +394,22 @@ def check_resharded_load(args):
         log(f"CHECK resharded_load ok {len(loaded)} tensors bit-identical")
 
 
+def declared_nccl_twin(group):
+    """A ProcessGroup with `group`'s ranks, declared NCCL and with no communicator behind it (nothing can pass through
+    it): the group as it is on GPUs, where NCCL carries CUDA tensors only."""
+    from torch.distributed import ProcessGroup
+    from torch.distributed.distributed_c10d import _world
+
+    twin = ProcessGroup(dist.HashStore(), group.rank(), group.size())
+    twin._set_default_backend(ProcessGroup.BackendType.NCCL)
+    _world.pg_group_ranks[twin] = dict(_world.pg_group_ranks[group])  # rank queries work as on the real group
+    return twin
+
+
 def check_d3s_tokens_over_data_parallel(args):
     """D3S's token level selects over the whole step at DP=2: each rank's share of the selection equals the share of
-    a one-process selection over both ranks' tokens, and both ranks read that selection's normaliser counts."""
+    a one-process selection over both ranks' tokens, and both ranks read that selection's normaliser counts. The
+    data-parallel group is declared NCCL, as on GPUs: the step's host tensors must not be handed to it."""
     from megatron.core import parallel_state
 
     from megatron_dppo.algo import build_pruner
@@ -419,7 +432,12 @@ def check_d3s_tokens_over_data_parallel(args):
                                                      everything["loss_mask"], everything["sample_index"], 0.3)
     rank = parallel_state.get_data_parallel_rank()
     mine = [SimpleNamespace(**vars(step[rank, m])) for m in range(2)]
-    counts = select_step_tokens(pruner, mine, progress=0.3)
+    data_parallel = parallel_state._DATA_PARALLEL_GROUP
+    parallel_state._DATA_PARALLEL_GROUP = declared_nccl_twin(data_parallel)
+    try:
+        counts = select_step_tokens(pruner, mine, progress=0.3)
+    finally:
+        parallel_state._DATA_PARALLEL_GROUP = data_parallel
     offset = sum(batch.num_tokens for (r, _), batch in step.items() if r < rank)
     selected = torch.cat([batch.loss_mask for batch in mine])
     assert torch.equal(selected, expected[offset:offset + len(selected)].float()), "this rank's share differs"
