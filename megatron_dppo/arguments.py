@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     megatron.add_argument("--use-distributed-optimizer", action="store_true")
     megatron.add_argument("--bf16", action="store_true")
     megatron.add_argument("--fp16", action="store_true")
+    megatron.add_argument("--initial-loss-scale", type=float, default=2.0**16,
+                          help="--fp16: the dynamic loss scale at the start (Megatron-LM starts at 2^32 and halves "
+                               "it after overflowing steps, which are skipped: here each skipped step throws a "
+                               "rollout away)")
     megatron.add_argument("--hf-checkpoint", help="HF model directory to start from (config.json + safetensors)")
     megatron.add_argument("--load", help="resume from a Megatron checkpoint (save dir or iter_* dir)")
     megatron.add_argument("--save", help="directory for Megatron distributed checkpoints")

@@ -146,7 +146,8 @@ def run(args) -> dict:
                         lr_decay_iters=args.train_iters or 1, lr_decay_style=args.lr_decay_style,
                         clip_grad=args.clip_grad, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                        use_distributed_optimizer=args.use_distributed_optimizer)
+                        use_distributed_optimizer=args.use_distributed_optimizer,
+                        initial_loss_scale=args.initial_loss_scale)
     actor = Actor(shape, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, dtype, optim,
                   checkpoint, args.sequence_parallel)
     if warm_start is not None and not args.load:

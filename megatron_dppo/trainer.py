@@ -132,15 +132,17 @@ class Trainer:
         if not experience.samples:  # nothing kept: every rank skips alike
             return {"skipped_update": 1.0, "seconds_update": time.perf_counter() - start}
         collected: list[dict] = []
-        grad_norm = 0.0
+        grad_norm, skipped = 0.0, 0
         normalizer = loss_normalizer(self.loss_config, experience.normalizer_counts)
         for _ in range(self.args.ppo_epochs):
-            grad_norm, outputs = self.actor.train_step(micro_batches, self._policy_loss_fn(normalizer))
+            norm, outputs = self.actor.train_step(micro_batches, self._policy_loss_fn(normalizer))
+            grad_norm, skipped = (grad_norm, skipped + 1) if norm is None else (norm, skipped)  # None: fp16 overflow
             collected = outputs
         seconds = time.perf_counter() - start
         tokens = sum(b.num_valid_tokens for b in micro_batches) * self.args.ppo_epochs
         metrics = {"grad_norm": grad_norm, "seconds_update": seconds, "tokens_trained": tokens,
-                   "tokens_per_second_update": tokens / max(seconds, 1e-9), "skipped_update": 0.0}
+                   "tokens_per_second_update": tokens / max(seconds, 1e-9),
+                   "skipped_update": skipped / self.args.ppo_epochs, "loss_scale": self.actor.loss_scale}
         if collected:
             weights = [o["num_tokens"] for o in collected]
             for key in collected[0]:
