@@ -1,6 +1,7 @@
 """Every shell script parses (`bash -n`), and hadolint passes on the Dockerfile (the image cannot be built here)."""
 
 import ast
+import os
 import re
 import shutil
 import subprocess
@@ -174,3 +175,25 @@ def test_the_image_holds_every_file_module_and_executable_the_gpu_smoke_run_need
     run = " ".join(arguments for instruction, arguments in instructions if instruction == "RUN")
     for executable in executables:  # the base image's: the image's own SHELL and RUN lines use them
         assert re.search(rf"\b{executable}\b", shell + " " + run), f"the image is not known to have {executable}"
+
+
+def test_pipeline_sh_asks_sbatch_for_the_nodes_it_tells_dppo_sbatch_to_use(tmp_path):
+    """pipeline.sh's node count and the TRAINER_NODES / ROLLOUT_NODES dppo.sbatch reads agree, defaults included
+    (a stand-in sbatch records its arguments and environment)."""
+    record = tmp_path / "sbatch"
+    (tmp_path / "bin").mkdir()
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.write_text(f'#!/usr/bin/env bash\necho "$* TRAINER_NODES=${{TRAINER_NODES:-}} '
+                      f'ROLLOUT_NODES=${{ROLLOUT_NODES:-}} GPUS_PER_NODE=${{GPUS_PER_NODE:-}}" > {record}\n')
+    sbatch.chmod(0o755)
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("TRAINER_NODES", "ROLLOUT_NODES", "GPUS_PER_NODE")}
+    env.update(PATH=f"{tmp_path / 'bin'}:{env['PATH']}", HF_CHECKPOINT="/models/qwen3", WORK_DIR=str(tmp_path / "w"),
+               STAGES="train")
+    result = subprocess.run(["bash", str(REPO / "examples" / "slurm" / "pipeline.sh")], env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    line = record.read_text()
+    nodes = int(re.search(r"--nodes=(\d+)", line).group(1))
+    trainer, rollout = (int(re.search(rf"{name}=(\d+)", line).group(1)) for name in ("TRAINER_NODES", "ROLLOUT_NODES"))
+    assert nodes == trainer + rollout == 2 and "--gpus-per-node=8" in line and "GPUS_PER_NODE=8" in line, line
