@@ -31,7 +31,7 @@ from megatron_dppo.actor.export import is_export_source
 from megatron_dppo.actor.step import logprob_loss_fn, next_token_targets
 from megatron_dppo.algo.losses import loss_normalizer, packed_policy_loss
 from megatron_dppo.experience import Experience, ExperienceMaker, Rollouts, run_progress
-from megatron_dppo.packing import pack_micro_batches, sequence_pad_multiple
+from megatron_dppo.packing import pack_micro_batches, padding_token_id, sequence_pad_multiple
 from megatron_dppo.platform import collectives
 from megatron_dppo.rollout.client import SamplingParams
 
@@ -98,7 +98,7 @@ class Trainer:
         return pack_micro_batches(experience.samples, self.args.max_tokens_per_gpu, self.args.packing_window,
                                   parallel_state.get_data_parallel_world_size(),
                                   parallel_state.get_data_parallel_rank(), pad_multiple=self.pad_multiple,
-                                  pad_token_id=self.tokenizer.pad_token_id)
+                                  pad_token_id=padding_token_id(self.tokenizer))
 
     def needs_old_logprob_pass(self) -> bool:
         return self.args.ppo_epochs > 1 or self.args.async_rollout or self.pruner.selects_tokens
