@@ -18,10 +18,10 @@ def main():
     from megatron_dppo.arguments import exit_saying_once, is_rank0, parse_args
 
     args = parse_args()
-    if args.dry_run:  # print the launch plan and parallel layout; start nothing
-        from megatron_dppo.launch_plan import format_plan, plan_from_environment
+    if args.dry_run:  # print the launch plan and parallel layout (or why it cannot be laid out); start nothing
+        from megatron_dppo.launch_plan import print_plan
 
-        print(format_plan(plan_from_environment(args)), flush=True)
+        print_plan(args)
         return
     from megatron_dppo.data.datasets import PromptDataError
     from megatron_dppo.run import run

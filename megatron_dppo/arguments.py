@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     megatron.add_argument("--adam-beta1", type=float, default=0.9)
     megatron.add_argument("--adam-beta2", type=float, default=0.999)
     megatron.add_argument("--adam-eps", type=float, default=1e-8)
+    megatron.add_argument("--distributed-timeout-minutes", type=float, default=120.0,
+                          help="how long a collective waits for the other ranks before failing; the ranks wait in "
+                               "one while rank 0 generates a step's rollouts or starts the servers, so it must "
+                               "outlast both (Megatron-LM's default, 10, does not)")
     megatron.add_argument("--seed", type=int, default=1234)
     megatron.add_argument("--rl-seed", type=int, default=None,
                           help="seed of the RL phase (prompt order, sampling, pruning draws); default: --seed. Vary "
@@ -468,11 +472,12 @@ def hf_checkpoint_errors(path: str, flag: str = "--hf-checkpoint") -> list[str]:
 def model_and_data_errors(args: argparse.Namespace) -> list[str]:
     """The model and prompt flags, checked before any process starts: the model folder, the prompt sources (built-in
     files present, local files readable by suffix; a hub name is only checked when it is loaded), and which flags
-    apply to which source. With --dry-run the files are not checked: the plan may be printed where they are not."""
+    apply to which source. With --dry-run the files are not checked, nor is --hf-checkpoint required: the plan may be
+    printed where they are not."""
     from megatron_dppo.data.datasets import DATASETS, TRAINING_SETS, PromptDataError, resolve_source
 
     errors = []
-    if not is_embedded_default(args) and not args.hf_checkpoint:
+    if not is_embedded_default(args) and not args.hf_checkpoint and not args.dry_run:
         reason = (f"--prompt-data {args.prompt_data}" if args.prompt_data != "synthetic"
                   else f"--rollout-backend {args.rollout_backend}")
         errors.append(f"{reason} needs --hf-checkpoint DIR, the Hugging Face model to train and serve "

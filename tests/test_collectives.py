@@ -22,11 +22,11 @@ def declared_group(backend: ProcessGroup.BackendType, size: int = 2) -> ProcessG
 
 def test_embedded_engine_syncs_over_gloo_where_the_trainer_runs_nccl(monkeypatch, tmp_path):
     """The embedded engine holds its model in host memory, so its weight-sync group is gloo on a CUDA machine too
-    (distributed_backend() says nccl there): an NCCL group would be handed host tensors."""
+    (whose trainer runs NCCL there): an NCCL group would be handed host tensors."""
     from megatron_dppo import run
     from megatron_dppo.rollout import launcher
 
-    monkeypatch.setattr(run, "distributed_backend", lambda: "nccl")  # what a CUDA machine's trainer uses
+    monkeypatch.setattr(run, "is_cpu", lambda: False)  # a CUDA machine, whose trainer runs NCCL
     monkeypatch.setattr(launcher, "launch_embedded_engine",
                         lambda model_dir, **options: launcher.ServerHandle("http://127.0.0.1:9"))
     _, _, syncer = run.start_rollout(parse_args([]), tmp_path)

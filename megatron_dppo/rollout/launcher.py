@@ -218,12 +218,15 @@ def sglang_flag_value(sglang_args: list[str], names: tuple[str, ...]) -> str | N
 SGLANG_DETERMINISTIC = "--enable-deterministic-inference"
 
 
-def sglang_command(model_path: str, host: str, port: int, sglang_args: list[str]) -> list[str]:
+def sglang_command(model_path: str, host: str, port: int, sglang_args: list[str],
+                   python: str = sys.executable) -> list[str]:
+    """`python -m sglang.launch_server`, deterministic, with `sglang_args` last (examples/slurm/rollout_node.sh writes
+    its servers' commands in the same order; tests/test_launch_plan.py holds the two equal)."""
     reserved = {"--host", "--port", "--model-path"} & {arg.split("=")[0] for arg in sglang_args}
     if reserved:
         raise ValueError(f"{sorted(reserved)} are set by the launcher; drop them from the --sglang-* flags")
     deterministic = [] if SGLANG_DETERMINISTIC in sglang_args else [SGLANG_DETERMINISTIC]
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
+    return [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
             "--port", str(port), *deterministic, *sglang_args]
 
 
@@ -272,14 +275,18 @@ def sglang_servers(n: int, model_path: str, sglang_args: list[str], host: str = 
             for port, gpus in zip(ports, server_gpus(n, gpus_per_server, environ, colocate))]
 
 
-def launch_sglang_servers(n: int, model_path: str, sglang_args: list[str], host: str = "127.0.0.1",
-                          ports: list[int] | None = None, gpus_per_server: int = 1,
-                          startup_timeout_s: float = 600.0, colocate: bool = False) -> list[ServerHandle]:
-    """Start the n `python -m sglang.launch_server` processes of `sglang_servers` and wait until they are healthy."""
+def require_sglang() -> None:
     spec = importlib.util.find_spec("sglang")  # top-level only: importing sglang's server needs CUDA
     if spec is None or not any(Path(p, "launch_server.py").is_file() for p in spec.submodule_search_locations):
         raise RolloutServerError("sglang is not installed in this environment (pip install 'sglang[all]' on a "
                                  "GPU machine), or give --rollout-urls of servers started elsewhere")
+
+
+def launch_sglang_servers(n: int, model_path: str, sglang_args: list[str], host: str = "127.0.0.1",
+                          ports: list[int] | None = None, gpus_per_server: int = 1,
+                          startup_timeout_s: float = 600.0, colocate: bool = False) -> list[ServerHandle]:
+    """Start the n `python -m sglang.launch_server` processes of `sglang_servers` and wait until they are healthy."""
+    require_sglang()
     return start_all(sglang_servers(n, model_path, sglang_args, host, ports, gpus_per_server, startup_timeout_s,
                                     colocate=colocate))
 
@@ -336,10 +343,42 @@ def launch_vllm_servers(n: int, model_dir: str, python: str | None = None, host:
     wait for /health. A server that dies while starting raises with its command and log tail; the others are then
     stopped."""
     python = vllm_python(python)
-    if not Path(model_dir, "config.json").is_file():
-        raise FileNotFoundError(f"model_dir {model_dir} has no config.json; vLLM starts from an HF model directory")
+    require_model_dir(model_dir)
     return start_all(vllm_servers(n, model_dir, python, host, ports, dtype, max_model_len, enforce_eager,
                                   startup_timeout_s, gpus_per_server))
+
+
+def require_model_dir(model_dir: str) -> None:
+    if not Path(model_dir, "config.json").is_file():
+        raise FileNotFoundError(f"model_dir {model_dir} has no config.json; vLLM starts from an HF model directory")
+
+
+SERVER_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def local_servers(args, model_dir: str, cpu: bool, environ=None) -> list[ServerHandle]:
+    """The SGLang or vLLM servers rank 0 starts on its node for the parsed flags `args`, not started yet:
+    `start_local_servers` starts them and --dry-run prints them (launch_plan), so both show one layout. `cpu`: the
+    machine has no GPU (vLLM's CPU build then uses none, in eager mode: its compile warm-up takes minutes there)."""
+    if args.rollout_backend == "sglang":
+        return sglang_servers(args.rollout_num_servers, str(model_dir), args.sglang_args,
+                              gpus_per_server=args.rollout_server_gpus, environ=environ, colocate=args.rollout_colocate)
+    if args.rollout_backend == "vllm":
+        dtype = SERVER_DTYPES["bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"]
+        return vllm_servers(args.rollout_num_servers, str(model_dir),
+                            args.rollout_python or os.environ.get(VLLM_PYTHON_VARIABLE, "python"), dtype=dtype,
+                            enforce_eager=cpu, gpus_per_server=0 if cpu else 1, environ=environ)
+    raise ValueError(f"--rollout-backend {args.rollout_backend} starts no SGLang or vLLM server")
+
+
+def start_local_servers(args, model_dir: str, cpu: bool) -> list[ServerHandle]:
+    """Start the servers of `local_servers` and wait until they are healthy."""
+    if args.rollout_backend == "sglang":
+        require_sglang()
+    else:
+        vllm_python(args.rollout_python)
+        require_model_dir(model_dir)
+    return start_all(local_servers(args, model_dir, cpu))
 
 
 def external_servers(urls: list[str], startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> list[ServerHandle]:
