@@ -194,14 +194,14 @@ def _rollout_servers(args, nodes: list[str], rollout_nodes: list[str], gpus_per_
         node = {"LOCAL_WORLD_SIZE": str(processes_per_node),
                 "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(gpus_per_node)))}
         model = args.hf_checkpoint or (EMBEDDED_MODEL if is_embedded_default(args) else MODEL_PLACEHOLDER)
-        handles = local_servers(args, model, cpu=not gpus_per_node, environ=node)
+        tp = args.rollout_server_gpus if args.rollout_backend == "sglang" else 1  # a vLLM server: one device
         servers = []
-        for handle in handles:
+        for handle in local_servers(args, model, cpu=not gpus_per_node, environ=node):
             devices = handle.env.get("CUDA_VISIBLE_DEVICES") if gpus_per_node else None
             port = int(handle.command[handle.command.index("--port") + 1])
             servers.append(dict(node=head, gpus=tuple(int(gpu) for gpu in (devices or "").split(",") if gpu),
-                                port=port, url=handle.url, tp=args.rollout_server_gpus if args.rollout_backend ==
-                                "sglang" else 1, command=tuple(handle.command), cuda_visible_devices=devices))
+                                port=port, url=handle.url, tp=tp, command=tuple(handle.command),
+                                cuda_visible_devices=devices))
         return servers
     return [dict(node=urlsplit(url).hostname or url, gpus=tuple(range(sglang_tp)), port=urlsplit(url).port,
                  url=url.rstrip("/"), tp=sglang_tp) for url in args.rollout_urls]

@@ -241,13 +241,13 @@ def visible_gpus(environ=None) -> list[str]:
 
 
 def server_gpus(n: int, gpus_per_server: int, environ=None, colocate: bool = False,
-                visible: list[str] | None = None, engine: str = "SGLang") -> list[str]:
-    """CUDA_VISIBLE_DEVICES of each of n servers: the node's GPUs (`visible`, default `visible_gpus(environ)`) after
-    the trainer's, which torchrun's local ranks 0 .. LOCAL_WORLD_SIZE-1 hold (each rank binds cuda:LOCAL_RANK), so
-    trainer and servers never share a GPU; `colocate`: from the first GPU on, shared with the trainer (a one-GPU
-    machine). The launcher and the --dry-run plan both lay servers out here."""
+                engine: str = "SGLang") -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each of n servers: the node's GPUs (`visible_gpus(environ)`) after the trainer's,
+    which torchrun's local ranks 0 .. LOCAL_WORLD_SIZE-1 hold (each rank binds cuda:LOCAL_RANK), so trainer and
+    servers never share a GPU; `colocate`: from the first GPU on, shared with the trainer (a one-GPU machine). The
+    launcher and the --dry-run plan (with the node's variables as `environ`) both lay servers out here."""
     environ = os.environ if environ is None else environ
-    visible = visible_gpus(environ) if visible is None else visible
+    visible = visible_gpus(environ)
     trainer_gpus = 0 if colocate else int(environ.get("LOCAL_WORLD_SIZE", "1"))
     needed = trainer_gpus + n * gpus_per_server
     if needed > len(visible):
