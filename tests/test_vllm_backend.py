@@ -107,8 +107,10 @@ def test_rollout_backend_vllm_flags_are_checked_and_its_plan_has_one_server_in_t
     monkeypatch.setenv(VLLM_PYTHON_VARIABLE, "/env/bin/python")
     args = parse_args(["--rollout-backend", "vllm"])
     assert is_embedded_default(args) and args.rollout_python is None  # the launcher reads the variable
-    plan = build_plan(args, ["localhost"], trainer_nodes=1, rollout_nodes=0, gpus_per_node=2)
-    assert len(plan.servers) == 1 and plan.weight_sync.world_size == 2
+    # a CPU machine (gpus_per_node 0), 2 trainer processes: vLLM's CPU build, one rank in a gloo group
+    plan = build_plan(args, ["localhost"], trainer_nodes=1, rollout_nodes=0, gpus_per_node=0, processes_per_node=2)
+    assert len(plan.servers) == 1 and plan.weight_sync.world_size == 2 and plan.weight_sync.backend == "gloo"
+    assert "--enforce-eager" in plan.servers[0].command and plan.servers[0].cuda_visible_devices is None
 
 
 def test_install_script_reuses_a_valid_environment_and_prints_only_its_interpreter(python):
