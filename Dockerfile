@@ -34,18 +34,22 @@ RUN pip uninstall -y transformer_engine transformer_engine_torch transformer_eng
         "transformers==5.19.0" \
         "megatron-core==0.16.1"
 
-# Transformer Engine in megatron-core 0.16.1's range, against torch 2.14.1 (compiles its PyTorch extension; tens of
-# minutes).
-RUN pip install --no-cache-dir --no-build-isolation "transformer-engine[core_cu13,pytorch]==2.11.0"
+# Transformer Engine in megatron-core 0.16.1's range, against torch 2.14.1: NVTE_PYTORCH_FORCE_BUILD makes it compile
+# its PyTorch extension here (tens of minutes) instead of fetching a prebuilt one made for another torch.
+RUN NVTE_PYTORCH_FORCE_BUILD=TRUE pip install --no-cache-dir --no-build-isolation \
+        "transformer-engine[core_cu13,pytorch]==2.11.0"
 
 WORKDIR /workspace/megatron_dppo
 COPY setup.py pyproject.toml constraints.txt README.md ./
 COPY megatron_dppo ./megatron_dppo
 COPY examples ./examples
 COPY tools ./tools
+# examples/gpu_smoke.sh runs tests/gpu with pytest (and pyproject.toml's timeout, a pytest-timeout option)
+COPY tests ./tests
 # This package: its other dependencies (math-verify, safetensors, aiohttp, ...) come from setup.py;
 # torch, transformers and megatron-core are already installed at the versions above and stay.
-RUN pip install --no-cache-dir "megatron-dppo @ file:///workspace/megatron_dppo" \
+RUN pip install --no-cache-dir "megatron-dppo @ file:///workspace/megatron_dppo" "pytest==9.2.0" \
+        "pytest-timeout==2.4.0" \
     && python -c "import importlib.metadata as m; \
 versions = {name: m.version(name) for name in ('torch', 'sglang', 'transformers', 'megatron-core', \
 'transformer-engine')}; \

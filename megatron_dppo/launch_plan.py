@@ -1,19 +1,24 @@
 """The resolved launch plan of a run, printed by `examples/pretrain_dppo.py --dry-run` (nothing is started).
 
-    parsed args + node list + nodes per role + GPUs per node + SGLang TP
-        ──► build_plan ──► LaunchPlan: node roles, trainer ranks with their (tp, pp, dp) coordinates,
-                           the torchrun rendezvous, rollout servers with URLs, the weight-sync group
-        ──► format_plan ──► text
+    parsed args + node list + nodes per role + GPUs and trainer processes per node
+        ──► build_plan ──► LaunchPlan: node roles, trainer ranks with their (tp, pp, dp) coordinates and GPUs,
+                           the torchrun rendezvous, rollout servers with URLs, GPUs, their full command lines and
+                           CUDA_VISIBLE_DEVICES, the weight-sync group
+        ──► format_plan ──► text;  print_plan: the text, or one line saying why the plan cannot be laid out
 
 `plan_from_environment` reads the inputs from what examples/slurm/dppo.sbatch exports (DPPO_NODES,
-DPPO_TRAINER_NODES, DPPO_ROLLOUT_NODES, DPPO_GPUS_PER_NODE, DPPO_SGLANG_TP, DPPO_ROLLOUT_PORT, DPPO_RDZV_PORT),
-falling back to Slurm's own variables (SLURM_JOB_NODELIST, SLURM_GPUS_ON_NODE).
+DPPO_TRAINER_NODES, DPPO_ROLLOUT_NODES, DPPO_GPUS_PER_NODE, DPPO_ROLLOUT_PORT, DPPO_RDZV_PORT), falling back to
+Slurm's own variables (SLURM_JOB_NODELIST, SLURM_GPUS_ON_NODE), and torchrun's (WORLD_SIZE, LOCAL_WORLD_SIZE: the
+trainer processes per node). An SGLang server's GPUs are --rollout-server-gpus (= --sglang-tp-size; one number).
 
 Invariants:
 - trainer ranks follow Megatron's default order "tp-cp-ep-dp-pp" (cp = ep = 1 here): tp varies fastest, then dp,
-  then pp; global rank = node index x GPUs per node + local rank (torchrun's order);
+  then pp; global rank = node index x processes per node + local rank (torchrun's order), on GPU local rank;
 - the first `trainer_nodes` nodes train, the next `rollout_nodes` serve; trainer rank 0 sits on the first node and
   hosts both the torchrun rendezvous and the weight-sync group;
+- servers rank 0 starts on its node are laid out and their commands built by the launcher's own functions
+  (rollout/launcher.py: local_servers, server_gpus), so the plan shows what a run starts: GPUs after the trainer's,
+  or the trainer's own with --rollout-colocate;
 - weight-sync group: trainer rank 0 is group rank 0, server i joins at 1 + (GPUs of servers before it),
   world size = 1 + all server GPUs (megatron_dppo.rollout.weight_sync.WeightSyncer.init_group).
 """
@@ -22,8 +27,12 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import sys
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+from megatron_dppo.arguments import is_embedded_default
 
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"
 DEFAULT_ROLLOUT_PORT = 30000
@@ -40,14 +49,30 @@ class TrainerRank:
     dp: int
 
 
+# The servers' model in their command lines where the plan cannot know its path: --hf-checkpoint not given (the plan
+# is printed anyway), or the embedded default's tiny model, written under --cache-dir when the run starts
+MODEL_PLACEHOLDER, EMBEDDED_MODEL = "HF_CHECKPOINT", "EMBEDDED_MODEL"
+
+
+@dataclass(frozen=True)
+class RolloutNodeServers:
+    """How examples/slurm/rollout_node.sh starts the SGLang servers of a rollout node (dppo.sbatch exports these as
+    DPPO_SGLANG_PYTHON, DPPO_HF_CHECKPOINT, DPPO_SGLANG_ARGS); their TP size is --rollout-server-gpus."""
+    python: str = "python3"
+    model: str = MODEL_PLACEHOLDER
+    sglang_args: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class RolloutServer:
     node: str
-    gpus: tuple[int, ...]  # CUDA device indices on `node` (empty: the embedded CPU engine)
+    gpus: tuple[int, ...]  # CUDA device indices on `node` (empty: the embedded CPU engine, vLLM's CPU build)
     port: int | None  # None: a free port picked when the server starts
     url: str
     tp: int
     sync_rank_offset: int  # first rank of this server's GPUs in the weight-sync group
+    command: tuple[str, ...] = ()  # what rank 0 runs for it (servers it starts; empty otherwise)
+    cuda_visible_devices: str | None = None  # that command's CUDA_VISIBLE_DEVICES (None: not set)
 
     @property
     def sync_ranks(self) -> int:
@@ -77,7 +102,8 @@ class WeightSyncGroup:
 class LaunchPlan:
     nodes: tuple[str, ...]
     roles: dict[str, str]  # node -> "trainer" | "rollout" | "unused"
-    gpus_per_node: int
+    gpus_per_node: int  # 0: a CPU machine
+    processes_per_node: int  # trainer processes per trainer node (torchrun --nproc-per-node)
     tp: int
     pp: int
     dp: int
@@ -131,41 +157,70 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _rollout_servers(args, nodes: list[str], rollout_nodes: list[str], gpus_per_node: int, sglang_tp: int,
-                     rollout_port: int) -> list[tuple[str, tuple[int, ...], int | None, str, int]]:
-    """(node, gpus, port, url, tp) per server, before weight-sync offsets are assigned."""
+def weight_sync_backend(args, cpu: bool) -> str:
+    """gloo for the embedded engine (its model lives in host memory, on any machine), for servers colocated with the
+    trainer (NCCL refuses two ranks on one GPU) and on a CPU machine; else NCCL."""
+    return "gloo" if cpu or args.rollout_backend == "embedded" or args.rollout_colocate else "nccl"
+
+
+def _rollout_servers(args, nodes: list[str], rollout_nodes: list[str], gpus_per_node: int, processes_per_node: int,
+                     rollout_port: int, node_servers: RolloutNodeServers) -> list[dict]:
+    """The servers' fields (RolloutServer's, without the weight-sync offset)."""
+    from megatron_dppo.rollout.launcher import local_servers, sglang_command
+
+    sglang_tp = args.rollout_server_gpus
     if rollout_nodes:
         _check(gpus_per_node % sglang_tp == 0,
-               f"SGLang TP {sglang_tp} does not divide the {gpus_per_node} GPUs of a rollout node: "
-               "pick a TP size that divides GPUs per node")
-        servers = [(node, tuple(range(i * sglang_tp, (i + 1) * sglang_tp)), rollout_port + i,
-                    f"http://{node}:{rollout_port + i}", sglang_tp)
+               f"--rollout-server-gpus {sglang_tp} (SGLang TP) does not divide the {gpus_per_node} GPUs of a rollout "
+               "node: pick a TP size that divides GPUs per node")
+        flags = ["--tp-size", str(sglang_tp), *node_servers.sglang_args]
+        servers = [dict(node=node, gpus=tuple(range(i * sglang_tp, (i + 1) * sglang_tp)), port=rollout_port + i,
+                        url=f"http://{node}:{rollout_port + i}", tp=sglang_tp,
+                        command=tuple(sglang_command(node_servers.model, "0.0.0.0", rollout_port + i, flags,
+                                                     node_servers.python)),
+                        cuda_visible_devices=",".join(map(str, range(i * sglang_tp, (i + 1) * sglang_tp))))
                    for node in rollout_nodes for i in range(gpus_per_node // sglang_tp)]
         given = [url.rstrip("/") for url in args.rollout_urls]
-        _check(not given or given == [server[3] for server in servers],
+        _check(not given or given == [server["url"] for server in servers],
                f"--rollout-urls {' '.join(given)} differ from the servers started on the rollout nodes "
-               f"({' '.join(server[3] for server in servers)}): drop --rollout-urls (the Slurm script passes them)")
+               f"({' '.join(server['url'] for server in servers)}): drop --rollout-urls (the Slurm script passes them)")
         return servers
     head = nodes[0]
     if args.rollout_backend == "embedded":
-        return [(head, (), None, "http://127.0.0.1:<free port>", 1) for _ in range(args.rollout_num_servers)]
-    if args.rollout_backend == "sglang":
-        return [(head, tuple(range(i * sglang_tp, (i + 1) * sglang_tp)), None, "http://127.0.0.1:<free port>",
-                 sglang_tp) for i in range(args.rollout_num_servers)]
-    if args.rollout_backend == "vllm":  # the launcher starts each vLLM server on one device
-        return [(head, (i,), None, "http://127.0.0.1:<free port>", 1) for i in range(args.rollout_num_servers)]
-    return [(urlsplit(url).hostname or url, tuple(range(sglang_tp)), urlsplit(url).port, url.rstrip("/"), sglang_tp)
-            for url in args.rollout_urls]
+        return [dict(node=head, gpus=(), port=None, url="http://127.0.0.1:<free port>", tp=1)
+                for _ in range(args.rollout_num_servers)]
+    if args.rollout_backend in ("sglang", "vllm"):
+        # the node as rank 0's servers see it: its GPUs, and torchrun's processes on GPUs 0 .. n-1
+        node = {"LOCAL_WORLD_SIZE": str(processes_per_node),
+                "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(gpus_per_node)))}
+        model = args.hf_checkpoint or (EMBEDDED_MODEL if is_embedded_default(args) else MODEL_PLACEHOLDER)
+        tp = args.rollout_server_gpus if args.rollout_backend == "sglang" else 1  # a vLLM server: one device
+        servers = []
+        for handle in local_servers(args, model, cpu=not gpus_per_node, environ=node):
+            devices = handle.env.get("CUDA_VISIBLE_DEVICES") if gpus_per_node else None
+            port = int(handle.command[handle.command.index("--port") + 1])
+            servers.append(dict(node=head, gpus=tuple(int(gpu) for gpu in (devices or "").split(",") if gpu),
+                                port=port, url=handle.url, tp=tp, command=tuple(handle.command),
+                                cuda_visible_devices=devices))
+        return servers
+    return [dict(node=urlsplit(url).hostname or url, gpus=tuple(range(sglang_tp)), port=urlsplit(url).port,
+                 url=url.rstrip("/"), tp=sglang_tp) for url in args.rollout_urls]
 
 
 def build_plan(args, nodes: list[str], trainer_nodes: int, rollout_nodes: int, gpus_per_node: int,
-               sglang_tp: int = 1, rollout_port: int = DEFAULT_ROLLOUT_PORT,
-               rdzv_port: int = DEFAULT_RDZV_PORT) -> LaunchPlan:
-    """The plan for `nodes` (in Slurm's order): the first `trainer_nodes` train, the next `rollout_nodes` serve."""
+               rollout_port: int = DEFAULT_ROLLOUT_PORT, rdzv_port: int = DEFAULT_RDZV_PORT,
+               processes_per_node: int | None = None, node_servers: RolloutNodeServers | None = None) -> LaunchPlan:
+    """The plan for `nodes` (in Slurm's order): the first `trainer_nodes` train, the next `rollout_nodes` serve.
+    gpus_per_node 0: a CPU machine; processes_per_node: trainer processes per node (default: one per GPU);
+    node_servers: how the rollout nodes start their servers (default: the --hf-checkpoint model, no extra flags)."""
+    node_servers = node_servers or RolloutNodeServers(model=args.hf_checkpoint or MODEL_PLACEHOLDER)
+    processes_per_node = processes_per_node or gpus_per_node or 1
     _check(trainer_nodes >= 1, f"trainer nodes = {trainer_nodes}: at least one node must train")
     _check(rollout_nodes >= 0, f"rollout nodes = {rollout_nodes} must be >= 0")
-    _check(gpus_per_node >= 1, f"GPUs per node = {gpus_per_node} must be >= 1")
-    _check(sglang_tp >= 1, f"SGLang TP = {sglang_tp} must be >= 1")
+    _check(processes_per_node >= 1, f"trainer processes per node = {processes_per_node} must be >= 1")
+    _check(not gpus_per_node or processes_per_node <= gpus_per_node,
+           f"{processes_per_node} trainer processes per node need as many GPUs, but a node has {gpus_per_node}: "
+           "launch fewer (torchrun --nproc-per-node) or set DPPO_GPUS_PER_NODE to the node's GPU count")
     _check(len(set(nodes)) == len(nodes), f"node list {nodes} names a node twice")
     _check(trainer_nodes + rollout_nodes <= len(nodes),
            f"{trainer_nodes} trainer + {rollout_nodes} rollout nodes need {trainer_nodes + rollout_nodes} nodes "
@@ -173,11 +228,14 @@ def build_plan(args, nodes: list[str], trainer_nodes: int, rollout_nodes: int, g
     _check(not rollout_nodes or args.rollout_backend == "external",
            f"{rollout_nodes} rollout nodes serve SGLang but --rollout-backend is {args.rollout_backend}: use "
            "--rollout-backend external --rollout-urls ... (examples/slurm/dppo.sbatch passes both)")
+    _check(not rollout_nodes or gpus_per_node >= 1,
+           "rollout nodes serve SGLang on GPUs, but no GPU count is known: set DPPO_GPUS_PER_NODE")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    world = trainer_nodes * gpus_per_node
+    world = trainer_nodes * processes_per_node
     _check(world % (tp * pp) == 0,
            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does not divide "
-           f"the {world} trainer GPUs ({trainer_nodes} nodes x {gpus_per_node}): change the sizes or the node count")
+           f"the {world} trainer processes ({trainer_nodes} nodes x {processes_per_node}): change the sizes or the "
+           "process count")
     dp = world // (tp * pp)
     roles = {node: "unused" for node in nodes}
     roles.update({node: "trainer" for node in nodes[:trainer_nodes]})
@@ -186,16 +244,17 @@ def build_plan(args, nodes: list[str], trainer_nodes: int, rollout_nodes: int, g
     ranks = []
     for rank in range(world):
         rank_tp, rank_pp, rank_dp = megatron_coordinates(rank, tp, pp, dp)
-        ranks.append(TrainerRank(rank, nodes[rank // gpus_per_node], rank % gpus_per_node, rank_tp, rank_pp, rank_dp))
-    specs = _rollout_servers(args, nodes, serving, gpus_per_node, sglang_tp, rollout_port)
-    offsets, sync_world = sync_rank_offsets([server_sync_ranks(gpus) for _, gpus, _, _, _ in specs])
-    servers = [RolloutServer(node, gpus, port, url, server_tp, offset)
-               for (node, gpus, port, url, server_tp), offset in zip(specs, offsets)]
-    backend = "gloo" if args.rollout_backend == "embedded" and not serving else "nccl"
-    return LaunchPlan(nodes=tuple(nodes), roles=roles, gpus_per_node=gpus_per_node, tp=tp, pp=pp, dp=dp,
+        ranks.append(TrainerRank(rank, nodes[rank // processes_per_node], rank % processes_per_node, rank_tp, rank_pp,
+                                 rank_dp))
+    specs = _rollout_servers(args, nodes, serving, gpus_per_node, processes_per_node, rollout_port, node_servers)
+    offsets, sync_world = sync_rank_offsets([server_sync_ranks(spec["gpus"]) for spec in specs])
+    servers = [RolloutServer(**spec, sync_rank_offset=offset) for spec, offset in zip(specs, offsets)]
+    return LaunchPlan(nodes=tuple(nodes), roles=roles, gpus_per_node=gpus_per_node,
+                      processes_per_node=processes_per_node, tp=tp, pp=pp, dp=dp,
                       rendezvous=f"{nodes[0]}:{rdzv_port}", ranks=tuple(ranks),
                       rollout_backend="external" if serving else args.rollout_backend, servers=tuple(servers),
-                      weight_sync=WeightSyncGroup(nodes[0], backend, sync_world))
+                      weight_sync=WeightSyncGroup(nodes[0], weight_sync_backend(args, cpu=not gpus_per_node),
+                                                  sync_world))
 
 
 def _env_int(env, name: str, default: int | None) -> int | None:
@@ -209,7 +268,7 @@ def _env_int(env, name: str, default: int | None) -> int | None:
 
 
 def plan_from_environment(args, env=None) -> LaunchPlan:
-    """build_plan with its inputs read from the Slurm script's DPPO_* variables, then Slurm's own."""
+    """build_plan with its inputs read from the Slurm script's DPPO_* variables, then Slurm's and torchrun's."""
     env = os.environ if env is None else env
     if env.get("DPPO_NODES"):
         nodes = [node for node in env["DPPO_NODES"].replace(" ", ",").split(",") if node]
@@ -220,13 +279,19 @@ def plan_from_environment(args, env=None) -> LaunchPlan:
     rollout_nodes = _env_int(env, "DPPO_ROLLOUT_NODES", 0)
     trainer_nodes = _env_int(env, "DPPO_TRAINER_NODES", len(nodes) - rollout_nodes)
     world = _env_int(env, "WORLD_SIZE", None)
+    processes = _env_int(env, "LOCAL_WORLD_SIZE", world // max(trainer_nodes, 1) if world else None)
     gpus_per_node = _env_int(env, "DPPO_GPUS_PER_NODE", _env_int(env, "SLURM_GPUS_ON_NODE", None))
-    if gpus_per_node is None:
-        gpus_per_node = world // max(trainer_nodes, 1) if world else 1
+    if gpus_per_node is None:  # no GPU count given: this node's (rank 0's, which starts local servers)
+        from megatron_dppo.rollout.launcher import visible_gpus
+
+        gpus_per_node = len(visible_gpus(env))
+    node_servers = RolloutNodeServers(env.get("DPPO_SGLANG_PYTHON") or "python3",
+                                      env.get("DPPO_HF_CHECKPOINT") or args.hf_checkpoint or MODEL_PLACEHOLDER,
+                                      tuple(shlex.split(env.get("DPPO_SGLANG_ARGS", ""))))
     return build_plan(args, nodes, trainer_nodes, rollout_nodes, gpus_per_node,
-                      sglang_tp=_env_int(env, "DPPO_SGLANG_TP", 1),
                       rollout_port=_env_int(env, "DPPO_ROLLOUT_PORT", DEFAULT_ROLLOUT_PORT),
-                      rdzv_port=_env_int(env, "DPPO_RDZV_PORT", DEFAULT_RDZV_PORT))
+                      rdzv_port=_env_int(env, "DPPO_RDZV_PORT", DEFAULT_RDZV_PORT), processes_per_node=processes,
+                      node_servers=node_servers)
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:
@@ -236,14 +301,26 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
             for row in cells]
 
 
+def _span(values) -> str:
+    """0,1,2,3 → "0-3"; other sets listed."""
+    values = list(values)
+    if values and values == list(range(values[0], values[-1] + 1)) and len(values) > 2:
+        return f"{values[0]}-{values[-1]}"
+    return ",".join(map(str, values))
+
+
 def format_plan(plan: LaunchPlan) -> str:
     trainers, rollouts = plan.trainer_nodes, plan.rollout_nodes
+    gpus = f"{plan.gpus_per_node} GPUs per node" if plan.gpus_per_node else "no GPU (CPU)"
     lines = [f"launch plan (dry run: nothing started): {len(plan.nodes)} nodes, {len(trainers)} trainer, "
-             f"{len(rollouts)} rollout, {plan.gpus_per_node} GPUs per node", "", "node roles:"]
+             f"{len(rollouts)} rollout, {gpus}", "", "node roles:"]
     lines += _table(["node", "role"], [[node, plan.roles[node]] for node in plan.nodes])
-    lines += ["", f"trainer: srun torchrun --nnodes {len(trainers)} --nproc-per-node {plan.gpus_per_node} "
-              f"--rdzv-backend c10d --rdzv-endpoint {plan.rendezvous}",
-              f"parallel layout: world {len(plan.ranks)} = TP {plan.tp} x PP {plan.pp} x DP {plan.dp} "
+    lines += ["", f"trainer: srun torchrun --nnodes {len(trainers)} --nproc-per-node {plan.processes_per_node} "
+              f"--rdzv-backend c10d --rdzv-endpoint {plan.rendezvous}"]
+    if plan.gpus_per_node:
+        lines.append(f"trainer GPUs: {_span(range(plan.processes_per_node))} of each trainer node "
+                     "(rank r binds cuda:LOCAL_RANK)")
+    lines += [f"parallel layout: world {len(plan.ranks)} = TP {plan.tp} x PP {plan.pp} x DP {plan.dp} "
               f"(Megatron order {MEGATRON_ORDER}: tp fastest, then dp, then pp)"]
     lines += _table(["rank", "node", "local_rank", "tp", "pp", "dp"],
                     [[r.rank, r.node, r.local_rank, r.tp, r.pp, r.dp] for r in plan.ranks])
@@ -252,8 +329,32 @@ def format_plan(plan: LaunchPlan) -> str:
                     [[i, s.node, ",".join(map(str, s.gpus)) or "cpu", s.port or "free", s.tp, s.url,
                       f"{s.sync_rank_offset}-{s.sync_rank_offset + s.sync_ranks - 1}"]
                      for i, s in enumerate(plan.servers)])
+    started = [(i, s) for i, s in enumerate(plan.servers) if s.command]
+    if started:
+        lines += ["", "commands examples/slurm/rollout_node.sh runs on each rollout node:" if plan.rollout_nodes else
+                  "commands rank 0 runs (ports are picked free at start; shown: ports free now):"]
+        for i, server in started:
+            devices = "not set (no GPU)" if server.cuda_visible_devices is None else server.cuda_visible_devices
+            lines += [f"  server {i}: CUDA_VISIBLE_DEVICES={devices} on {server.node}",
+                      f"    {shlex.join(server.command)}"]
+        if any(MODEL_PLACEHOLDER in server.command for _, server in started):
+            lines.append(f"  ({MODEL_PLACEHOLDER}: the --hf-checkpoint a run needs; not given here)")
+        if any(EMBEDDED_MODEL in server.command for _, server in started):
+            lines.append(f"  ({EMBEDDED_MODEL}: the embedded default's tiny model, written under --cache-dir at start)")
     sync = plan.weight_sync
     lines += ["", f"weight-sync group: backend {sync.backend}, world {sync.world_size} = 1 trainer rank + "
               f"{sync.world_size - 1} server ranks; group rank 0 = trainer global rank 0 on {sync.master_address} "
               "(hosts the group's TCPStore)"]
     return "\n".join(lines)
+
+
+def print_plan(args, env=None) -> None:
+    """--dry-run: print the plan, or, if it cannot be laid out, one line saying why and exit with status 2."""
+    from megatron_dppo.rollout.client import RolloutServerError
+
+    try:
+        text = format_plan(plan_from_environment(args, env))
+    except (ValueError, RolloutServerError) as error:
+        print(f"pretrain_dppo.py --dry-run: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    print(text, flush=True)

@@ -317,6 +317,15 @@ class THDBatch:
 LOGPROB_FIELDS = ("old_logprobs", "ref_logprobs", "rollout_logprobs")
 
 
+def padding_token_id(tokenizer) -> int:
+    """The id padded positions carry: the tokenizer's pad token, else its EOS (Llama 3's and Qwen's base tokenizers
+    have no pad token), else 0. Padding is masked out of every loss, so any id of the vocabulary serves."""
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return token_id
+    return 0
+
+
 def build_thd_batch(
     samples: Sequence[TrainingSample], indices: Sequence[int], pad_multiple: int = 1, pad_token_id: int = 0
 ) -> THDBatch:

@@ -1,6 +1,7 @@
 """Start everything a training run needs, run the trainer, shut everything down.
 
-    parse/validate args ─► --hf-checkpoint: its tokenizer and the task (prompts + reward), read before anything starts
+    parse/validate args ─► rank 0: the layout of the SGLang / vLLM servers it will start (enough GPUs?)
+    ─► --hf-checkpoint: its tokenizer and the task (prompts + reward), read before anything starts
     ─► torch.distributed + Megatron parallel state
     ─► or the embedded default: tiny model + cached warm start, and the synthetic task
     ─► actor (+ frozen reference when --kl-coef > 0)
@@ -21,11 +22,13 @@ import torch.distributed as dist
 from megatron_dppo.actor.actor import Actor, OptimConfig
 from megatron_dppo.actor.checkpoint import read_hf_config, resolve_checkpoint
 from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
-from megatron_dppo.arguments import is_embedded_default
+from megatron_dppo.arguments import is_embedded_default, is_rank0
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint, read_config
 from megatron_dppo.convert.mapping import model_shape
+from megatron_dppo.launch_plan import weight_sync_backend
 from megatron_dppo.metrics import MetricsLogger
-from megatron_dppo.platform import distributed_backend, is_cpu
+from megatron_dppo.platform import is_cpu
+from megatron_dppo.rollout.launcher import local_servers
 from megatron_dppo.tasks import Task, dataset_task, synthetic_task
 from megatron_dppo.trainer import Trainer
 
@@ -64,13 +67,7 @@ def embedded_engine_options(args, local_processes: int) -> dict:
 def start_rollout(args, model_dir: Path):
     """rank 0: the servers, a client on them, a weight syncer, and the pool that restarts dead servers."""
     from megatron_dppo.rollout.client import RolloutClient, SGLangGenerateAPI, control_request
-    from megatron_dppo.rollout.launcher import (
-        ServerPool,
-        external_servers,
-        launch_embedded_engine,
-        launch_sglang_servers,
-        launch_vllm_servers,
-    )
+    from megatron_dppo.rollout.launcher import ServerPool, external_servers, launch_embedded_engine, start_local_servers
     from megatron_dppo.rollout.vllm import VLLMCompletionsAPI, VLLMControl
     from megatron_dppo.rollout.weight_sync import AUTO_FORMAT, FLATTENED_BUCKET, WeightSyncer
 
@@ -81,14 +78,10 @@ def start_rollout(args, model_dir: Path):
         options = embedded_engine_options(args, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         handles = [launch_embedded_engine(str(model_dir), **options)
                    for _ in range(args.rollout_num_servers)]
-    elif args.rollout_backend == "sglang":
-        handles = launch_sglang_servers(args.rollout_num_servers, str(model_dir), args.sglang_args,
-                                        gpus_per_server=args.rollout_server_gpus, colocate=args.rollout_colocate)
-    elif args.rollout_backend == "vllm":
-        handles = launch_vllm_servers(args.rollout_num_servers, str(model_dir), args.rollout_python,
-                                      dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
-                                      enforce_eager=is_cpu())  # vLLM's CPU build: no minutes-long compile warm-up
-        api, control = VLLMCompletionsAPI(), VLLMControl()
+    elif args.rollout_backend in ("sglang", "vllm"):
+        handles = start_local_servers(args, str(model_dir), is_cpu())
+        if args.rollout_backend == "vllm":
+            api, control = VLLMCompletionsAPI(), VLLMControl()
     else:
         handles = external_servers(args.rollout_urls)
     urls = [handle.url for handle in handles]
@@ -96,8 +89,7 @@ def start_rollout(args, model_dir: Path):
         "127.0.0.1" if args.rollout_backend != "external" else socket.gethostbyname(socket.gethostname()))
     # The embedded engine takes large tensors in SGLang's per-tensor format: over gloo in host memory, packing them
     # would copy every byte once more (docs/rollout.md); SGLang over NCCL and vLLM take flattened buckets.
-    syncer = WeightSyncer(urls, master_address=master_address,
-                          backend="gloo" if args.rollout_colocate else distributed_backend(),
+    syncer = WeightSyncer(urls, master_address=master_address, backend=weight_sync_backend(args, is_cpu()),
                           bucket_bytes=args.rollout_weight_bucket_mb * 2**20, timeout_s=args.rollout_timeout_s,
                           engine_ranks=[args.rollout_server_gpus] * len(urls),
                           keep_host_copy=args.rollout_backend != "external", control=control,
@@ -117,14 +109,23 @@ def budget_spent(budget_s: float | None, elapsed_s: float) -> bool:
     return decision[0]
 
 
+def check_rollout_layout(args) -> None:
+    """rank 0, first thing: lay out the servers it will start (enough GPUs beside the trainer's?), so that a layout
+    that cannot fit fails before the checkpoint loads rather than after (start_rollout lays them out again)."""
+    if is_rank0() and args.rollout_backend in ("sglang", "vllm"):
+        local_servers(args, args.hf_checkpoint or "", is_cpu())
+
+
 def run(args) -> dict:
     start = time.perf_counter()
+    check_rollout_layout(args)
     embedded_default = is_embedded_default(args)
     if not embedded_default:  # the user's model and prompts: read before any process group starts, so bad data
         model_dir = Path(args.hf_checkpoint)  # stops the run at once with its own error
         tokenizer = load_tokenizer(model_dir)
         task = build_task(args, tokenizer)
-    init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed)
+    init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed,
+                  timeout_s=args.distributed_timeout_minutes * 60)
     rank0 = dist.get_rank() == 0
     warm_start = None
     if embedded_default:
@@ -140,7 +141,8 @@ def run(args) -> dict:
                         lr_decay_iters=args.train_iters or 1, lr_decay_style=args.lr_decay_style,
                         clip_grad=args.clip_grad, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                        use_distributed_optimizer=args.use_distributed_optimizer)
+                        use_distributed_optimizer=args.use_distributed_optimizer,
+                        initial_loss_scale=args.initial_loss_scale)
     actor = Actor(shape, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, dtype, optim,
                   checkpoint, args.sequence_parallel)
     if warm_start is not None and not args.load:

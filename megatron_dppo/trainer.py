@@ -31,7 +31,8 @@ from megatron_dppo.actor.export import is_export_source
 from megatron_dppo.actor.step import logprob_loss_fn, next_token_targets
 from megatron_dppo.algo.losses import loss_normalizer, packed_policy_loss
 from megatron_dppo.experience import Experience, ExperienceMaker, Rollouts, run_progress
-from megatron_dppo.packing import pack_micro_batches, sequence_pad_multiple
+from megatron_dppo.packing import pack_micro_batches, padding_token_id, sequence_pad_multiple
+from megatron_dppo.platform import collectives
 from megatron_dppo.rollout.client import SamplingParams
 
 
@@ -97,7 +98,7 @@ class Trainer:
         return pack_micro_batches(experience.samples, self.args.max_tokens_per_gpu, self.args.packing_window,
                                   parallel_state.get_data_parallel_world_size(),
                                   parallel_state.get_data_parallel_rank(), pad_multiple=self.pad_multiple,
-                                  pad_token_id=self.tokenizer.pad_token_id)
+                                  pad_token_id=padding_token_id(self.tokenizer))
 
     def needs_old_logprob_pass(self) -> bool:
         return self.args.ppo_epochs > 1 or self.args.async_rollout or self.pruner.selects_tokens
@@ -131,15 +132,17 @@ class Trainer:
         if not experience.samples:  # nothing kept: every rank skips alike
             return {"skipped_update": 1.0, "seconds_update": time.perf_counter() - start}
         collected: list[dict] = []
-        grad_norm = 0.0
+        grad_norm, skipped = 0.0, 0
         normalizer = loss_normalizer(self.loss_config, experience.normalizer_counts)
         for _ in range(self.args.ppo_epochs):
-            grad_norm, outputs = self.actor.train_step(micro_batches, self._policy_loss_fn(normalizer))
+            norm, outputs = self.actor.train_step(micro_batches, self._policy_loss_fn(normalizer))
+            grad_norm, skipped = (grad_norm, skipped + 1) if norm is None else (norm, skipped)  # None: fp16 overflow
             collected = outputs
         seconds = time.perf_counter() - start
         tokens = sum(b.num_valid_tokens for b in micro_batches) * self.args.ppo_epochs
         metrics = {"grad_norm": grad_norm, "seconds_update": seconds, "tokens_trained": tokens,
-                   "tokens_per_second_update": tokens / max(seconds, 1e-9), "skipped_update": 0.0}
+                   "tokens_per_second_update": tokens / max(seconds, 1e-9),
+                   "skipped_update": skipped / self.args.ppo_epochs, "loss_scale": self.actor.loss_scale}
         if collected:
             weights = [o["num_tokens"] for o in collected]
             for key in collected[0]:
@@ -238,17 +241,18 @@ def select_step_tokens(pruner, micro_batches, progress: float):
 
 
 def gather_data_parallel(values: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """All data-parallel ranks' 1-D `values` (of any lengths) concatenated in rank order, and where this rank's
-    part starts in the concatenation."""
-    group = parallel_state.get_data_parallel_group()
+    """All data-parallel ranks' 1-D host `values` (of any lengths) concatenated in rank order, and where this rank's
+    part starts in the concatenation. Host tensors go over Megatron's gloo data-parallel group (the other one is
+    NCCL on GPUs, which carries CUDA tensors only), as megatron-core gathers its own host state."""
     if parallel_state.get_data_parallel_world_size() == 1:
         return values, 0
+    group = parallel_state.get_data_parallel_group_gloo()
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, torch.tensor([len(values)], dtype=torch.int64), group=group)
+    collectives.all_gather(sizes, torch.tensor([len(values)], dtype=torch.int64), group, "D3S token counts")
     sizes = [int(size) for size in sizes]
     padded = torch.zeros(max(sizes), dtype=values.dtype)
     padded[:len(values)] = values
     parts = [torch.zeros_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
+    collectives.all_gather(parts, padded, group, "D3S token values")
     offset = sum(sizes[:parallel_state.get_data_parallel_rank()])
     return torch.cat([part[:size] for part, size in zip(parts, sizes)]), offset

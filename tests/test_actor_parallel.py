@@ -53,12 +53,12 @@ def test_pp2_logits_match_transformers_fused_output_equals_unfused_trains_and_lo
                            "training_matches_reference", "resharded_load", "device_move"])
 
 
-def test_dp2_distributed_optimizer_matches_reference_loads_tp2_checkpoint_and_d3s_selects_over_the_step(
+def test_dp2_distributed_optimizer_matches_reference_loads_tp2_checkpoint_d3s_selects_over_the_step_fp16_scales(
         tiny_models, tp2_checkpoint):
     checkpoint, _ = tp2_checkpoint
     output = run_torchrun(WORKER, 2, ["--models", tiny_models, "--tp", 1, "--pp", 1, "--checks",
                                       "hf_logits,vocab_parallel_logprobs,training,resharded_load,"
-                                      "d3s_tokens_over_data_parallel", "--load-ckpt", checkpoint])
+                                      "d3s_tokens_over_data_parallel,fp16_loss_scaling", "--load-ckpt", checkpoint])
     assert_checks(output, ["hf_logits_qwen2", "vocab_parallel_logprobs_tp1", "training_matches_reference",
-                           "resharded_load", "d3s_tokens_over_data_parallel"])
+                           "resharded_load", "d3s_tokens_over_data_parallel", "fp16_loss_scaling"])
     assert "dp=2" in output

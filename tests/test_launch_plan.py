@@ -1,6 +1,8 @@
 """The --dry-run launch plan: node roles, Megatron rank coordinates, rollout URLs and the weight-sync group."""
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -15,18 +17,17 @@ NODES = ["gpu01", "gpu02", "gpu03", "gpu04"]
 SERVER_URLS = [f"http://{node}:{30000 + i}" for node in ("gpu03", "gpu04") for i in range(4)]
 
 
-def four_node_args(monkeypatch, urls=SERVER_URLS, tp=2, pp=2):
+def four_node_args(monkeypatch, urls=SERVER_URLS, tp=2, pp=2, sglang_tp=2):
     monkeypatch.setenv("WORLD_SIZE", "16")
     # --dry-run: the plan is printed where the model folder may not be visible, so the folder is not checked
     return parse_args(["--dry-run", "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
                        str(pp), "--hf-checkpoint", "Qwen3-4B", "--rollout-backend", "external", "--rollout-urls",
-                       *urls])
+                       *urls, "--rollout-server-gpus", str(sglang_tp)])
 
 
 def four_node_plan(monkeypatch):
     """2 trainer nodes + 2 rollout nodes, 8 GPUs each, trainer TP=2 PP=2, SGLang TP=2."""
-    return build_plan(four_node_args(monkeypatch), NODES, trainer_nodes=2, rollout_nodes=2, gpus_per_node=8,
-                      sglang_tp=2)
+    return build_plan(four_node_args(monkeypatch), NODES, trainer_nodes=2, rollout_nodes=2, gpus_per_node=8)
 
 
 def test_four_node_plan_assigns_roles_and_rendezvous_to_the_first_trainer_node(monkeypatch):
@@ -103,12 +104,12 @@ def test_format_plan_prints_every_rank_server_and_the_sync_group(monkeypatch):
 
 def test_dry_run_of_the_entry_point_prints_the_plan_and_starts_nothing(tmp_path):
     env = {**os.environ, "WORLD_SIZE": "16", "SLURM_JOB_NODELIST": "gpu[01-04]", "DPPO_ROLLOUT_NODES": "2",
-           "DPPO_GPUS_PER_NODE": "8", "DPPO_SGLANG_TP": "2"}
+           "DPPO_GPUS_PER_NODE": "8"}
     log_dir = tmp_path / "logs"
     result = subprocess.run(
         [sys.executable, str(REPO / "examples" / "pretrain_dppo.py"), "--dry-run", "--tensor-model-parallel-size",
          "2", "--pipeline-model-parallel-size", "2", "--hf-checkpoint", "Qwen3-4B", "--rollout-backend", "external",
-         "--rollout-urls", *SERVER_URLS, "--log-dir", str(log_dir)],
+         "--rollout-urls", *SERVER_URLS, "--rollout-server-gpus", "2", "--log-dir", str(log_dir)],
         env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "4 nodes, 2 trainer, 2 rollout, 8 GPUs per node" in result.stdout
@@ -128,7 +129,7 @@ def test_expand_nodelist_handles_ranges_lists_and_zero_padding():
 def test_plan_from_environment_reads_slurm_and_script_variables(monkeypatch):
     args = four_node_args(monkeypatch)
     env = {"SLURM_JOB_NODELIST": "gpu[01-04]", "DPPO_ROLLOUT_NODES": "2", "SLURM_GPUS_ON_NODE": "8",
-           "DPPO_SGLANG_TP": "2", "DPPO_RDZV_PORT": "29999"}
+           "DPPO_RDZV_PORT": "29999"}
     plan = plan_from_environment(args, env)
     assert plan.nodes == tuple(NODES) and plan.rendezvous == "gpu01:29999"
     assert plan.urls == SERVER_URLS
@@ -147,15 +148,117 @@ def test_embedded_default_plan_has_one_cpu_engine_on_rank_zero_node(monkeypatch)
 def test_bad_layouts_raise_errors_naming_the_input_and_the_fix(monkeypatch):
     args = four_node_args(monkeypatch)
     with pytest.raises(ValueError, match="need 5 nodes but the allocation has 4"):
-        build_plan(args, NODES, trainer_nodes=3, rollout_nodes=2, gpus_per_node=8, sglang_tp=2)
-    with pytest.raises(ValueError, match="SGLang TP 3 does not divide the 8 GPUs"):
-        build_plan(args, NODES, trainer_nodes=2, rollout_nodes=2, gpus_per_node=8, sglang_tp=3)
-    with pytest.raises(ValueError, match=r"= 4 does not divide the 6 trainer GPUs"):
-        build_plan(args, NODES, trainer_nodes=2, rollout_nodes=2, gpus_per_node=3, sglang_tp=1)
+        build_plan(args, NODES, trainer_nodes=3, rollout_nodes=2, gpus_per_node=8)
+    with pytest.raises(ValueError, match=r"--rollout-server-gpus 3 \(SGLang TP\) does not divide the 8 GPUs"):
+        build_plan(four_node_args(monkeypatch, sglang_tp=3), NODES, trainer_nodes=2, rollout_nodes=2, gpus_per_node=8)
+    with pytest.raises(ValueError, match=r"= 4 does not divide the 6 trainer processes"):
+        build_plan(four_node_args(monkeypatch, sglang_tp=1), NODES, trainer_nodes=2, rollout_nodes=2, gpus_per_node=3)
     with pytest.raises(ValueError, match="differ from the servers started on the rollout nodes"):
         build_plan(four_node_args(monkeypatch, urls=SERVER_URLS[:-1]), NODES, trainer_nodes=2, rollout_nodes=2,
-                   gpus_per_node=8, sglang_tp=2)
+                   gpus_per_node=8)
+    with pytest.raises(ValueError, match="8 trainer processes per node need as many GPUs, but a node has 4"):
+        build_plan(args, NODES, trainer_nodes=2, rollout_nodes=0, gpus_per_node=4, processes_per_node=8)
     monkeypatch.setenv("WORLD_SIZE", "16")
     embedded = parse_args(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
     with pytest.raises(ValueError, match="use --rollout-backend external"):
-        build_plan(embedded, NODES, trainer_nodes=2, rollout_nodes=2, gpus_per_node=8, sglang_tp=2)
+        build_plan(embedded, NODES, trainer_nodes=2, rollout_nodes=2, gpus_per_node=8)
+
+
+# ------------------------------------------------------------------ servers rank 0 starts: GPUs and command lines
+ENTRY = REPO / "examples" / "pretrain_dppo.py"
+# torchrun --nproc-per-node 4 on one node of 8 GPUs
+NODE_OF_EIGHT = {"DPPO_GPUS_PER_NODE": "8", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}
+MUST_SHOW = ["--dry-run", "--rollout-backend", "sglang", "--rollout-num-servers", "2", "--sglang-tp-size", "2",
+             "--sglang-mem-fraction-static", "0.7"]
+
+
+def dry_run(flags: list[str], env: dict) -> subprocess.CompletedProcess:
+    """The entry point's --dry-run with exactly `env` on top of this environment's (no launcher variables)."""
+    clean = {key: value for key, value in os.environ.items()
+             if not key.startswith(("DPPO_", "SLURM_", "CUDA_VISIBLE", "LOCAL_WORLD", "WORLD_SIZE"))}
+    return subprocess.run([sys.executable, str(ENTRY), *flags], env={**clean, **env}, capture_output=True, text=True,
+                          timeout=120)
+
+
+def printed_servers(stdout: str) -> list[tuple[str, list[str]]]:
+    """(CUDA_VISIBLE_DEVICES, command line) of every server the plan prints."""
+    lines = stdout.splitlines()
+    return [(match.group(1), shlex.split(lines[index + 1])) for index, line in enumerate(lines)
+            if (match := re.fullmatch(r"  server \d+: CUDA_VISIBLE_DEVICES=(.*) on \S+", line))]
+
+
+def test_dry_run_of_4_trainer_ranks_and_2_sglang_servers_on_an_8_gpu_node_shows_their_gpus_and_sglang_commands():
+    from tests.test_engine_parsers import sglang_parse
+
+    result = dry_run(MUST_SHOW, NODE_OF_EIGHT)
+    assert result.returncode == 0, result.stderr
+    assert "--nproc-per-node 4" in result.stdout and "trainer GPUs: 0-3 of each trainer node" in result.stdout
+    servers = printed_servers(result.stdout)
+    assert [devices for devices, _ in servers] == ["4,5", "6,7"], result.stdout
+    commands = [command for _, command in servers]
+    for command in commands:
+        assert not [token for token in command if token.startswith("--sglang-")], command
+        assert "--tp-size 2" in shlex.join(command) and "--mem-fraction-static 0.7" in shlex.join(command)
+    for command, parsed in zip(commands, sglang_parse(commands), strict=True):  # SGLang's own parser
+        assert parsed["error"] is None, f"SGLang refuses {shlex.join(command)}: {parsed['error']}"
+        assert (parsed["values"]["tp_size"], parsed["values"]["mem_fraction_static"]) == (2, 0.7)
+    assert "backend nccl, world 5 = 1 trainer rank + 4 server ranks" in result.stdout
+
+
+def test_dry_run_with_vllm_shows_each_servers_gpu_apart_from_the_trainers_and_its_command():
+    result = dry_run(["--dry-run", "--rollout-backend", "vllm", "--rollout-python", "/envs/vllm/bin/python",
+                      "--rollout-num-servers", "2", "--bf16"], NODE_OF_EIGHT)
+    assert result.returncode == 0, result.stderr
+    servers = printed_servers(result.stdout)
+    assert [devices for devices, _ in servers] == ["4", "5"], result.stdout
+    for _, command in servers:
+        assert command[:3] == ["/envs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+        assert "--dtype bfloat16" in shlex.join(command) and "--enforce-eager" not in command
+
+
+def test_dry_run_of_servers_colocated_with_the_trainer_shows_its_gpu_and_a_gloo_sync_group():
+    result = dry_run(["--dry-run", "--rollout-backend", "sglang", "--rollout-colocate", "--hf-checkpoint",
+                      "/models/qwen3", "--sglang-mem-fraction-static", "0.3"],
+                     {"DPPO_GPUS_PER_NODE": "1", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+    assert result.returncode == 0, result.stderr
+    (devices, command), = printed_servers(result.stdout)
+    assert devices == "0" and command[command.index("--model-path") + 1] == "/models/qwen3"
+    assert "backend gloo" in result.stdout
+
+
+@pytest.mark.parametrize("flags,env,message", [
+    (["--rollout-backend", "sglang"], {"DPPO_NODES": "a,b", "DPPO_ROLLOUT_NODES": "1", "DPPO_GPUS_PER_NODE": "8",
+                                       "WORLD_SIZE": "8"},
+     "1 rollout nodes serve SGLang but --rollout-backend is sglang"),
+    (["--rollout-backend", "sglang", "--rollout-num-servers", "3", "--sglang-tp-size", "2"], NODE_OF_EIGHT,
+     "4 trainer ranks and 3 SGLang servers x 2 GPUs need 10 GPUs on this node, but 8 are visible"),
+])
+def test_a_plan_that_cannot_be_laid_out_ends_in_one_line(flags, env, message):
+    result = dry_run(["--dry-run", *flags], env)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_plan_prints_the_commands_rollout_node_sh_runs_on_a_rollout_node(monkeypatch, tmp_path):
+    """examples/slurm/rollout_node.sh builds its servers' commands in shell; run with a stand-in interpreter that
+    records what it was started with, they equal what the plan prints for that node."""
+    from megatron_dppo.launch_plan import RolloutNodeServers
+
+    record = tmp_path / "started"
+    python = tmp_path / "python"
+    # each stand-in server records itself, then lives a moment: the script stops all once one has exited
+    python.write_text(f'#!/usr/bin/env bash\necho "$CUDA_VISIBLE_DEVICES $0 $*" >> {record}\nsleep 3\n')
+    python.chmod(0o755)
+    extra = ("--mem-fraction-static", "0.8", "--context-length", "4096")
+    subprocess.run(["bash", str(REPO / "examples" / "slurm" / "rollout_node.sh"), "/models/qwen3", "8", "2", "30000",
+                    str(tmp_path / "logs"), str(python), *extra], env={**os.environ, "SLURMD_NODENAME": "gpu03"},
+                   capture_output=True, text=True, timeout=60)
+    started = sorted(record.read_text().splitlines())
+    plan = build_plan(four_node_args(monkeypatch), NODES, trainer_nodes=2, rollout_nodes=2, gpus_per_node=8,
+                      node_servers=RolloutNodeServers(str(python), "/models/qwen3", extra))
+    printed = sorted(f"{server.cuda_visible_devices} {shlex.join(server.command)}" for server in plan.servers
+                     if server.node == "gpu03")
+    assert len(started) == 4 and started == printed
+    text = format_plan(plan)
+    assert "commands examples/slurm/rollout_node.sh runs on each rollout node:" in text
+    assert "server 7: CUDA_VISIBLE_DEVICES=6,7 on gpu04" in text

@@ -279,3 +279,16 @@ def test_sequence_pad_multiple_for_sequence_and_context_parallelism():
 def test_bad_input_raises_a_clear_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_a_tokenizer_without_a_pad_token_pads_packed_batches_with_its_eos():
+    from types import SimpleNamespace
+
+    from megatron_dppo.packing import padding_token_id
+
+    no_pad = SimpleNamespace(pad_token_id=None, eos_token_id=7)  # as Llama 3's and Qwen's base tokenizers
+    samples = [TrainingSample([1, 2], [3]), TrainingSample([4], [5, 6])]
+    batch = build_thd_batch(samples, [0, 1], pad_multiple=4, pad_token_id=padding_token_id(no_pad))
+    assert batch.tokens[0].tolist() == [1, 2, 3, 7, 4, 5, 6, 7]
+    assert padding_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=None)) == 0
+    assert padding_token_id(SimpleNamespace(pad_token_id=3, eos_token_id=7)) == 3

@@ -58,3 +58,53 @@ def test_server_env_and_embedded_engine_command():
     command = embedded_engine_command("/m", "127.0.0.1", 5, threads=2, enable_deterministic_inference=True,
                                       api_key=None)
     assert command[-3:] == ["--threads", "2", "--enable-deterministic-inference"] and "--api-key" not in command
+
+
+def test_vllm_servers_get_their_own_gpus_after_the_trainers_and_a_clean_environment(monkeypatch, tmp_path):
+    """Each vLLM server started by rank 0 gets CUDA_VISIBLE_DEVICES past the trainer's GPUs, or vLLM would take
+    cuda:0, trainer rank 0's GPU. Built as `launch_vllm_servers` starts them, without starting them."""
+    from megatron_dppo.rollout import launcher
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(launcher, "start_all", lambda handles: handles)
+    for key, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(key, value)
+    servers = launcher.launch_vllm_servers(2, str(tmp_path), python="/bin/sh", ports=[1, 2])
+    assert [server.env.get("CUDA_VISIBLE_DEVICES") for server in servers] == ["2", "3"]  # trainer: GPUs 0 and 1
+    for server in servers:
+        assert not {"RANK", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_USE_AGENT_STORE"} & set(server.env)
+
+
+def test_too_few_gpus_for_the_servers_fail_the_run_before_the_model_loads(monkeypatch, tmp_path):
+    """The layout is checked first: a model folder whose files cannot load shows that nothing was read before."""
+    from megatron_dppo import run
+    from megatron_dppo.arguments import parse_args
+
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (tmp_path / name).write_text("not a model")
+    for key, value in {"RANK": "0", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "1", "CUDA_VISIBLE_DEVICES": "0"}.items():
+        monkeypatch.setenv(key, value)
+    args = parse_args(["--hf-checkpoint", str(tmp_path), "--rollout-backend", "sglang", "--prompt-data", "gsm8k",
+                       "--dry-run"])
+    args.dry_run = False  # parsed as --dry-run only so that the prompt files are not looked for
+    with pytest.raises(RolloutServerError, match="1 trainer ranks and 1 SGLang servers x 1 GPUs need 2 GPUs on this "
+                                                 "node, but 1 are visible"):
+        run.run(args)
+
+
+def test_the_process_group_timeout_is_distributed_timeout_minutes(monkeypatch):
+    """Rank 0 generates while the others wait in a collective: their wait is the flag's, 120 minutes by default."""
+    from megatron_dppo import run
+    from megatron_dppo.arguments import parse_args
+
+    class Started(Exception):
+        pass
+
+    def init_parallel(tp, pp, seed, timeout_s):
+        raise Started(timeout_s)
+
+    monkeypatch.setattr(run, "init_parallel", init_parallel)
+    for flags, seconds in (([], 7200.0), (["--distributed-timeout-minutes", "300"], 18000.0)):
+        with pytest.raises(Started) as started:
+            run.run(parse_args(flags))
+        assert started.value.args == (seconds,)

@@ -65,7 +65,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(python, model_dir):
     start = time.monotonic()
-    (handle,) = launch_vllm_servers(1, str(model_dir), python, max_model_len=128, enforce_eager=True)
+    (handle,) = launch_vllm_servers(1, str(model_dir), python, max_model_len=128, enforce_eager=True,
+                                    gpus_per_server=0)
     print(f"vLLM server healthy after {time.monotonic() - start:.0f} s")
     yield handle
     handle.stop()
@@ -106,8 +107,10 @@ def test_rollout_backend_vllm_flags_are_checked_and_its_plan_has_one_server_in_t
     monkeypatch.setenv(VLLM_PYTHON_VARIABLE, "/env/bin/python")
     args = parse_args(["--rollout-backend", "vllm"])
     assert is_embedded_default(args) and args.rollout_python is None  # the launcher reads the variable
-    plan = build_plan(args, ["localhost"], trainer_nodes=1, rollout_nodes=0, gpus_per_node=2)
-    assert len(plan.servers) == 1 and plan.weight_sync.world_size == 2
+    # a CPU machine (gpus_per_node 0), 2 trainer processes: vLLM's CPU build, one rank in a gloo group
+    plan = build_plan(args, ["localhost"], trainer_nodes=1, rollout_nodes=0, gpus_per_node=0, processes_per_node=2)
+    assert len(plan.servers) == 1 and plan.weight_sync.world_size == 2 and plan.weight_sync.backend == "gloo"
+    assert "--enforce-eager" in plan.servers[0].command and plan.servers[0].cuda_visible_devices is None
 
 
 def test_install_script_reuses_a_valid_environment_and_prints_only_its_interpreter(python):
@@ -123,7 +126,7 @@ def test_a_server_that_dies_while_starting_is_reported_with_its_log_tail(python,
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
     with pytest.raises(RolloutServerError, match=r"(?s)exited with code .*log tail:.*NoSuchModelForCausalLM"):
-        launch_vllm_servers(1, str(model), python, startup_timeout_s=300)
+        launch_vllm_servers(1, str(model), python, startup_timeout_s=300, gpus_per_server=0)
 
 
 def test_generation_with_n_samples_and_seeds_is_reproducible_and_its_logprobs_equal_transformers(server, hf_model):

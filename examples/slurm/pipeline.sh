@@ -5,7 +5,7 @@
 #   HF_CHECKPOINT   the base model (HF directory)                         required
 #   WORK_DIR        where checkpoints, exports, evaluations and logs go    required
 #   TP, PP          trainer tensor / pipeline parallel sizes (default 1)
-#   TRAINER_NODES, ROLLOUT_NODES, GPUS_PER_NODE, SGLANG_TP, ...            passed on to examples/slurm/dppo.sbatch
+#   TRAINER_NODES, ROLLOUT_NODES, GPUS_PER_NODE (default 1, 1, 8), SGLANG_TP, ...  passed on to dppo.sbatch
 #   EVAL_ARGS       flags of tools/evaluate.py (default: the six benchmarks, greedy, 1024 new tokens)
 #   STAGES          which stages run (default "convert train export evaluate")
 #
@@ -17,6 +17,9 @@ set -euo pipefail
 : "${WORK_DIR:?set WORK_DIR to a directory on a file system every node mounts}"
 TP=${TP:-1}
 PP=${PP:-1}
+# dppo.sbatch reads these too: one trainer and one rollout node of 8 GPUs unless told otherwise (its own default,
+# ROLLOUT_NODES=0, would make the rollout node train)
+export TRAINER_NODES=${TRAINER_NODES:-1} ROLLOUT_NODES=${ROLLOUT_NODES:-1} GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 PYTHON=${PYTHON:-python3}
 STAGES=${STAGES:-convert train export evaluate}
 INIT_DIR=$WORK_DIR/megatron-init-tp$TP-pp$PP
@@ -44,7 +47,7 @@ if has_stage train; then
         LOAD=$SAVE_DIR  # resume after a failure
     fi
     echo "pipeline: training from $LOAD, checkpoints in $SAVE_DIR"
-    sbatch --wait --nodes=$((${TRAINER_NODES:-1} + ${ROLLOUT_NODES:-1})) --gpus-per-node="${GPUS_PER_NODE:-8}" \
+    sbatch --wait --nodes=$((TRAINER_NODES + ROLLOUT_NODES)) --gpus-per-node="$GPUS_PER_NODE" \
         --job-name=dppo-train \
         --output="$LOG_DIR/train-%j.out" examples/slurm/dppo.sbatch \
         --hf-checkpoint "$HF_CHECKPOINT" --load "$LOAD" --save "$SAVE_DIR" \

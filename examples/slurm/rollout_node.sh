@@ -30,8 +30,9 @@ for ((i = 0; i < GPUS / TP; i++)); do
     port=$((BASE_PORT + i))
     devices=$(seq -s, $((i * TP)) $((i * TP + TP - 1)))
     echo "rollout_node.sh: $NODE server $i on GPUs $devices, port $port, log $LOG_DIR/sglang-$NODE-$port.log"
+    # the order of megatron_dppo.rollout.launcher.sglang_command, which the --dry-run plan prints
     CUDA_VISIBLE_DEVICES=$devices setsid "$PYTHON" -m sglang.launch_server --model-path "$MODEL" \
-        --host 0.0.0.0 --port "$port" --tp-size "$TP" --enable-deterministic-inference "$@" \
+        --host 0.0.0.0 --port "$port" --enable-deterministic-inference --tp-size "$TP" "$@" \
         >"$LOG_DIR/sglang-$NODE-$port.log" 2>&1 &
     PIDS+=($!)
 done

@@ -1,9 +1,15 @@
 """The actor: a TP/PP/DP-sharded GPTModel with Megatron's DDP, optimizer and LR schedule, behind four calls.
 
     forward(micro_batches, loss_fn)      forward only (old / reference log-probs)
-    train_step(micro_batches, loss_fn)   zero grads → forward+backward → DP reduce → clip → optimizer step → LR step
+    train_step(micro_batches, loss_fn)   zero grads → forward+backward (loss × loss scale) → DP reduce → unscale
+                                         → (fp16 overflow: skip, scale down) → clip → optimizer step → LR step
     hf_tensors()                         the weights as HF-named tensors on the export source rank (weight sync)
     sharded_state_dict() / load(...)     Megatron distributed checkpoint state
+
+--fp16 trains as Megatron-LM does: the optimizer's dynamic grad scaler multiplies the loss before backward
+(`config.grad_scale_func = optimizer.scale_loss`, set here as Megatron-LM's training loop sets it), the optimizer
+divides the gradients by the scale and checks them for inf/NaN before clipping, and a step with overflowing gradients
+is skipped (the scale goes down, the LR schedule does not advance) and reported as skipped.
 """
 
 from dataclasses import dataclass
@@ -33,6 +39,7 @@ class OptimConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     use_distributed_optimizer: bool = False
+    initial_loss_scale: float = 2.0**16  # --fp16's dynamic loss scale at the start (Megatron-LM's flag)
 
 
 class Actor:
@@ -60,8 +67,12 @@ class Actor:
                 optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
                 adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
                 clip_grad=optim.clip_grad, params_dtype=config.params_dtype, bf16=config.bf16, fp16=config.fp16,
+                initial_loss_scale=optim.initial_loss_scale,
                 use_distributed_optimizer=optim.use_distributed_optimizer),
             [self.ddp])
+        # Megatron's schedule multiplies the loss by this before backward; without it fp16 gradients would stay
+        # divided by the loss scale the optimizer unscales by (1 for bf16 and fp32, which have no scaler)
+        config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if optim.lr_warmup_iters else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
             lr_warmup_steps=optim.lr_warmup_iters, lr_decay_steps=max(optim.lr_decay_iters, optim.lr_warmup_iters + 1),
@@ -74,17 +85,24 @@ class Actor:
         with torch.no_grad():
             return run_micro_batches([self.ddp], micro_batches, loss_fn, forward_only=True)
 
-    def train_step(self, micro_batches, loss_fn: LossFn) -> tuple[float, list[dict]]:
-        """One optimizer step over all micro-batches; returns (grad norm before clipping, loss_fn outputs)."""
+    def train_step(self, micro_batches, loss_fn: LossFn) -> tuple[float | None, list[dict]]:
+        """One optimizer step over all micro-batches; returns (grad norm before clipping, loss_fn outputs). The norm
+        is None for a step the fp16 grad scaler skipped (overflowing gradients; the only way Megatron's optimizer
+        refuses a step): the weights are kept and, as in Megatron-LM, the LR schedule does not advance."""
         self.model.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = run_micro_batches([self.ddp], micro_batches, loss_fn, forward_only=False)
         success, grad_norm, _ = self.optimizer.step()
         if not success:
-            raise FloatingPointError("the optimizer step was skipped: non-finite gradients (check rewards and lr)")
+            return None, outputs
         self.scheduler.step(increment=1)
         return float(grad_norm or 0.0), outputs
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale of the next step (1 without fp16's grad scaler)."""
+        return float(self.optimizer.get_loss_scale())
 
     @property
     def lr(self) -> float:

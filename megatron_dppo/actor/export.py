@@ -16,6 +16,7 @@ from megatron.core import parallel_state
 
 from megatron_dppo.actor.model import global_parameter_name
 from megatron_dppo.convert.mapping import find_row, hf_names_of
+from megatron_dppo.platform import collectives
 
 
 def is_export_source() -> bool:
@@ -30,7 +31,8 @@ def _gather_tp(tensor: torch.Tensor, dim: int | None) -> list[torch.Tensor]:
     if dim is None or tp_size == 1:
         return [tensor]
     shards = [torch.empty_like(tensor) for _ in range(tp_size)]
-    dist.all_gather(shards, tensor.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    collectives.all_gather(shards, tensor.contiguous(), parallel_state.get_tensor_model_parallel_group(),
+                           "a tensor-parallel shard of the weights")
     return shards
 
 
@@ -82,12 +84,12 @@ def iter_hf_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
                 merged = row.layout.merge(hf_names_of(row, layer), _gather_tp(params[name], row.layout.tp_dim), shape)
                 if tp_rank == 0 and stage != 0:
                     for _, tensor in merged:
-                        dist.send(tensor.contiguous(), dst=pp_ranks[0], group=pp_group)
+                        collectives.send(tensor.contiguous(), pp_ranks[0], pp_group, "a pipeline stage's weight")
             elif pp_rank == 0 and tp_rank == 0:
                 merged = []
                 for hf_name, tensor_shape, dtype in hf_tensors:
                     tensor = torch.empty(tensor_shape, dtype=dtype, device=next(iter(params.values())).device)
-                    dist.recv(tensor, src=pp_ranks[stage], group=pp_group)
+                    collectives.recv(tensor, pp_ranks[stage], pp_group, f"weight {hf_name} of stage {stage}")
                     merged.append((hf_name, tensor))
             if pp_rank == 0 and tp_rank == 0:
                 yield from merged

@@ -32,6 +32,8 @@ from megatron.core.tensor_parallel import (
     gather_from_sequence_parallel_region,
 )
 
+from megatron_dppo.platform import collectives
+
 # Logits elements in one chunk or slice by default: 128 MiB in fp32, a fraction of dW (0.7 GiB in bf16 at V = 151936,
 # H = 2560); forward chunks of V/tp = 151936 still hold 220 tokens, a GEMM that reads the weight once per 220 tokens.
 CHUNK_ELEMENTS = 2**25
@@ -46,7 +48,7 @@ def _padding_columns(first: int, stop: int, vocab_start: int, vocab_size: int, d
 
 def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=op, group=group)
+        collectives.all_reduce(tensor, op, group, "a vocabulary-parallel reduction of the log-softmax")
     return tensor
 
 

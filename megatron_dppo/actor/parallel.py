@@ -12,6 +12,7 @@ from megatron_dppo.platform import distributed_backend, is_cpu, setup_device
 
 def init_parallel(tp_size: int = 1, pp_size: int = 1, seed: int = 1234, timeout_s: float = 600) -> torch.device:
     """Initialise the default process group (from torchrun's environment) and Megatron's TP/PP/DP groups.
+    `timeout_s`: how long a collective may wait for a rank (the trainer passes --distributed-timeout-minutes).
 
     Returns this rank's device. Weight initialisation draws from the seeded CPU generator on every rank, so a
     randomly initialised model is the same whatever the TP/PP layout."""

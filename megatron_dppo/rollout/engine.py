@@ -56,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_dppo.platform import collectives
 from megatron_dppo.rollout.decoder import KVCacheDecoder
 from megatron_dppo.rollout.sampling import sample_next_tokens, sample_uniforms, seed_words
 from megatron_dppo.rollout.weight_sync import (
@@ -517,8 +518,12 @@ class EmbeddedEngine:
         name = body.get("group_name", "weight_update_group")
         if name in self.groups:
             raise RequestError(f"weight update group {name!r} already exists; destroy it first")
+        backend = body.get("backend", "nccl")
+        if backend != "gloo":  # SGLang's default is nccl; this engine's weights live in host memory
+            raise RequestError(f"backend {backend!r}: the embedded engine holds its model in host memory, which only "
+                               "a gloo group carries; join with backend 'gloo'")
         self.groups[name] = init_weight_update_group(
-            body.get("backend", "nccl"), body["master_address"], int(body["master_port"]),
+            backend, body["master_address"], int(body["master_port"]),
             int(body["rank_offset"]), int(body["world_size"]), name,
         )
 
@@ -568,12 +573,13 @@ class EmbeddedEngine:
         if load_format == "flattened_bucket":
             layout = tuple(zip(names, dtypes, map(tuple, shapes), strict=True))
             buffer = self.bucket_buffers.get(layout)
+            what = f"weight bucket {names[0]} .. {names[-1]}"
             if buffer is not None and self._parameters_live_in(buffer, layout):
-                group.broadcast(buffer, 0).wait()
+                collectives.broadcast(group, buffer, 0, what).wait()
                 return
             nbytes = sum(tensor_nbytes(dtype, shape) for dtype, shape in zip(dtypes, shapes))
             flat = torch.empty(nbytes, dtype=torch.uint8)
-            group.broadcast(flat, 0).wait()
+            collectives.broadcast(group, flat, 0, what).wait()
             if self.load_named_tensors(unpack_bucket(flat, names, dtypes, shapes), adopt=True):
                 self.bucket_buffers = {key: value for key, value in self.bucket_buffers.items()
                                        if not set(names) & {entry[0] for entry in key}}
@@ -595,8 +601,8 @@ class EmbeddedEngine:
                 refused = error
                 received = [(n, torch.empty(shape, dtype=getattr(torch, dtype)))
                             for n, dtype, shape in zip(names, dtypes, shapes)]
-            for _, tensor in received:
-                group.broadcast(tensor, 0).wait()
+            for tensor_name, tensor in received:
+                collectives.broadcast(group, tensor, 0, f"weight {tensor_name}").wait()
             if refused is not None:
                 raise refused
             self.load_named_tensors([(n, t) for n, t in received if t.data_ptr() != targets[n].data_ptr()])

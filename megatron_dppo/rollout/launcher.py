@@ -203,38 +203,59 @@ def forward_sglang_args(argv: list[str]) -> list[str]:
     return forwarded
 
 
+def sglang_flag_value(sglang_args: list[str], names: tuple[str, ...]) -> str | None:
+    """The value SGLang reads for a flag with these `names` (its aliases) in `sglang_args`, forwarded flags without
+    the prefix: the last `--name value` or `--name=value` wins, as in argparse. None when the flag is not there."""
+    value = None
+    for index, item in enumerate(sglang_args):
+        name, equals, inline = item.partition("=")
+        if name in names:
+            value = inline if equals else (sglang_args[index + 1] if index + 1 < len(sglang_args) else None)
+    return value
+
+
 # Every seeded request (the trainer seeds each sample) is reproducible only on an SGLang server started with this
 # flag: without it SGLang ignores sampling_seed (sampling/sampling_batch_info.py). With it SGLang also picks a
 # deterministic attention backend itself (fa3 on Hopper) and refuses a non-deterministic one given explicitly.
 SGLANG_DETERMINISTIC = "--enable-deterministic-inference"
 
 
-def sglang_command(model_path: str, host: str, port: int, sglang_args: list[str]) -> list[str]:
+def sglang_command(model_path: str, host: str, port: int, sglang_args: list[str],
+                   python: str = sys.executable) -> list[str]:
+    """`python -m sglang.launch_server`, deterministic, with `sglang_args` last (examples/slurm/rollout_node.sh writes
+    its servers' commands in the same order; tests/test_launch_plan.py holds the two equal)."""
     reserved = {"--host", "--port", "--model-path"} & {arg.split("=")[0] for arg in sglang_args}
     if reserved:
         raise ValueError(f"{sorted(reserved)} are set by the launcher; drop them from the --sglang-* flags")
     deterministic = [] if SGLANG_DETERMINISTIC in sglang_args else [SGLANG_DETERMINISTIC]
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
+    return [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
             "--port", str(port), *deterministic, *sglang_args]
 
 
-def server_gpus(n: int, gpus_per_server: int, environ=None, colocate: bool = False) -> list[str]:
-    """CUDA_VISIBLE_DEVICES of each of n servers: the node's GPUs after the trainer's, which torchrun's local ranks
-    0 .. LOCAL_WORLD_SIZE-1 hold (each rank binds cuda:LOCAL_RANK), so trainer and servers never share a GPU;
-    `colocate`: from the first GPU on, shared with the trainer (a one-GPU machine)."""
+def visible_gpus(environ=None) -> list[str]:
+    """This node's GPUs as CUDA_VISIBLE_DEVICES names them (else every device torch sees)."""
     environ = os.environ if environ is None else environ
     if "CUDA_VISIBLE_DEVICES" in environ:
-        visible = [gpu for gpu in environ["CUDA_VISIBLE_DEVICES"].split(",") if gpu.strip()]
-    else:
-        import torch
+        return [gpu.strip() for gpu in environ["CUDA_VISIBLE_DEVICES"].split(",") if gpu.strip()]
+    import torch
 
-        visible = [str(index) for index in range(torch.cuda.device_count())]
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
+def server_gpus(n: int, gpus_per_server: int, environ=None, colocate: bool = False,
+                engine: str = "SGLang") -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each of n servers: the node's GPUs (`visible_gpus(environ)`) after the trainer's,
+    which torchrun's local ranks 0 .. LOCAL_WORLD_SIZE-1 hold (each rank binds cuda:LOCAL_RANK), so trainer and
+    servers never share a GPU; `colocate`: from the first GPU on, shared with the trainer (a one-GPU machine). The
+    launcher and the --dry-run plan (with the node's variables as `environ`) both lay servers out here."""
+    environ = os.environ if environ is None else environ
+    visible = visible_gpus(environ)
     trainer_gpus = 0 if colocate else int(environ.get("LOCAL_WORLD_SIZE", "1"))
     needed = trainer_gpus + n * gpus_per_server
     if needed > len(visible):
         raise RolloutServerError(
-            f"{trainer_gpus} trainer ranks and {n} SGLang servers x {gpus_per_server} GPUs need {needed} GPUs on this "
-            f"node, but {len(visible)} are visible ({','.join(visible) or 'none'}): run fewer trainer ranks "
+            f"{trainer_gpus} trainer ranks and {n} {engine} servers x {gpus_per_server} GPUs need {needed} GPUs on "
+            f"this node, but {len(visible)} are visible ({','.join(visible) or 'none'}): run fewer trainer ranks "
             "(--nproc-per-node) or servers (--rollout-num-servers), or start the servers elsewhere "
             "(--rollout-backend external)")
     free = visible[trainer_gpus:]
@@ -256,14 +277,18 @@ def sglang_servers(n: int, model_path: str, sglang_args: list[str], host: str = 
             for port, gpus in zip(ports, server_gpus(n, gpus_per_server, environ, colocate))]
 
 
-def launch_sglang_servers(n: int, model_path: str, sglang_args: list[str], host: str = "127.0.0.1",
-                          ports: list[int] | None = None, gpus_per_server: int = 1,
-                          startup_timeout_s: float = 600.0, colocate: bool = False) -> list[ServerHandle]:
-    """Start the n `python -m sglang.launch_server` processes of `sglang_servers` and wait until they are healthy."""
+def require_sglang() -> None:
     spec = importlib.util.find_spec("sglang")  # top-level only: importing sglang's server needs CUDA
     if spec is None or not any(Path(p, "launch_server.py").is_file() for p in spec.submodule_search_locations):
         raise RolloutServerError("sglang is not installed in this environment (pip install 'sglang[all]' on a "
                                  "GPU machine), or give --rollout-urls of servers started elsewhere")
+
+
+def launch_sglang_servers(n: int, model_path: str, sglang_args: list[str], host: str = "127.0.0.1",
+                          ports: list[int] | None = None, gpus_per_server: int = 1,
+                          startup_timeout_s: float = 600.0, colocate: bool = False) -> list[ServerHandle]:
+    """Start the n `python -m sglang.launch_server` processes of `sglang_servers` and wait until they are healthy."""
+    require_sglang()
     return start_all(sglang_servers(n, model_path, sglang_args, host, ports, gpus_per_server, startup_timeout_s,
                                     colocate=colocate))
 
@@ -282,10 +307,10 @@ def vllm_python(python: str | None = None) -> str:
     return python
 
 
-def vllm_env() -> dict[str, str]:
+def vllm_env(environ=None) -> dict[str, str]:
     """A clean server environment: no torchrun variables, only this package on PYTHONPATH (whatever the trainer's
     PYTHONPATH holds would shadow vLLM's own packages), the dev routes on (/collective_rpc, /pause, ...)."""
-    env = python_env()
+    env = server_env(environ)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     env["VLLM_SERVER_DEV_MODE"] = "1"
     # vLLM on CPU reserves this many GiB of KV cache (GPU builds ignore it); sized for the CPU test models
@@ -293,24 +318,69 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
-def launch_vllm_servers(n: int, model_dir: str, python: str | None = None, host: str = "127.0.0.1",
-                        ports: list[int] | None = None, dtype: str = "float32", max_model_len: int | None = None,
-                        enforce_eager: bool = False, startup_timeout_s: float = 600.0) -> list[ServerHandle]:
-    """Start n vLLM OpenAI-compatible servers from vLLM's own environment (rollout/vllm.py) and wait for /health.
-    A server that dies while starting raises with its command and log tail; the others are then stopped."""
+def vllm_servers(n: int, model_dir: str, python: str, host: str = "127.0.0.1", ports: list[int] | None = None,
+                 dtype: str = "float32", max_model_len: int | None = None, enforce_eager: bool = False,
+                 startup_timeout_s: float = 600.0, gpus_per_server: int = 1, environ=None) -> list[ServerHandle]:
+    """The n vLLM servers `launch_vllm_servers` starts, not started yet: each on its own GPUs (see `server_gpus`),
+    or, with gpus_per_server=0, vLLM's CPU build, which uses none."""
     from megatron_dppo.rollout.vllm import vllm_server_command
 
-    python = vllm_python(python)
-    if not Path(model_dir, "config.json").is_file():
-        raise FileNotFoundError(f"model_dir {model_dir} has no config.json; vLLM starts from an HF model directory")
     ports = ports or [free_port() for _ in range(n)]
     if len(ports) != n:
         raise ValueError(f"{len(ports)} ports given for {n} vLLM servers")
-    commands = [vllm_server_command(python, model_dir, host, port, dtype, max_model_len, enforce_eager)
-                for port in ports]
-    return start_all([ServerHandle(f"http://{host}:{port}", command, env=vllm_env(),
-                                   startup_timeout_s=startup_timeout_s, health_path="/health")
-                      for port, command in zip(ports, commands)])
+    env = vllm_env(environ)
+    devices = server_gpus(n, gpus_per_server, environ, engine="vLLM") if gpus_per_server else [None] * n
+    return [ServerHandle(f"http://{host}:{port}",
+                         vllm_server_command(python, model_dir, host, port, dtype, max_model_len, enforce_eager),
+                         env=env if gpus is None else {**env, "CUDA_VISIBLE_DEVICES": gpus},
+                         startup_timeout_s=startup_timeout_s, health_path="/health")
+            for port, gpus in zip(ports, devices)]
+
+
+def launch_vllm_servers(n: int, model_dir: str, python: str | None = None, host: str = "127.0.0.1",
+                        ports: list[int] | None = None, dtype: str = "float32", max_model_len: int | None = None,
+                        enforce_eager: bool = False, startup_timeout_s: float = 600.0,
+                        gpus_per_server: int = 1) -> list[ServerHandle]:
+    """Start the n vLLM OpenAI-compatible servers of `vllm_servers` from vLLM's own environment (rollout/vllm.py) and
+    wait for /health. A server that dies while starting raises with its command and log tail; the others are then
+    stopped."""
+    python = vllm_python(python)
+    require_model_dir(model_dir)
+    return start_all(vllm_servers(n, model_dir, python, host, ports, dtype, max_model_len, enforce_eager,
+                                  startup_timeout_s, gpus_per_server))
+
+
+def require_model_dir(model_dir: str) -> None:
+    if not Path(model_dir, "config.json").is_file():
+        raise FileNotFoundError(f"model_dir {model_dir} has no config.json; vLLM starts from an HF model directory")
+
+
+SERVER_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def local_servers(args, model_dir: str, cpu: bool, environ=None) -> list[ServerHandle]:
+    """The SGLang or vLLM servers rank 0 starts on its node for the parsed flags `args`, not started yet:
+    `start_local_servers` starts them and --dry-run prints them (launch_plan), so both show one layout. `cpu`: the
+    machine has no GPU (vLLM's CPU build then uses none, in eager mode: its compile warm-up takes minutes there)."""
+    if args.rollout_backend == "sglang":
+        return sglang_servers(args.rollout_num_servers, str(model_dir), args.sglang_args,
+                              gpus_per_server=args.rollout_server_gpus, environ=environ, colocate=args.rollout_colocate)
+    if args.rollout_backend == "vllm":
+        dtype = SERVER_DTYPES["bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"]
+        return vllm_servers(args.rollout_num_servers, str(model_dir),
+                            args.rollout_python or os.environ.get(VLLM_PYTHON_VARIABLE, "python"), dtype=dtype,
+                            enforce_eager=cpu, gpus_per_server=0 if cpu else 1, environ=environ)
+    raise ValueError(f"--rollout-backend {args.rollout_backend} starts no SGLang or vLLM server")
+
+
+def start_local_servers(args, model_dir: str, cpu: bool) -> list[ServerHandle]:
+    """Start the servers of `local_servers` and wait until they are healthy."""
+    if args.rollout_backend == "sglang":
+        require_sglang()
+    else:
+        vllm_python(args.rollout_python)
+        require_model_dir(model_dir)
+    return start_all(local_servers(args, model_dir, cpu))
 
 
 def external_servers(urls: list[str], startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> list[ServerHandle]:

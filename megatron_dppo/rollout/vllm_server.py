@@ -11,14 +11,15 @@ The trainer calls the extension through POST /collective_rpc (rollout/vllm.py), 
      worker's rank in the        layers back to checkpoint     buffer, unpacked by name,      layer's post-load step,
      trainer's gloo/NCCL group)  format, loaders deferred)     model.load_weights)            records the version)
 
-This module imports torch, vLLM and weight_sync's torch-only bucket helpers; nothing of Megatron, and the trainer's
-process never imports it.
+This module imports torch, vLLM, weight_sync's torch-only bucket helpers and platform.collectives; nothing of
+Megatron, and the trainer's process never imports it.
 """
 
 from __future__ import annotations
 
 import json
 
+from megatron_dppo.platform import collectives
 from megatron_dppo.rollout.weight_sync import init_weight_update_group, tensor_nbytes, unpack_bucket
 
 EXTENSION = f"{__name__}.WeightSyncExtension"
@@ -76,7 +77,7 @@ class WeightSyncExtension:
             raise RuntimeError("dppo_receive_bucket before dppo_join_weight_group: join the weight-sync group first")
         nbytes = sum(tensor_nbytes(dtype, shape) for dtype, shape in zip(fields["dtypes"], fields["shapes"]))
         flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        group.broadcast(flat, 0).wait()
+        collectives.broadcast(group, flat, 0, f"weight bucket {fields['names'][0]} .. {fields['names'][-1]}").wait()
         tensors = unpack_bucket(flat, fields["names"], fields["dtypes"], fields["shapes"])
         tensors += self._dppo_tied_head(tensors)
         with self._dppo_vllm_config_context():
@@ -108,4 +109,3 @@ class WeightSyncExtension:
 
     def dppo_weight_version(self, request: str) -> dict:
         return {"weight_version": getattr(self, "_dppo_version", None)}
-

@@ -20,7 +20,9 @@ Invariants:
 - bucket limits ramp up from first_bucket_bytes to bucket_bytes, so the broadcast starts after a small pack;
 - while bucket k is broadcast, a producer thread gathers bucket k+1 and (flattened_bucket) packs it into one of two
   reusable staging buffers (at most two packed buckets in memory; a one-tensor bucket is sent without a copy);
-- after a sync every engine reports the new weight version, or the sync raises.
+- after a sync every engine reports the new weight version, or the sync raises;
+- every tensor is moved to the device the group's backend carries (NCCL: this GPU, gloo: the host) and broadcast
+  through platform.collectives, which checks it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 
+from megatron_dppo.platform import collectives
 from megatron_dppo.rollout.client import RolloutServerError, control_request
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
@@ -79,9 +82,9 @@ def abort_weight_update_group(group) -> None:
     _abort_process_group(group)
 
 
-def broadcast_from_trainer(group, tensor: torch.Tensor) -> None:
+def broadcast_from_trainer(group, tensor: torch.Tensor, what: str = "weights") -> None:
     """Group rank 0 sends `tensor` to every engine; engines receive into it."""
-    group.broadcast(tensor, 0).wait()  # ProcessGroup.broadcast(tensor, root); a list form raises in torch 2.13
+    collectives.broadcast(group, tensor, 0, what).wait()
 
 
 @dataclass
@@ -487,8 +490,8 @@ class WeightSyncer:
         """POST /update_weights_from_distributed to every engine while broadcasting `tensors` in order; if any engine
         refuses, tear the group down (see the module docstring) and raise."""
         futures = self._submit_all("/update_weights_from_distributed", payload)
-        # ProcessGroup.broadcast(tensor, root) returns a Work at once (the list form raises in torch 2.13)
-        pending = [self.group.broadcast(tensor, 0) for tensor in tensors]
+        what = f"weight bucket {payload['names'][0]} .. {payload['names'][-1]}"
+        pending = [collectives.broadcast(self.group, tensor, 0, what) for tensor in tensors]  # Works, at once
         refusals = self._failures(futures)
         if refusals:
             self._tear_down_after_failed_update(pending)
@@ -524,6 +527,10 @@ class WeightSyncer:
             self.init_group()
         version = str(version)
         start = time.perf_counter()
+        # the group's device (NCCL: this GPU; gloo: the host), wherever the tensors come from: a CUDA actor syncing
+        # over gloo (the embedded engine, colocated SGLang), or resend()'s host copies over NCCL
+        device = collectives.collective_device(self.backend)
+        named_tensors = ((name, tensor.to(device)) for name, tensor in named_tensors)
         if self.keep_host_copy:
             kept: list[tuple[str, torch.Tensor]] = []
             named_tensors = ((name, kept.append((name, t.detach().to("cpu", copy=True))) or t)

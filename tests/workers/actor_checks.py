@@ -394,9 +394,22 @@ def check_resharded_load(args):
         log(f"CHECK resharded_load ok {len(loaded)} tensors bit-identical")
 
 
+def declared_nccl_twin(group):
+    """A ProcessGroup with `group`'s ranks, declared NCCL and with no communicator behind it (nothing can pass through
+    it): the group as it is on GPUs, where NCCL carries CUDA tensors only."""
+    from torch.distributed import ProcessGroup
+    from torch.distributed.distributed_c10d import _world
+
+    twin = ProcessGroup(dist.HashStore(), group.rank(), group.size())
+    twin._set_default_backend(ProcessGroup.BackendType.NCCL)
+    _world.pg_group_ranks[twin] = dict(_world.pg_group_ranks[group])  # rank queries work as on the real group
+    return twin
+
+
 def check_d3s_tokens_over_data_parallel(args):
     """D3S's token level selects over the whole step at DP=2: each rank's share of the selection equals the share of
-    a one-process selection over both ranks' tokens, and both ranks read that selection's normaliser counts."""
+    a one-process selection over both ranks' tokens, and both ranks read that selection's normaliser counts. The
+    data-parallel group is declared NCCL, as on GPUs: the step's host tensors must not be handed to it."""
     from megatron.core import parallel_state
 
     from megatron_dppo.algo import build_pruner
@@ -419,7 +432,12 @@ def check_d3s_tokens_over_data_parallel(args):
                                                      everything["loss_mask"], everything["sample_index"], 0.3)
     rank = parallel_state.get_data_parallel_rank()
     mine = [SimpleNamespace(**vars(step[rank, m])) for m in range(2)]
-    counts = select_step_tokens(pruner, mine, progress=0.3)
+    data_parallel = parallel_state._DATA_PARALLEL_GROUP
+    parallel_state._DATA_PARALLEL_GROUP = declared_nccl_twin(data_parallel)
+    try:
+        counts = select_step_tokens(pruner, mine, progress=0.3)
+    finally:
+        parallel_state._DATA_PARALLEL_GROUP = data_parallel
     offset = sum(batch.num_tokens for (r, _), batch in step.items() if r < rank)
     selected = torch.cat([batch.loss_mask for batch in mine])
     assert torch.equal(selected, expected[offset:offset + len(selected)].float()), "this rank's share differs"
@@ -493,7 +511,72 @@ def check_device_move(args):
         log(f"CHECK device_move ok {len(batches)} micro-batches, forward and update")
 
 
+# fp16 against fp32, one Adam step from the same weights: fp16 rounds activations and gradients to 11 significant bits
+# (relative 2^-11 ~ 5e-4 per operation) through a few layers and a log-softmax, so the gradient (and, with the eps
+# above, the step) differs by ~1e-3 of its size; 2% of the largest fp32 step bounds that with room, while an unscaled
+# gradient (divided by the loss scale, 2^16 here) or a clip factor computed on scaled gradients moves the weights by a
+# tiny or a wrong fraction of it and fails. The fp16 model holds its weights rounded to fp16, so each element may also
+# differ by half an fp16 ulp before and after the step (2^-11 of |w| each), which the bound adds per element.
+FP16_STEP_RTOL = 0.02
+FP16_LOSS_SCALE = 2.0**16
+
+
+def check_fp16_loss_scaling(args):
+    """--fp16: one loss-scaled step (Megatron's dynamic grad scaler, the loss scaled through config.grad_scale_func,
+    gradients unscaled before clipping) moves the weights as the fp32 step does; a step whose gradients overflow is
+    skipped (weights kept, LR schedule not advanced, loss scale not raised) and reported, not raised."""
+    from megatron.core import parallel_state
+
+    from megatron_dppo.actor.actor import Actor, OptimConfig
+    from megatron_dppo.actor.step import next_token_targets
+    from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
+
+    reset_parallel(args.tp, args.pp)
+    checkpoint = HFCheckpoint(f"{args.models}/qwen3")
+    optim = OptimConfig(lr=LR, clip_grad=CLIP, adam_eps=ADAM_EPS, initial_loss_scale=FP16_LOSS_SCALE)
+    sequences = random_sequences([7, 4, 10, 6], checkpoint.shape.vocab_size, seed=5)
+    batches = [packed_batch(sequences[parallel_state.get_data_parallel_rank()::
+                                      parallel_state.get_data_parallel_world_size()])]
+    total_tokens = sum(len(s) - 1 for s in sequences)
+
+    def loss_fn(micro_batch, output):
+        logprobs, _ = output.logprobs(next_token_targets(micro_batch))
+        bounds = micro_batch.cu_seqlens.tolist()
+        kept = torch.cat([logprobs[a:b - 1] for a, b in zip(bounds[:-1], bounds[1:])])
+        return -kept.float().sum() / total_tokens, {}
+
+    def overflowing(micro_batch, output):
+        loss, outputs = loss_fn(micro_batch, output)
+        return loss * float("inf"), outputs
+
+    moved, rounding = {}, {}
+    for dtype in ("fp32", "fp16"):
+        actor = Actor(checkpoint.shape, args.tp, args.pp, dtype, optim, hf_checkpoint=checkpoint)
+        before = {name: tensor.float() for name, tensor in export_hf_state(actor.model).items()}
+        grad_norm, _ = actor.train_step(batches, loss_fn)
+        assert grad_norm is not None and grad_norm > CLIP, f"{dtype}: the step must clip (grad norm {grad_norm})"
+        after = {name: tensor.float() for name, tensor in export_hf_state(actor.model).items()}
+        moved[dtype] = {name: after[name] - before[name] for name in before}
+        rounding = {name: (before[name].abs() + after[name].abs()) * 2.0**-11 for name in before}
+        if dtype == "fp16":
+            scale, lr = actor.loss_scale, actor.lr
+            kept = export_hf_state(actor.model)
+            skipped_norm, _ = actor.train_step(batches, overflowing)
+            assert skipped_norm is None, "an overflowing fp16 step must be skipped"
+            for name, tensor in export_hf_state(actor.model).items():
+                assert torch.equal(tensor, kept[name]), f"{name} changed in a skipped step"
+            assert actor.loss_scale <= scale and actor.lr == lr, (actor.loss_scale, scale, actor.lr, lr)
+    if moved["fp32"]:
+        largest = max(delta.abs().max().item() for delta in moved["fp32"].values())
+        worst = max(((moved["fp16"][name] - delta).abs() - rounding[name]).max().item()
+                    for name, delta in moved["fp32"].items())
+        assert largest > 0 and worst <= FP16_STEP_RTOL * largest, f"fp16 step differs by {worst} of {largest}"
+        log(f"CHECK fp16_loss_scaling ok largest fp32 step {largest:.2e}, fp16 differs by {worst / largest:.1e} of "
+            "it; an overflowing step was skipped")
+
+
 CHECKS = {
+    "fp16_loss_scaling": check_fp16_loss_scaling,
     "device_move": check_device_move,
     "hf_logits": check_hf_logits,
     "packed_equals_padded": check_packed_equals_padded,
