@@ -1,10 +1,12 @@
 """One step's experience on rank 0: everything between the prompt source and the packer.
 
-    draw prompts ─► prompt level (history, BEFORE rollout) ─► rollout, G samples each          generate()
-    ─► reward ─► advantages on the FULL groups ─► prompt history                                 make()
+    draw M prompts (M = B, or the refill's B / (1 - rate), fixed before any coin) ─► prompt level (history's
+    prediction, BEFORE rollout) ─► rollout, G samples each ─► rewards                           generate()
+    (--dapo-dynamic-sampling: rounds of drawn prompts, rolled out and rewarded, until B varied groups)
+    ─► advantages on the FULL groups ─► prompt history (every rolled-out group, weighted 1/p)       make()
     ─► full-batch counts (one rule, fixed before any filter or draw) ─► DAPO filter ─► completion level
     ─► Experience: the kept samples with their weights, and what the loss normaliser counts
-    step_statistics() summarises a step for the metrics, apart from the logic.
+    step_statistics() summarises a step for the metrics and prompt_outcomes() each group, apart from the logic.
 
 Pure torch, no Megatron: the trainer calls it on rank 0 and broadcasts the Experience; the end-to-end
 unbiasedness test and bench/unbiasedness.py drive this very code with a fixed world in place of the rollout
