@@ -24,8 +24,12 @@ def _truncate_after(path: Path, start_step: int) -> None:
 
 
 class MetricsLogger:
-    def __init__(self, log_dir: str | Path, enabled: bool, total_steps: int | None, start_step: int = 0):
+    def __init__(self, log_dir: str | Path, enabled: bool, total_steps: int | None, start_step: int = 0,
+                 prompt_totals: dict | None = None):
+        """`prompt_totals` (prompts_drawn, prompts_pruned so far; the run's, kept up to date by its owner) feeds the
+        progress bar's pruned share."""
         self.enabled = enabled
+        self.prompt_totals = prompt_totals if prompt_totals is not None else {}
         self.path = Path(log_dir) / "metrics.jsonl"
         self.outcomes_path = self.path.parent / OUTCOMES_FILE
         self.writer = self.progress = None
@@ -54,6 +58,8 @@ class MetricsLogger:
                 self.writer.add_scalar(key, value, step)
         self.writer.flush()
         shown = {k: record[k] for k in ("reward_mean", "kept_fraction", "seconds_step") if k in record}
+        if self.prompt_totals.get("prompts_drawn"):
+            shown["pruned"] = self.prompt_totals["prompts_pruned"] / self.prompt_totals["prompts_drawn"]
         self.progress.set_postfix({k: f"{v:.3f}" for k, v in shown.items()}, refresh=False)
         self.progress.update(1)
 

@@ -163,26 +163,33 @@ def run(args) -> dict:
         trainer.sync_weights()
         before = resumed.get("eval_before") or trainer.evaluate(args.eval_size)
         elapsed_before = resumed.get("seconds_rl", 0.0)
-        metrics = MetricsLogger(args.log_dir, rank0, args.train_iters, trainer.step)
+        prompts = resumed.get("prompt_totals") or {"prompts_drawn": 0.0, "prompts_pruned": 0.0}
+        metrics = MetricsLogger(args.log_dir, rank0, args.train_iters, trainer.step, prompts)
         rl_start = time.perf_counter()
         while trainer.step < trainer.total_steps():
             if budget_spent(args.time_budget_s, elapsed_before + time.perf_counter() - rl_start):
                 break
             step_metrics = trainer.train_one_step(elapsed_before + time.perf_counter() - rl_start)
             step_metrics["seconds_wall"] = elapsed_before + time.perf_counter() - rl_start
+            for key in prompts:
+                prompts[key] += step_metrics.get(key, 0.0)
             if args.eval_interval and trainer.step % args.eval_interval == 0:
                 step_metrics["heldout_accuracy"] = trainer.evaluate(args.eval_size)["accuracy"]
             metrics.log(trainer.step, step_metrics)
             if args.save and args.save_interval and trainer.step % args.save_interval == 0:
-                trainer.save({"eval_before": before,
+                trainer.save({"eval_before": before, "prompt_totals": dict(prompts),
                               "seconds_rl": elapsed_before + time.perf_counter() - rl_start})
         seconds_rl = elapsed_before + time.perf_counter() - rl_start
         after = trainer.evaluate(args.eval_size)
         if args.save and not (args.save_interval and trainer.step % args.save_interval == 0):
-            trainer.save({"eval_before": before, "seconds_rl": seconds_rl})
+            trainer.save({"eval_before": before, "seconds_rl": seconds_rl, "prompt_totals": dict(prompts)})
         metrics.close()
+    # the prompt level's work over the run: the share of drawn prompts it pruned, and the samples it never generated
+    pruned_fraction = prompts["prompts_pruned"] / prompts["prompts_drawn"] if prompts["prompts_drawn"] else 0.0
     summary = {"heldout_accuracy_before": round(before["accuracy"], 4),
                "heldout_accuracy_after": round(after["accuracy"], 4), "steps": trainer.step,
+               "prompts_pruned_fraction": round(pruned_fraction, 4),
+               "rollouts_saved": int(prompts["prompts_pruned"]) * args.n_samples_per_prompt,
                "seconds": round(time.perf_counter() - start, 1)}
     if rank0:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)

@@ -108,8 +108,14 @@ def test_no_argument_command_runs_the_worked_task_to_its_json_line(tmp_path):
     output = finish(process, 600, "the embedded default")
     assert process.returncode == 0, output[-8000:]
     summary = json.loads(output.strip().splitlines()[-1])
-    assert set(summary) == {"heldout_accuracy_before", "heldout_accuracy_after", "steps", "seconds"}
+    assert set(summary) == {"heldout_accuracy_before", "heldout_accuracy_after", "steps", "prompts_pruned_fraction",
+                            "rollouts_saved", "seconds"}
     assert summary["steps"] == 2
+    # the prompt level's work, summed over the run's steps (step 1 has no history, step 2 a prior from step 1)
+    metrics_lines = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    drawn, pruned = (sum(m[key] for m in metrics_lines) for key in ("prompts_drawn", "prompts_pruned"))
+    assert summary["prompts_pruned_fraction"] == pytest.approx(pruned / drawn, abs=1e-4)
+    assert summary["rollouts_saved"] == pruned * 8
     init = next((tmp_path / "cache").glob("embedded_*/init"))
     assert CharTokenizer.from_pretrained(init).encode(SYNTHETIC_ALPHABET) == CharTokenizer.for_synthetic_task().encode(
         SYNTHETIC_ALPHABET)
