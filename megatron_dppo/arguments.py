@@ -34,15 +34,16 @@ RENAMED_FLAGS = {"--data-prompts": "--prompt-data", "--reward-fn": "--reward-typ
 
 # The embedded default (no --hf-checkpoint, embedded engine, synthetic prompts) starts from these unless a flag
 # says otherwise: a tiny model, a supervised warm start cached under --cache-dir, a wall-time budget for RL.
+# Its pool of 256 problems comes back every 16 steps, the regime where DPPO's prompt level acts (docs/results.md).
 EMBEDDED_DEFAULTS = dict(
-    lr=1e-4, rollout_batch_size=16, n_samples_per_prompt=8, dapo_filter=True, time_budget_s=200.0,
-    max_tokens_per_gpu=4096, log_dir="runs/embedded",
+    lr=1e-4, rollout_batch_size=16, n_samples_per_prompt=8, dapo_filter=True, time_budget_s=240.0,
+    max_tokens_per_gpu=4096, log_dir="runs/embedded", data_train_size=256,
 )
 # ... and these, by --synthetic-task: how long a response may get, and what the warm start sees. The worked task's
 # warm start sees worked solutions for a limited set only (--warm-start-problems of them, from --warm-start-cells),
 # while RL draws answer-only prompts from every cell, so RL has something to earn (docs/trainer.md, calibration).
 EMBEDDED_TASK_DEFAULTS = {
-    "worked": dict(rollout_max_response_len=176, warm_start_steps=600, warm_start_lr=3e-3, warm_start_batch_size=64,
+    "worked": dict(rollout_max_response_len=176, warm_start_steps=450, warm_start_lr=3e-3, warm_start_batch_size=64,
                    warm_start_problems=500, warm_start_cells=None),
     "answer": dict(rollout_max_response_len=8, warm_start_steps=900, warm_start_lr=3e-3, warm_start_batch_size=128,
                    warm_start_problems=0, warm_start_cells=None),
