@@ -53,7 +53,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import prompt_prediction  # noqa: E402
-from megatron_dppo.arguments import EMBEDDED_TASK_DEFAULTS  # noqa: E402
 from tools.plot_metrics import Run, load_run, plot_runs, smoothed  # noqa: E402
 
 METHODS = {
@@ -92,6 +91,15 @@ MATH_FLAGS = ["--prompt-data", "math", "--reward-type", "math", "--lr", "1e-4", 
               "--max-tokens-per-gpu", "8192", "--eval-size", "16", "--skip-bad-rows"]
 MATH_MODEL = dict(architecture="qwen2", hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=4,
                   ffn_hidden_size=512, tie_word_embeddings=True, max_position_embeddings=4096)
+# The response limit and warm start of every run, by task: the embedded defaults of the time this benchmark was set
+# up, written out, so that a later change of the embedded default does not silently start its runs over (a run is
+# read back only if its command is unchanged)
+TASK_SETTINGS = {
+    "worked": dict(rollout_max_response_len=176, warm_start_steps=450, warm_start_lr=3e-3, warm_start_batch_size=64,
+                   warm_start_problems=500, warm_start_cells=None),
+    "answer": dict(rollout_max_response_len=8, warm_start_steps=900, warm_start_lr=3e-3, warm_start_batch_size=128,
+                   warm_start_problems=0, warm_start_cells=None),
+}
 # GRPO's own tuning (--tune-grpo): each setting changed alone from RL_FLAGS, every method then shares the best
 GRPO_GRID = {"--lr": ["5e-5", "1e-4", "2e-4"], "--rollout-batch-size": ["8", "16", "32"]}
 FINAL_WINDOW = 3  # evaluations averaged for "final accuracy" and for reaching the target
@@ -104,15 +112,15 @@ def pool_size() -> int:
 
 
 def task_flags(task: str) -> list[str]:
-    """The synthetic task and its response limit (the embedded default's), for every run of the bench."""
+    """The synthetic task and its response limit, for every run of the bench."""
     return ["--synthetic-task", task, "--rollout-max-response-len",
-            str(EMBEDDED_TASK_DEFAULTS[task]["rollout_max_response_len"])]
+            str(TASK_SETTINGS[task]["rollout_max_response_len"])]
 
 
 def warm_start_flags(task: str) -> list[str]:
-    """The embedded default's warm-start settings of `task`, written out: the warm start and the supervised control
-    both use them, so the control trains on exactly the warm start's data (the same pool, cells and seed)."""
-    defaults = EMBEDDED_TASK_DEFAULTS[task]
+    """The warm-start settings of `task`, written out: the warm start and the supervised control both use them, so
+    the control trains on exactly the warm start's data (the same pool, cells and seed)."""
+    defaults = TASK_SETTINGS[task]
     cells = defaults["warm_start_cells"]
     return ["--warm-start-lr", str(defaults["warm_start_lr"]), "--warm-start-batch-size",
             str(defaults["warm_start_batch_size"]), "--warm-start-problems", str(defaults["warm_start_problems"]),
@@ -781,7 +789,7 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument("--methods", nargs="+", choices=list(ALL_METHODS), default=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="RL seeds (default 1 2 3 4 5; quick: 1)")
     parser.add_argument("--budget-s", type=float, default=None, help="RL wall time per run (default 150; quick 25)")
-    parser.add_argument("--synthetic-task", choices=list(EMBEDDED_TASK_DEFAULTS), default="worked",
+    parser.add_argument("--synthetic-task", choices=list(TASK_SETTINGS), default="worked",
                         help="worked (the embedded default) or the older answer-only task")
     parser.add_argument("--warm-start-steps", type=int, default=None,
                         help="default: the task's embedded default; quick 200")
@@ -812,7 +820,7 @@ def parse_args(argv: list[str] | None) -> Settings:
     settings = Settings(
         out_dir=out_dir, methods=["grpo", *[m for m in args.methods if m != "grpo"]],
         seeds=pick(args.seeds, [1, 2, 3, 4, 5], [1]), budget_s=pick(args.budget_s, 150.0, 25.0), task=task,
-        warm_start_steps=pick(args.warm_start_steps, EMBEDDED_TASK_DEFAULTS[task]["warm_start_steps"], 200),
+        warm_start_steps=pick(args.warm_start_steps, TASK_SETTINGS[task]["warm_start_steps"], 200),
         eval_interval=pick(args.eval_interval, 15, 25),
         eval_size=pick(args.eval_size, 1024, 128), control=not args.no_control,
         math_budget_s=pick(args.math_budget_s, 0.0, 0.0), processes=args.processes, quick=quick, page=page,

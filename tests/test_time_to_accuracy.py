@@ -209,13 +209,13 @@ def test_bad_command_line_values_are_rejected_with_the_flag_name(capsys):
 def test_bench_runs_the_worked_task_by_default_and_the_answer_task_by_flag():
     worked, answer = bench.parse_args([]), bench.parse_args(["--synthetic-task", "answer"])
     assert (worked.task, answer.task) == ("worked", "answer")
-    assert worked.warm_start_steps == bench.EMBEDDED_TASK_DEFAULTS["worked"]["warm_start_steps"]
+    assert worked.warm_start_steps == bench.TASK_SETTINGS["worked"]["warm_start_steps"]
     assert worked.out_dir != answer.out_dir  # one warm start per output directory
     assert bench.page_block("worked", False) == "full" and bench.page_block("answer", True) == "quick-answer"
     for task in ("worked", "answer"):
         flags = bench.task_flags(task)
         assert flags[flags.index("--synthetic-task") + 1] == task
-        limit = bench.EMBEDDED_TASK_DEFAULTS[task]["rollout_max_response_len"]
+        limit = bench.TASK_SETTINGS[task]["rollout_max_response_len"]
         assert flags[flags.index("--rollout-max-response-len") + 1] == str(limit)
 
 
@@ -317,3 +317,14 @@ def test_grpo_tuning_changes_one_setting_at_a_time_from_the_common_flags():
         assert flag in bench.GRPO_GRID and value != bench.flag_value(bench.RL_FLAGS, flag)
         assert label == f"{flag} {value}"
     assert len(settings) == 1 + sum(len(values) - 1 for values in bench.GRPO_GRID.values())
+
+
+def test_the_benchs_own_task_settings_are_ones_the_trainer_takes():
+    from megatron_dppo.arguments import EMBEDDED_TASK_DEFAULTS, parse_args
+
+    for task, settings in bench.TASK_SETTINGS.items():
+        assert set(settings) == set(EMBEDDED_TASK_DEFAULTS[task])
+        args = parse_args([*bench.task_flags(task), *bench.warm_start_flags(task), "--warm-start-steps",
+                           str(settings["warm_start_steps"])])
+        assert (args.rollout_max_response_len, args.warm_start_problems) == (settings["rollout_max_response_len"],
+                                                                              settings["warm_start_problems"])
