@@ -114,7 +114,7 @@ class World:
     uniform_groups: set  # prompt ids whose rewards are all equal
 
 
-def build_world(seed: int = 0, uniform_groups: int = NUM_PROMPTS // 2) -> World:
+def build_world(seed: int = 0, uniform_groups: int = NUM_PROMPTS // 2, mispredicted: bool = True) -> World:
     """Completions: a uniform group is all correct or all wrong; a mixed one has 1..7 correct. A correct one is the
     task's own solution; a wrong one has the same work and a wrong final answer of 1..6 digits, so response lengths
     differ within a group and between cells. Identical responses carry identical rollout log-probs."""
@@ -152,7 +152,8 @@ def build_world(seed: int = 0, uniform_groups: int = NUM_PROMPTS // 2) -> World:
     # their true score (mean |A|) up to ±30%, a mean response length off by a factor in [0.5, 1.5] (stale, from an
     # earlier visit), and their rewards of that earlier visit: the true ones, except that three prompts with varied
     # rewards now had all-equal ones then, and one the reverse (the prediction is then wrong, and the importance
-    # weight of a kept informative prompt is large).
+    # weight of a kept informative prompt is large). mispredicted=False records the true ones throughout: a history
+    # that predicts, for the variance comparison of keep policies.
     maker = ExperienceMaker(args, task, tokenizer, FixedWorldClient(completions))
     seen = [p for p in task.prompts if p.prompt_id % 5]
     rollouts = maker.generate(0)  # the history is empty: every prompt is rolled out
@@ -169,9 +170,9 @@ def build_world(seed: int = 0, uniform_groups: int = NUM_PROMPTS // 2) -> World:
     uniform_now = (earlier == earlier[:, :1]).all(dim=1).tolist()
     mixed_positions = [i for i, uniform in enumerate(uniform_now) if not uniform]
     uniform_positions = [i for i, uniform in enumerate(uniform_now) if uniform]
-    for position in mixed_positions[:3]:
+    for position in mixed_positions[:3 if mispredicted else 0]:
         earlier[position] = 1.0
-    for position in uniform_positions[:1]:
+    for position in uniform_positions[:1 if mispredicted else 0]:
         earlier[position] = torch.arange(GROUP, dtype=torch.float64) % 2
     maker.history.update([p.prompt_id for p in seen], scores[rows] * noise, lengths.mean(dim=1)[rows] * stale,
                          rewards=earlier, difficulties=[p.difficulty for p in seen])
@@ -323,10 +324,10 @@ def same_counts(first: FullBatchInfo, second: FullBatchInfo) -> bool:
 
 
 def check_configuration(name: str, flags: list[str], unbiased: bool, draws: int, packed_draws: int = 20,
-                        seed: int = 0) -> list[Result]:
+                        seed: int = 0, mispredicted: bool = True) -> list[Result]:
     """Run one configuration's draws and compare them with its full-batch gradient, per loss aggregation."""
     oversampling = "--dapo-oversample" in flags
-    world = build_world(seed, OVERSAMPLING_UNIFORM_GROUPS if oversampling else NUM_PROMPTS // 2)
+    world = build_world(seed, OVERSAMPLING_UNIFORM_GROUPS if oversampling else NUM_PROMPTS // 2, mispredicted)
     args = world_args(flags)
     if oversampling:  # the drawn batch (capacity x 2) must be the whole world, so the full batch is fixed
         assert args.rollout_batch_size * args.dapo_oversample == NUM_PROMPTS

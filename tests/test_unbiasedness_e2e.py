@@ -85,10 +85,18 @@ def test_deterministic_and_uncorrected_dppo_dynamic_sampling_cppo_and_d3s_are_bi
         assert error > 0.2, f"{row['configuration']}, {row['aggregation']}: {row}"
 
 
-def test_proportional_keep_probabilities_lower_the_gradient_variance(rows):
-    by_name = {(row["configuration"], row["aggregation"]): row for row in rows}
-    for aggregation in ("token-mean", "seq-mean-token-mean"):
-        proportional = by_name[("embedded default (dppo: predicted zero-variance, auto rate, refill, DAPO)",
-                                aggregation)]
-        uniform = by_name[("dppo uniform keep, refill, DAPO", aggregation)]
-        assert proportional["mean_squared_error"] < uniform["mean_squared_error"], aggregation
+def test_proportional_keep_probabilities_lower_the_gradient_variance_when_the_history_predicts():
+    """p ∝ sqrt(1 - z) spends the keep budget on the prompts predicted to teach: with a history whose recorded
+    outcomes are the true ones it has a lower mean squared error than a uniform keep of the same rate, in every
+    aggregation. (The shipped world above also records three informative prompts as all-correct: those carry weight
+    up to 1 / p_min, and there the proportional rule can cost variance instead; docs/algorithms.md has both.)
+    3000 draws each: the MSE estimates are within a few percent, the gap is about 2x (seq-mean) and 15% (token-mean)."""
+    import bench.unbiasedness as bench
+
+    proportional, uniform = (
+        {row.aggregation: row.mean_squared_error for row in bench.check_configuration(
+            name, bench.CONFIGURATIONS[name][0], True, 3000, packed_draws=0, mispredicted=False)}
+        for name in ("embedded default (dppo: predicted zero-variance, auto rate, refill, DAPO)",
+                     "dppo uniform keep, refill, DAPO"))
+    for aggregation, error in proportional.items():
+        assert error < 0.95 * uniform[aggregation], (aggregation, error, uniform[aggregation])
