@@ -74,6 +74,8 @@ CONFIGURATIONS = {
          "--no-dapo-filter"], True),
     "dppo, no refill, DAPO over-sampling x2": (["--no-dppo-refill", "--dapo-oversample", "2", "--rollout-batch-size",
                                                 "8"], True),
+    "embedded default with partial rollouts (staleness 1, chunks of 8 tokens)": (
+        [*REFILL, "--partial-rollout", "--partial-rollout-chunk-tokens", "8"], True),
     "grpo, DAPO": (["--algorithm", "grpo"], True),
     "grpo, DAPO over-sampling x2": (["--algorithm", "grpo", "--dapo-oversample", "2", "--rollout-batch-size", "8"],
                                     True),
@@ -186,10 +188,27 @@ def build_world(seed: int = 0, uniform_groups: int = NUM_PROMPTS // 2, mispredic
 
 
 class FixedWorldClient:
-    """The rollout-server boundary: the world's fixed completions of each requested prompt."""
+    """The rollout-server boundary: the world's fixed completions of each requested prompt. Partial rollouts ask for
+    one sample at a time, continued from its prefix: sample j of a prompt has seed base + j, so seed % G picks its
+    completion, and a request reveals the next max_new_tokens of it."""
 
     def __init__(self, completions: dict):
         self.completions = completions
+        self.prompt_lengths = sorted({len(prompt) for prompt in completions})
+
+    def generate_requests(self, requests, params):
+        answers = []
+        for index, request in enumerate(requests):
+            prompt = next(tuple(request.input_ids[:length]) for length in self.prompt_lengths
+                          if tuple(request.input_ids[:length]) in self.completions)
+            whole = self.completions[prompt][request.seed % GROUP]
+            done = len(request.input_ids) - len(prompt)
+            if list(request.input_ids[len(prompt):]) != whole.output_ids[:done]:
+                raise RuntimeError("a continued sample must resume its own completion")
+            end = done + request.max_new_tokens
+            answers.append(Completion(index, 0, whole.output_ids[done:end], whole.output_logprobs[done:end],
+                                      "stop" if end >= len(whole.output_ids) else "length", None))
+        return answers
 
     def generate(self, prompts, params, n=1):
         if n != GROUP:

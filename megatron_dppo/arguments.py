@@ -235,6 +235,16 @@ def rollout_flags(parser: argparse.ArgumentParser) -> None:
                               "NCCL refuses two ranks on one GPU")
     rollout.add_argument("--async", dest="async_rollout", action="store_true",
                          help="generate step t+1 while step t trains (one step off-policy, corrected by TIS)")
+    rollout.add_argument("--partial-rollout", action="store_true",
+                         help="a step's rollout does not wait for its longest response: each step's draw is a "
+                              "cohort continued chunk by chunk over up to --partial-rollout-max-staleness + 1 steps, "
+                              "and each step trains the oldest once all its samples are done (docs/rollout.md)")
+    rollout.add_argument("--partial-rollout-chunk-tokens", type=COUNT, default=32,
+                         help="--partial-rollout: tokens a sample may add per request; the step checks between "
+                              "chunks whether its oldest cohort is whole")
+    rollout.add_argument("--partial-rollout-max-staleness", type=COUNT_OR_NONE, default=1,
+                         help="--partial-rollout: how many weight versions a carried token may be older than the "
+                              "weights that train on it (cohorts open at once: this + 1; 0: synchronous)")
 
 
 def algorithm_flags(parser: argparse.ArgumentParser) -> None:
@@ -489,6 +499,14 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                       "--train-iters or --time-budget-s")
     if args.dapo_oversample != 1.0 and not (args.dapo_filter or args.dapo_dynamic_sampling):
         errors.append("--dapo-oversample refills groups removed by the DAPO filter: add --dapo-filter")
+    partial_flags = [flag for flag, value, default in (
+        ("--partial-rollout-chunk-tokens", args.partial_rollout_chunk_tokens, 32),
+        ("--partial-rollout-max-staleness", args.partial_rollout_max_staleness, 1)) if value != default]
+    if partial_flags and not args.partial_rollout:
+        errors.append(f"{partial_flags[0]} applies to partial rollouts: add --partial-rollout or drop it")
+    if args.partial_rollout and args.dapo_dynamic_sampling:
+        errors.append("--partial-rollout carries whole draws across steps, while --dapo-dynamic-sampling rolls out "
+                      "rounds until the batch is full: use one of them")
     if args.dapo_dynamic_sampling and args.algorithm != "grpo":
         errors.append(f"--dapo-dynamic-sampling is DAPO's (biased) way to fill the batch, for --algorithm grpo; "
                       f"--algorithm {args.algorithm} has its own: drop it or use --algorithm grpo")

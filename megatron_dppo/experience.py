@@ -2,7 +2,8 @@
 
     draw M prompts (M = B, or the refill's B / (1 - rate), fixed before any coin) ─► prompt level (history's
     prediction, BEFORE rollout) ─► rollout, G samples each ─► rewards                           generate()
-    (--dapo-dynamic-sampling: rounds of drawn prompts, rolled out and rewarded, until B varied groups)
+    (--dapo-dynamic-sampling: rounds of drawn prompts, rolled out and rewarded, until B varied groups;
+     --partial-rollout: each draw opens a cohort, continued chunk by chunk over steps, that trains once whole)
     ─► advantages on the FULL groups ─► prompt history (every rolled-out group, weighted 1/p)       make()
     ─► full-batch counts (one rule, fixed before any filter or draw) ─► DAPO filter ─► completion level
     ─► Experience: the kept samples with their weights, and what the loss normaliser counts
@@ -32,6 +33,7 @@ from megatron_dppo.algo.pruning import (
     full_batch_counts,
 )
 from megatron_dppo.packing import TrainingSample
+from megatron_dppo.partial_rollouts import PartialConfig, PartialRollouts
 from megatron_dppo.rollout.client import SamplingParams
 
 
@@ -82,8 +84,10 @@ class Rollouts:
     reward_seconds: float
     num_drawn: int
     capacity: int  # the groups one step trains at most (the DAPO filter's cap under over-sampling)
-    tokens_generated: int  # every generated token, of the groups here and of any discarded ones
+    tokens_generated: int  # every token generated in this step, of the groups here and of any discarded or carried
     stats: dict = field(default_factory=dict)
+    # [num_prompts * G] per token: the weight version that sampled it (partial rollouts carry tokens across versions)
+    output_versions: list[list[int]] = field(default_factory=list)
 
     def subset(self, rows: list[int]) -> "Rollouts":
         """The groups `rows`, each with all its samples; every one stands for the batch (DAPO's dynamic sampling)."""
@@ -92,7 +96,7 @@ class Rollouts:
         return Rollouts([self.prompts[row] for row in rows], PromptDecision.keep_all(len(rows)),
                         [self.output_ids[i] for i in flat], [self.output_logprobs[i] for i in flat],
                         self.rewards[rows], self.seconds, self.reward_seconds, self.num_drawn, self.capacity,
-                        self.tokens_generated, dict(self.stats))
+                        self.tokens_generated, dict(self.stats), [self.output_versions[i] for i in flat])
 
 
 def concatenate(parts: list[Rollouts]) -> Rollouts:
@@ -105,7 +109,8 @@ def concatenate(parts: list[Rollouts]) -> Rollouts:
                     torch.cat([part.rewards for part in parts]), sum(part.seconds for part in parts),
                     sum(part.reward_seconds for part in parts), sum(part.num_drawn for part in parts), first.capacity,
                     sum(part.tokens_generated for part in parts),
-                    {key: sum(part.stats.get(key, 0.0) for part in parts) for key in first.stats})
+                    {key: sum(part.stats.get(key, 0.0) for part in parts) for key in first.stats},
+                    [versions for part in parts for versions in part.output_versions])
 
 
 @dataclass
@@ -203,19 +208,48 @@ class ExperienceMaker:
         self.sampling = SamplingParams(
             temperature=args.rollout_temperature, top_p=args.rollout_top_p, top_k=args.rollout_top_k,
             max_new_tokens=args.rollout_max_response_len, stop_token_ids=[tokenizer.eos_token_id])
+        self.weight_version = 0  # the version the rollout servers hold: the trainer sets it at every weight sync
+        self.partial = PartialRollouts(PartialConfig(args.partial_rollout_chunk_tokens,
+                                                     args.partial_rollout_max_staleness,
+                                                     args.rollout_max_response_len),
+                                       client) if args.partial_rollout else None
 
     def generate(self, step: int) -> Rollouts:
         """Draw prompts (the refill's M), prune at the prompt level from history, generate G samples per kept
-        prompt, and score them."""
+        prompt, and score them (partial rollouts: continue the open cohorts, and score the oldest once whole)."""
         if self.args.dapo_dynamic_sampling:
             return self.generate_until_varied(step)
+        if self.partial is not None:
+            return self.generate_partial(step)
+        prompts, decision, num_drawn, capacity = self.draw(step)
+        return self.roll_out(prompts, decision, step, num_drawn, capacity)
+
+    def draw(self, step: int) -> tuple[list, PromptDecision, int, int]:
+        """(the prompts the prompt level kept, its decision, prompts drawn, the step's capacity)."""
         # the refill never draws a prompt twice in one step: at most the pool
         capacity = min(self.pruner.prompts_to_sample(self.args.rollout_batch_size, self.history),
                        max(len(self.task.prompts), self.args.rollout_batch_size))
         drawn = self.task.next_prompts(self.dapo.prompts_to_sample(capacity) if self.dapo else capacity)
         decision = self.pruner.select_prompts([p.prompt_id for p in drawn], self.history, step,
                                               [p.difficulty for p in drawn])
-        return self.roll_out([drawn[i] for i in decision.kept.tolist()], decision, step, len(drawn), capacity)
+        return [drawn[i] for i in decision.kept.tolist()], decision, len(drawn), capacity
+
+    def generate_partial(self, step: int) -> Rollouts:
+        """Partial rollouts (partial_rollouts.py): restart what is past the staleness bound, admit new draws until
+        S + 1 cohorts are open, continue every unfinished sample chunk by chunk until the oldest cohort is whole,
+        and score that cohort as this step's rollouts."""
+        version = self.weight_version
+        stats = self.partial.enforce_staleness(version)
+        while (cohort_id := self.partial.cohort_to_admit(step)) is not None:
+            prompts, decision, num_drawn, capacity = self.draw(cohort_id)
+            self.partial.admit(cohort_id, version, prompts, decision, num_drawn, capacity,
+                               self.sampling_for_step(cohort_id), self.args.n_samples_per_prompt)
+        cohort, generation = self.partial.run_until_oldest_whole(self.sampling, version)
+        samples = cohort.samples
+        return self.scored(cohort.prompts, cohort.decision, [s.output_ids for s in samples],
+                           [s.output_logprobs for s in samples], [s.output_versions for s in samples],
+                           generation.pop("seconds"), cohort.num_drawn, cohort.capacity, generation.pop("tokens"),
+                           {**stats, **generation})
 
     def generate_until_varied(self, step: int) -> Rollouts:
         """DAPO's dynamic sampling: rounds of ceil(B x --dapo-oversample) drawn prompts until B groups with varied
@@ -247,16 +281,24 @@ class ExperienceMaker:
         if len(completions) != len(prompts) * group:
             raise RuntimeError(f"the rollout servers returned {len(completions)} samples for {len(prompts)} prompts "
                                f"x {group}: a server dropped requests")
-        seconds = time.perf_counter() - start
         output_ids = [c.output_ids for c in completions]
+        return self.scored(prompts, decision, output_ids, [c.output_logprobs for c in completions],
+                           [[self.weight_version] * len(ids) for ids in output_ids], time.perf_counter() - start,
+                           num_drawn, capacity, sum(len(ids) for ids in output_ids))
+
+    def scored(self, prompts: list, decision: PromptDecision, output_ids, output_logprobs, output_versions,
+               seconds: float, num_drawn: int, capacity: int, tokens_generated: int,
+               stats: dict | None = None) -> Rollouts:
+        """The rollouts of `prompts` (G samples each, in (prompt, sample) order) with their rewards."""
         start = time.perf_counter()
+        group = self.args.n_samples_per_prompt
         responses = [self.tokenizer.decode(ids) for ids in output_ids]
         references = [p.reference for p in prompts for _ in range(group)]
         rewards = torch.tensor(self.task.score(responses, references), dtype=torch.float64).view(-1, group)
         stats = {"groups_rolled_out": float(len(prompts)),
-                 "zero_variance_groups_rolled_out": float(zero_variance_groups(rewards).sum())}
-        return Rollouts(prompts, decision, output_ids, [c.output_logprobs for c in completions], rewards, seconds,
-                        time.perf_counter() - start, num_drawn, capacity, sum(len(ids) for ids in output_ids), stats)
+                 "zero_variance_groups_rolled_out": float(zero_variance_groups(rewards).sum()), **(stats or {})}
+        return Rollouts(prompts, decision, output_ids, output_logprobs, rewards, seconds, time.perf_counter() - start,
+                        num_drawn, capacity, tokens_generated, stats, output_versions)
 
     def sampling_for_step(self, step: int, round_index: int = 0) -> SamplingParams:
         """Sampling parameters with a seed fixed by (seed, step, round of dynamic sampling), so a resumed run draws

@@ -191,6 +191,9 @@ def run(args) -> dict:
                "prompts_pruned_fraction": round(pruned_fraction, 4),
                "rollouts_saved": int(prompts["prompts_pruned"]) * args.n_samples_per_prompt,
                "seconds": round(time.perf_counter() - start, 1)}
+    if rank0 and trainer.maker.partial is not None:  # every started sample trained once, or counted here
+        summary["partial_rollout_samples"] = {**trainer.maker.partial.counts,
+                                              "samples_open_at_end": trainer.maker.partial.samples_in_flight()}
     if rank0:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.log_dir) / "summary.json").write_text(json.dumps({**summary, "seconds_rl": seconds_rl}))

@@ -11,7 +11,9 @@
 Roles: global rank 0 drives the rollout servers and computes rewards and pruning decisions (pure torch, cheap),
 then broadcasts the kept samples to every rank; every rank packs the same bins and runs its data-parallel share.
 With --async, generation of step t+1 runs in a thread on rank 0 while step t trains; it finishes before the weight
-sync, so step t+1 trains on samples one policy version old, corrected by the truncated importance weight.
+sync, so step t+1 trains on samples one policy version old, corrected by the truncated importance weight. With
+--partial-rollout (partial_rollouts.py) a step's draw is continued over up to S + 1 steps and trains once whole, its
+older tokens corrected the same way.
 
 On-policy with one update epoch, the old log-probs equal the current ones: the update uses the forward pass's own
 log-probs (detached) as old log-probs and skips a forward pass; otherwise a forward-only pass computes them first.
@@ -172,6 +174,7 @@ class Trainer:
                 pass
             result = {}
         dist.barrier()
+        self.maker.weight_version = self.step  # the version every token generated from now on is sampled with
         result.setdefault("seconds_sync", time.perf_counter() - start)
         return result
 
@@ -200,7 +203,9 @@ class Trainer:
         dist.all_gather_object(rng_states, rng)
         state = {"step": self.step, "task": self.task.state_dict() if self.rank0 else None,
                  "history": self.history.state_dict(), "scheduler": self.actor.scheduler.state_dict(),
-                 "rng": rng_states, "pending_rollouts": self.pending_rollouts, **extra}
+                 "rng": rng_states, "pending_rollouts": self.pending_rollouts,
+                 "partial_rollouts": self.maker.partial.state_dict() if self.maker.partial and self.rank0 else None,
+                 **extra}
         save_checkpoint(self.args.save, self.step, self.actor.sharded_state_dict(),
                         self.hf_config, state if self.rank0 else None, self.args.keep_last_checkpoints)
 
@@ -217,6 +222,8 @@ class Trainer:
         if self.rank0:
             self.task.load_state_dict(state["task"])
             self.pending_rollouts = state["pending_rollouts"]
+            if self.maker.partial is not None and state.get("partial_rollouts") is not None:
+                self.maker.partial.load_state_dict(state["partial_rollouts"])
         rng = state["rng"][dist.get_rank()] if len(state["rng"]) == dist.get_world_size() else state["rng"][0]
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])

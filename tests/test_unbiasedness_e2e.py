@@ -10,7 +10,9 @@ gradient through packing equals the linear form Σ w_i ∇f_i / Z to 1e-6 relati
 weights in float32). Deterministic DPPO, DPPO without importance weights, DAPO's dynamic sampling, CPPO and D3S are
 shown biased: relative error above 20%, against their own full batch or against GRPO's (dynamic sampling draws
 whole varied groups, so its bias is its normaliser, the kept batch's). The shipped configurations include the
-prompt level's refill (a fixed draw of M = B / (1 - rate) candidates) and its prior for prompts never seen.
+prompt level's refill (a fixed draw of M = B / (1 - rate) candidates), its prior for prompts never seen, and
+partial rollouts (each draw continued chunk by chunk over two steps, trained whole; the weights do not change here,
+so this covers their bookkeeping, the off-policy part aside).
 """
 
 import json
@@ -23,7 +25,7 @@ from tests.launch import REPO_ROOT, kill_group
 
 BENCH = REPO_ROOT / "bench" / "unbiasedness.py"
 DRAWS = 20_000
-NUM_CONFIGURATIONS = 13
+NUM_CONFIGURATIONS = 14
 
 
 @pytest.fixture(scope="module")

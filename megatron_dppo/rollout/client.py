@@ -87,17 +87,38 @@ class Supervisor(Protocol):
     def ensure_alive(self, url: str) -> None: ...
 
 
+@dataclass
+class SequenceRequest:
+    """One sample to generate on its own terms: its input (a prompt, or a prompt and the response so far, which
+    generation continues), its sampling seed and how many tokens it may add (partial rollouts)."""
+
+    input_ids: list[int]
+    seed: int
+    max_new_tokens: int
+
+
+def seeded_requests(prompts: list[list[int]], first_prompt_index: int, params: SamplingParams,
+                    n: int) -> list[SequenceRequest]:
+    """Every sample of `prompts` in (prompt, sample) order, each with its own sampling seed (params.sample_seed)."""
+    return [SequenceRequest(list(input_ids), params.sample_seed(first_prompt_index + offset, sample_index, n),
+                            params.max_new_tokens)
+            for offset, input_ids in enumerate(prompts) for sample_index in range(n)]
+
+
+def batch_payload(requests: list[SequenceRequest], params: SamplingParams) -> dict[str, Any]:
+    """One /generate body for `requests` (SGLang's batched GenerateReqInput: lists of input_ids and of
+    sampling_params), each entry with its own sampling_seed and max_new_tokens."""
+    return {"input_ids": [list(request.input_ids) for request in requests],
+            "sampling_params": [{**params.to_sglang(1), "max_new_tokens": request.max_new_tokens,
+                                 "sampling_seed": request.seed} for request in requests],
+            "return_logprob": True}
+
+
 def seeded_batch_payload(prompts: list[list[int]], first_prompt_index: int, params: SamplingParams,
                          n: int) -> dict[str, Any]:
-    """One /generate body for all samples of `prompts`, each sample its own input with its own sampling_seed
-    (SGLang's batched GenerateReqInput: lists of input_ids and of sampling_params), in (prompt, sample) order."""
-    inputs, sampling = [], []
-    for offset, input_ids in enumerate(prompts):
-        for sample_index in range(n):
-            inputs.append(list(input_ids))
-            sampling.append({**params.to_sglang(1),
-                             "sampling_seed": params.sample_seed(first_prompt_index + offset, sample_index, n)})
-    return {"input_ids": inputs, "sampling_params": sampling, "return_logprob": True}
+    """One /generate body for all samples of `prompts`, each sample its own input with its own sampling_seed, in
+    (prompt, sample) order."""
+    return batch_payload(seeded_requests(prompts, first_prompt_index, params, n), params)
 
 
 def parse_generate_response(body: Any, prompt_index: int, n: int, url: str) -> list[Completion]:
@@ -132,7 +153,10 @@ class GenerateAPI(Protocol):
     # generate_seeded's one batched request per server; False: each request carries its own seed
     seeded_batches: bool
 
-    def request(self, input_ids: list[int], params: SamplingParams, n: int, prompt_index: int) -> dict[str, Any]: ...
+    def request(self, input_ids: list[int], params: SamplingParams, n: int, prompt_index: int,
+                seed: int | None = None) -> dict[str, Any]:
+        """`seed`, when given, seeds sample 0 (sample i: seed + i) in place of params.sample_seed(prompt_index, 0,
+        n)."""
 
     def parse(self, body: Any, prompt_index: int, n: int, url: str) -> list[Completion]: ...
 
@@ -143,8 +167,13 @@ class SGLangGenerateAPI:
     path = "/generate"
     seeded_batches = True
 
-    def request(self, input_ids: list[int], params: SamplingParams, n: int, prompt_index: int) -> dict[str, Any]:
-        return seeded_batch_payload([input_ids], prompt_index, params, n)
+    def request(self, input_ids: list[int], params: SamplingParams, n: int, prompt_index: int,
+                seed: int | None = None) -> dict[str, Any]:
+        requests = seeded_requests([input_ids], prompt_index, params, n)
+        if seed is not None:
+            for sample_index, request in enumerate(requests):
+                request.seed = seed + sample_index
+        return batch_payload(requests, params)
 
     def parse(self, body: Any, prompt_index: int, n: int, url: str) -> list[Completion]:
         return parse_generate_response(body, prompt_index, n, url)
@@ -294,30 +323,49 @@ class RolloutClient:
                              "seeds each request: call generate() with params.seed set")
         if n < 1:
             raise ValueError(f"n={n} samples per prompt must be >= 1")
-        chunk = -(-len(prompts) // len(self.urls)) if prompts else 0
-        chunks = [(start, prompts[start:start + chunk]) for start in range(0, len(prompts), chunk or 1)]
+        completions = self.generate_requests(seeded_requests(prompts, 0, params, n), params)
+        for index, completion in enumerate(completions):
+            completion.prompt_index, completion.sample_index = index // n, index % n
+        return completions
 
-        async def run_chunk(session, url_index, start, chunk_prompts):
-            payload = seeded_batch_payload(chunk_prompts, start, params, n)
-            what = f"prompts {start}..{start + len(chunk_prompts) - 1}"
-            url, body = await self._post_with_retries(session, payload, what, first_url=self.urls[url_index])
+    def generate_requests(self, requests: list[SequenceRequest], params: SamplingParams) -> list[Completion]:
+        """One sample per request, each with its own input, seed and token budget (params gives the rest); blocking,
+        in request order (Completion.prompt_index is the request's index). An API that seeds by batch (SGLang's)
+        gets contiguous chunks, one batched request per server, so the same requests give the same samples; the
+        others (vLLM's) get one request per sample."""
+        for index, request in enumerate(requests):
+            if not request.input_ids or request.max_new_tokens < 0:
+                raise ValueError(f"request {index} needs at least one input token and max_new_tokens >= 0")
+
+        async def one(session, index: int, request: SequenceRequest, semaphore) -> list[Completion]:
+            async with semaphore:
+                payload = self.api.request(request.input_ids, replace(params, max_new_tokens=request.max_new_tokens),
+                                           1, index, seed=request.seed)
+                url, body = await self._post_with_retries(session, payload, f"request {index}")
+            return self.api.parse(body, index, 1, url)
+
+        async def batch(session, url_index: int, start: int, part: list[SequenceRequest]) -> list[Completion]:
+            what = f"requests {start}..{start + len(part) - 1}"
+            url, body = await self._post_with_retries(session, batch_payload(part, params), what,
+                                                      first_url=self.urls[url_index])
             outputs = body if isinstance(body, list) else [body]
-            if len(outputs) != len(chunk_prompts) * n:
-                raise RolloutServerError(f"{url}/generate returned {len(outputs)} outputs for "
-                                         f"{len(chunk_prompts)} prompts x {n}")
-            completions = []
-            for index, output in enumerate(outputs):
-                (completion,) = parse_generate_response(output, start + index // n, 1, url)
-                completion.sample_index = index % n
-                completions.append(completion)
-            return completions
+            if len(outputs) != len(part):
+                raise RolloutServerError(f"{url}/generate returned {len(outputs)} outputs for {len(part)} requests")
+            return [completion for offset, output in enumerate(outputs)
+                    for completion in parse_generate_response(output, start + offset, 1, url)]
 
         async def collect():
             import aiohttp
 
             async with aiohttp.ClientSession() as session:
-                results = await asyncio.gather(*(run_chunk(session, i, start, part)
-                                                 for i, (start, part) in enumerate(chunks)))
+                if self.api.seeded_batches:
+                    size = -(-len(requests) // len(self.urls)) if requests else 1
+                    parts = [batch(session, number, start, requests[start:start + size])
+                             for number, start in enumerate(range(0, len(requests), size))]
+                else:
+                    semaphore = asyncio.Semaphore(self.max_concurrency)
+                    parts = [one(session, index, request, semaphore) for index, request in enumerate(requests)]
+                results = await asyncio.gather(*parts)
             return [completion for result in results for completion in result]
 
         return asyncio.run(collect())

@@ -46,13 +46,16 @@ class VLLMCompletionsAPI:
     # vLLM gives each seeded request its own generator (sample i of a request: seed + i), whatever the batch holds
     seeded_batches = False
 
-    def request(self, input_ids: list[int], params: SamplingParams, n: int, prompt_index: int) -> dict[str, Any]:
+    def request(self, input_ids: list[int], params: SamplingParams, n: int, prompt_index: int,
+                seed: int | None = None) -> dict[str, Any]:
         payload = {"prompt": list(input_ids), "n": n, "max_tokens": params.max_new_tokens,
                    "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                    "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
         if params.stop_token_ids:
             payload["stop_token_ids"] = list(params.stop_token_ids)
-        if params.seed is not None:  # vLLM seeds sample i with seed + i: the same seeds as SGLang's sampling_seed
+        if seed is not None:  # a sample continued from its prefix keeps the seed it was drawn with
+            payload["seed"] = seed
+        elif params.seed is not None:  # vLLM seeds sample i with seed + i: the same seeds as SGLang's sampling_seed
             payload["seed"] = params.sample_seed(prompt_index, 0, n)
         return payload
 
