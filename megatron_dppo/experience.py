@@ -181,6 +181,16 @@ def step_statistics(rollouts: Rollouts, rewards, lengths, selection: Selection, 
     }
 
 
+def staleness(output_versions: list[list[int]], version: int) -> dict:
+    """How many weight versions the rolled-out tokens are older than the weights that train on them (`version`): 0
+    on-policy, 1 under --async, up to --partial-rollout-max-staleness more for tokens carried over."""
+    ages = torch.tensor([version - v for versions in output_versions for v in versions], dtype=torch.float64)
+    if not len(ages):
+        return {}
+    return {"staleness_mean": float(ages.mean()), "staleness_max": float(ages.max()),
+            "off_policy_token_fraction": float((ages > 0).double().mean())}
+
+
 def prompt_outcomes(rollouts: Rollouts, rewards, lengths) -> list[dict]:
     """One record per rolled-out group: what the prompt level knew before rollout (keep probability, predicted
     zero-variance probability) and what came of it (rewards, mean response length); metrics.OUTCOMES_FILE."""
@@ -322,6 +332,7 @@ class ExperienceMaker:
                                 weights=1.0 / decision.keep_probs[decision.kept])
         samples = self.training_samples(rollouts, selection)
         stats = step_statistics(rollouts, rewards, lengths, selection, len(samples), rollouts.reward_seconds)
+        stats.update(staleness(rollouts.output_versions, self.weight_version))
         stats["prompt_outcomes"] = prompt_outcomes(rollouts, rewards, lengths)
         return Experience(samples, selection.normalizer_counts, progress, stats)
 

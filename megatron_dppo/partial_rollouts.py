@@ -30,8 +30,6 @@ Invariants:
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from megatron_dppo.algo.pruning import PromptDecision
 from megatron_dppo.rollout.client import SamplingParams, SequenceRequest
 
@@ -166,15 +164,11 @@ class PartialRollouts:
             chunks += 1
         cohort = self.open.pop(0)
         self.counts["samples_trained"] += len(cohort.samples)
-        versions = [v for sample in cohort.samples for v in sample.output_versions]
-        ages = torch.tensor([version - v for v in versions], dtype=torch.float64) if versions else torch.zeros(1)
         in_flight = [s for c in self.open for s in c.samples if not s.finished]
         stats = {"partial_chunks": float(chunks), "partial_open_cohorts": float(len(self.open)),
                  "partial_samples_resumed": float(carried),
                  "partial_samples_carried": float(len(in_flight)),
                  "partial_tokens_carried": float(sum(len(s.output_ids) for s in in_flight)),
-                 "partial_staleness_mean": float(ages.mean()), "partial_staleness_max": float(ages.max()),
-                 "partial_off_policy_token_fraction": float((ages > 0).double().mean()),
                  "partial_cohort_age": float(version - cohort.version)}
         return cohort, {"seconds": time.perf_counter() - start, "tokens": tokens, **stats}
 

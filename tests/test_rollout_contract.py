@@ -181,6 +181,27 @@ def test_seeded_batch_payload_fits_generate_req_input_with_one_sampling_seed_per
                      "seeded sampling_params (srt)")
 
 
+def test_continued_samples_payload_fits_generate_req_input_with_their_own_seed_and_token_budget():
+    """Partial rollouts continue a sample from its prompt + response so far, with the seed it was drawn with and the
+    tokens it may still add: SGLang's batched GenerateReqInput takes that per entry; vLLM gets one request each."""
+    from megatron_dppo.rollout.client import SequenceRequest, batch_payload
+    from megatron_dppo.rollout.vllm import VLLMCompletionsAPI
+
+    root = sglang_dir()
+    params = SamplingParams(temperature=1.0, max_new_tokens=64, stop_token_ids=[2], seed=7)
+    requests = [SequenceRequest([5, 6, 9, 9], 11, 8), SequenceRequest([7], 12, 3)]
+    payload = batch_payload(requests, params)
+    assert_valid(payload, class_fields(root / "srt/managers/io_struct.py", "GenerateReqInput"), "/generate batch")
+    assert payload["input_ids"] == [[5, 6, 9, 9], [7]]
+    assert [(s["sampling_seed"], s["max_new_tokens"]) for s in payload["sampling_params"]] == [(11, 8), (12, 3)]
+    for sampling in payload["sampling_params"]:
+        assert_valid(sampling, class_fields(root / "api/v1/api_types.py", "SamplingParams"), "continued sampling")
+        assert_valid(sampling, class_fields(root / "srt/sampling/sampling_params.py", "SamplingParams"),
+                     "continued sampling (srt)")
+    vllm = VLLMCompletionsAPI().request([5, 6, 9, 9], SamplingParams(max_new_tokens=8, seed=7), 1, 0, seed=11)
+    assert vllm["prompt"] == [5, 6, 9, 9] and vllm["seed"] == 11 and vllm["max_tokens"] == 8 and vllm["n"] == 1
+
+
 def method(path: Path, class_name: str, method_name: str) -> ast.FunctionDef:
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.ClassDef) and node.name == class_name:

@@ -151,3 +151,39 @@ def test_async_d3s_with_reference_kl_and_two_epochs_runs(cache_dir, tmp_path):
             assert m["seconds_logprobs"] > 0
         # the schedule follows the run's length: step / --train-iters here (the time budget is far away)
         assert m["d3s_sample_fraction"] == pytest.approx(0.25 + 0.5 * m["step"] / 3)
+
+
+def test_partial_rollouts_with_async_resume_exactly_with_carried_samples_in_the_checkpoint(cache_dir, tmp_path):
+    """--partial-rollout (cohorts carried over two steps, chunks of 8 tokens) with --async: every step trains a whole
+    cohort with some tokens sampled by older weights; kill -9 after step 2's checkpoint (which holds open cohorts
+    with their tokens) and resume: the same weights and metrics as the straight run."""
+    common = [*SHORT, "--cache-dir", cache_dir, "--train-iters", 4, "--save-interval", 2, "--partial-rollout",
+              "--partial-rollout-chunk-tokens", 8, "--async"]
+    straight = run_ok([*common, "--save", tmp_path / "straight", "--log-dir", tmp_path / "straight_log"])
+    counts = json.loads(straight.strip().splitlines()[-1])["partial_rollout_samples"]
+    assert counts["samples_started"] == counts["samples_trained"] + counts["samples_open_at_end"]
+    metrics = read_metrics(tmp_path / "straight_log")
+    assert counts["samples_trained"] == 4 * sum(m["groups_rolled_out"] for m in metrics)
+    assert counts["samples_restarted"] == 0
+    # after the first step every token trained is one version old (--async) or two (carried over once as well)
+    assert max(m["staleness_max"] for m in metrics) == 2 and min(m["staleness_mean"] for m in metrics[1:]) >= 1
+    state = torch.load(tmp_path / "straight" / "iter_0000002" / "dppo_state.pt", weights_only=False)
+    assert any(sample.output_ids and not sample.finished for cohort in state["partial_rollouts"]["open"]
+               for sample in cohort.samples), "step 2's checkpoint carries no sample mid-response"
+
+    process = launch([*common, "--save", tmp_path / "killed", "--log-dir", tmp_path / "killed_log"])
+    marker = tmp_path / "killed" / "latest"
+    deadline = time.monotonic() + 300
+    while not (marker.is_file() and marker.read_text().strip() >= "iter_0000002"):
+        assert process.poll() is None, f"the run ended before its step-2 checkpoint:\n{process.stdout.read()[-6000:]}"
+        assert time.monotonic() < deadline, "no step-2 checkpoint within 300 s"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate()
+    run_ok([*common, "--save", tmp_path / "killed", "--log-dir", tmp_path / "killed_log",
+            "--load", tmp_path / "killed" / "iter_0000002"])
+    straight_weights = export_weights(tmp_path / "straight" / "iter_0000004", tmp_path / "straight_hf")
+    resumed_weights = export_weights(tmp_path / "killed" / "iter_0000004", tmp_path / "resumed_hf")
+    for name in straight_weights:
+        assert torch.equal(straight_weights[name], resumed_weights[name]), f"{name} differs after kill and resume"
+    assert deterministic(read_metrics(tmp_path / "killed_log"))[2:] == deterministic(metrics)[2:]
