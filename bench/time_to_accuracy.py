@@ -539,20 +539,34 @@ def speedup_decomposition(runs: dict[str, dict[int, Run]], results: dict[str, di
 def fit_step_cost(runs: list[Run]) -> dict[str, float]:
     """Least squares over every step: seconds_step ≈ fixed + per_generated · tokens_generated + per_trained ·
     tokens_trained. Returns the three coefficients (seconds, seconds per token) and the fit's R²."""
+    fit = fit_step_cost_by_group({"all": runs})
+    return {"fixed": fit["fixed"]["all"], **{key: fit[key] for key in ("per_generated", "per_trained", "r_squared")}}
+
+
+def fit_step_cost_by_group(groups: dict[str, list[Run]]) -> dict:
+    """The same model with one fixed part per group of runs (say, synchronous and partial rollouts) and per-token
+    costs shared by all: {"fixed": {group: seconds}, "per_generated", "per_trained", "r_squared"}."""
     import torch
 
-    records = [r for run in runs for r in run.records]
-    if len(records) < 3:
-        raise ValueError(f"{len(records)} step records cannot fit a 3-term cost model: run longer or more runs")
-    design = torch.tensor([[1.0, float(r.get("tokens_generated", 0)), float(r.get("tokens_trained", 0))]
-                           for r in records], dtype=torch.float64)
-    seconds = torch.tensor([float(r.get("seconds_step", 0.0)) for r in records], dtype=torch.float64)
-    coefficients = torch.linalg.lstsq(design, seconds.unsqueeze(1)).solution.squeeze(1)
-    residual = seconds - design @ coefficients
-    total = ((seconds - seconds.mean()) ** 2).sum()
+    names = list(groups)
+    rows, seconds = [], []
+    for index, name in enumerate(names):
+        for record in (r for run in groups[name] for r in run.records):
+            rows.append([float(i == index) for i in range(len(names))]
+                        + [float(record.get("tokens_generated", 0)), float(record.get("tokens_trained", 0))])
+            seconds.append(float(record.get("seconds_step", 0.0)))
+    if len(rows) < len(names) + 2:
+        raise ValueError(f"{len(rows)} step records cannot fit a {len(names) + 2}-term cost model: run longer or more "
+                         "runs")
+    design = torch.tensor(rows, dtype=torch.float64)
+    target = torch.tensor(seconds, dtype=torch.float64)
+    coefficients = torch.linalg.lstsq(design, target.unsqueeze(1)).solution.squeeze(1)
+    residual = target - design @ coefficients
+    total = ((target - target.mean()) ** 2).sum()
     r_squared = float(1 - (residual ** 2).sum() / total) if total > 0 else 0.0
-    fixed, per_generated, per_trained = coefficients.tolist()
-    return {"fixed": fixed, "per_generated": per_generated, "per_trained": per_trained, "r_squared": r_squared}
+    values = coefficients.tolist()
+    return {"fixed": dict(zip(names, values[:len(names)])), "per_generated": values[-2], "per_trained": values[-1],
+            "r_squared": r_squared}
 
 
 # ------------------------------------------------------------------------------------------------ report

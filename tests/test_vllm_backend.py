@@ -2,7 +2,8 @@
 tools/install_vllm_cpu.sh builds it; $MEGATRON_DPPO_VLLM_PYTHON names its interpreter).
 
 One server on a tiny Qwen3 (head_dim 32: vLLM's CPU attention supports 32, 64, ..., not 16) serves, in order:
-generation (n > 1, seeds, top-k/top-p, stop tokens, log-probs against transformers), weight sync from a Megatron TP=2
+generation (n > 1, seeds, top-k/top-p, stop tokens, log-probs against transformers), partial rollouts (samples paused
+mid-response and continued from their prefix), weight sync from a Megatron TP=2
 actor under torchrun (tests/workers/vllm_checks.py: log-probs differ before and equal after, version advances), then
 kill -9. A server start costs 1-2 minutes on 2 cores, so checks are grouped per server. The embedded default's run
 with `--rollout-backend vllm` starts its own.
@@ -155,6 +156,31 @@ def test_generation_with_n_samples_and_seeds_is_reproducible_and_its_logprobs_eq
     with pytest.raises(RolloutServerError, match="HTTP 400.*max_tokens"):
         RolloutClient([server.url], api=VLLMCompletionsAPI(), max_retries=0).generate(
             [[1]], SamplingParams(max_new_tokens=0))
+
+
+def test_partial_rollouts_pause_a_sample_mid_response_and_resume_it_from_its_prefix_on_vllm(server, hf_model):
+    """Partial rollouts on a real vLLM server: each chunk asks for at most 4 tokens, a sample cut at the chunk
+    continues from prompt + its tokens with the seed it was drawn with. Greedy, the chunked samples are the straight
+    ones token for token; sampled, each continued sample's log-probs are the model's on the whole response."""
+    from megatron_dppo.algo.pruning import PromptDecision
+    from megatron_dppo.partial_rollouts import PartialConfig, PartialRollouts
+    from megatron_dppo.tasks import Prompt
+
+    client = RolloutClient([server.url], api=VLLMCompletionsAPI(), request_timeout_s=120)
+    prompts = [Prompt(index, ids, "0") for index, ids in enumerate(PROMPTS)]
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, max_new_tokens=11, seed=5)
+        partial = PartialRollouts(PartialConfig(chunk_tokens=4, max_staleness=0, max_response_len=11), client)
+        partial.admit(partial.cohort_to_admit(1), 0, prompts, PromptDecision.keep_all(3), 3, 3, params, 2)
+        cohort, stats = partial.run_until_oldest_whole(params, version=0)
+        assert stats["partial_chunks"] == 3  # 4 + 4 + 3 tokens: every sample paused twice mid-response
+        straight = client.generate(PROMPTS, params, n=2)
+        for sample, whole in zip(cohort.samples, straight):
+            assert len(sample.output_ids) == 11 and sample.finished
+            if temperature == 0.0:
+                assert sample.output_ids == whole.output_ids
+            want = sequence_logprobs(hf_model, sample.prompt_ids, sample.output_ids)
+            torch.testing.assert_close(torch.tensor(sample.output_logprobs), want, atol=LOGPROB_TOL, rtol=0)
 
 
 def test_megatron_tp2_actor_syncs_into_vllm_logprobs_match_after_differ_before_and_version_advances(server,
