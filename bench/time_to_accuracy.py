@@ -186,12 +186,27 @@ def finished(run_dir: Path, flags: list[str] | None = None, processes: int = 0) 
     return recorded == " ".join(command_for(flags, run_dir, processes)[1:])
 
 
+PAUSE_FILE = "pause"  # runs/<bench>/pause: hold before the next run (a run in progress is never disturbed)
+PAUSE_POLL_S = 5.0
+
+
+def hold_while_paused(run_dir: Path) -> None:
+    """Wait while a file named PAUSE_FILE is in any folder above `run_dir` up to runs/: a long benchmark is held
+    between runs, so that the machine can do other work without disturbing a timed run."""
+    folders = [folder for folder in run_dir.parents if (folder / PAUSE_FILE).is_file()]
+    if folders:
+        print(f"holding before {run_dir}: remove {folders[0] / PAUSE_FILE} to go on", flush=True)
+    while any((folder / PAUSE_FILE).is_file() for folder in run_dir.parents):
+        time.sleep(PAUSE_POLL_S)
+
+
 def launch_unless_finished(flags: list[str], run_dir: Path, processes: int) -> Path:
     """Run unless finished; a failed run is tried once more (its first log kept as failed_attempt.log), because the
     trainer's --time-budget-s stop is decided by each rank on its own clock and can desynchronise the ranks' last
     collective (a known trainer issue, reported); a second failure is raised."""
     if finished(run_dir, flags, processes):
         return run_dir
+    hold_while_paused(run_dir)
     try:
         launch(flags, run_dir, processes)
     except RuntimeError as error:

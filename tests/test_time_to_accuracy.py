@@ -328,3 +328,20 @@ def test_the_benchs_own_task_settings_are_ones_the_trainer_takes():
                            str(settings["warm_start_steps"])])
         assert (args.rollout_max_response_len, args.warm_start_problems) == (settings["rollout_max_response_len"],
                                                                               settings["warm_start_problems"])
+
+
+def test_a_pause_file_holds_the_benchmark_before_its_next_run_until_it_is_removed(tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(bench, "PAUSE_POLL_S", 0.01)
+    pause = tmp_path / "bench" / bench.PAUSE_FILE
+    pause.parent.mkdir()
+    pause.touch()
+    run_dir = tmp_path / "bench" / "runs" / "grpo" / "seed_1"
+    holding = threading.Thread(target=bench.hold_while_paused, args=(run_dir,))
+    holding.start()
+    holding.join(0.2)
+    assert holding.is_alive()  # held while the file is there
+    pause.unlink()
+    holding.join(5)
+    assert not holding.is_alive()
