@@ -194,7 +194,8 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron.add_argument("--packing-window", type=COUNT, default=256, help="Dense Prompt Packing window W")
     megatron.add_argument("--log-dir", default="runs/dppo", help="metrics.jsonl and TensorBoard events")
     megatron.add_argument("--time-budget-s", type=POSITIVE, default=None,
-                          help="stop RL when this many seconds have passed since start (after the current step)")
+                          help="stop RL once this many seconds of it have passed (after the current step); held-out "
+                               "evaluations (--eval-interval) are not counted")
 
 
 def rollout_flags(parser: argparse.ArgumentParser) -> None:

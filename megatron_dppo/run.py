@@ -165,21 +165,26 @@ def run(args) -> dict:
         elapsed_before = resumed.get("seconds_rl", 0.0)
         prompts = resumed.get("prompt_totals") or {"prompts_drawn": 0.0, "prompts_pruned": 0.0}
         metrics = MetricsLogger(args.log_dir, rank0, args.train_iters, trainer.step, prompts)
-        rl_start = time.perf_counter()
+        rl_start, eval_seconds = time.perf_counter(), 0.0
+
+        def rl_seconds() -> float:  # RL time so far: the periodic evaluations do not count against the budget
+            return elapsed_before + time.perf_counter() - rl_start - eval_seconds
+
         while trainer.step < trainer.total_steps():
-            if budget_spent(args.time_budget_s, elapsed_before + time.perf_counter() - rl_start):
+            if budget_spent(args.time_budget_s, rl_seconds()):
                 break
-            step_metrics = trainer.train_one_step(elapsed_before + time.perf_counter() - rl_start)
-            step_metrics["seconds_wall"] = elapsed_before + time.perf_counter() - rl_start
+            step_metrics = trainer.train_one_step(rl_seconds())
+            step_metrics["seconds_wall"] = rl_seconds()
             for key in prompts:
                 prompts[key] += step_metrics.get(key, 0.0)
             if args.eval_interval and trainer.step % args.eval_interval == 0:
+                eval_start = time.perf_counter()
                 step_metrics["heldout_accuracy"] = trainer.evaluate(args.eval_size)["accuracy"]
+                eval_seconds += time.perf_counter() - eval_start
             metrics.log(trainer.step, step_metrics)
             if args.save and args.save_interval and trainer.step % args.save_interval == 0:
-                trainer.save({"eval_before": before, "prompt_totals": dict(prompts),
-                              "seconds_rl": elapsed_before + time.perf_counter() - rl_start})
-        seconds_rl = elapsed_before + time.perf_counter() - rl_start
+                trainer.save({"eval_before": before, "prompt_totals": dict(prompts), "seconds_rl": rl_seconds()})
+        seconds_rl = rl_seconds()
         after = trainer.evaluate(args.eval_size)
         if args.save and not (args.save_interval and trainer.step % args.save_interval == 0):
             trainer.save({"eval_before": before, "seconds_rl": seconds_rl, "prompt_totals": dict(prompts)})
