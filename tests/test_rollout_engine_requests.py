@@ -25,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from megatron_dppo.rollout.engine import EmbeddedEngine, RequestError
+from megatron_dppo.rollout.engine import EmbeddedEngine
+from megatron_dppo.rollout.engine_requests import RequestError
 from megatron_dppo.rollout.launcher import launch_embedded_engine
 from tests.test_rollout_engine import save_tiny_model
 

@@ -1,0 +1,139 @@
+"""The embedded engine's HTTP routes: SGLang 0.5.23's, with its bodies and answers (aiohttp).
+
+/generate, /health, /health_generate, /model_info, /flush_cache, /pause_generation, /continue_generation,
+/init_weights_update_group, /begin_weight_update, /update_weights_from_distributed, /end_weight_update,
+/destroy_weights_update_group, /update_weights_from_disk. A RequestError, a missing field or a wrong type is
+answered with HTTP 400 and the reason; with an API key every route but /health* needs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from megatron_dppo.rollout.engine_requests import RequestError
+
+
+def build_app(engine, api_key: str | None = None):
+    from aiohttp import web
+
+    async def json_body(request) -> dict:
+        if not request.can_read_body:
+            return {}
+        try:
+            return await request.json()
+        except ValueError as error:
+            raise RequestError(f"request body is not JSON: {error}") from None
+
+    def handler(fn):
+        async def wrapped(request):
+            try:
+                return await fn(request)
+            except (RequestError, KeyError, TypeError) as error:
+                message = f"missing field {error}" if isinstance(error, KeyError) else str(error)
+                return web.json_response({"error": {"message": message}, "success": False, "message": message},
+                                         status=400)
+        return wrapped
+
+    @web.middleware
+    async def check_api_key(request, handler):
+        # As SGLang: health probes stay open; everything else needs "Authorization: Bearer <key>".
+        if api_key and not request.path.startswith("/health"):
+            if request.headers.get("Authorization", "") != f"Bearer {api_key}":
+                return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
+        return await handler(request)
+
+    async def generate(request):
+        return web.json_response(await engine.generate(await json_body(request)))
+
+    async def health(request):
+        return web.Response(status=200)
+
+    async def health_generate(request):
+        if engine.paused or engine.running:
+            return web.Response(status=200)
+        try:
+            await asyncio.wait_for(engine.generate({"input_ids": [0], "sampling_params": {
+                "max_new_tokens": 1, "temperature": 0.0}}), timeout=20)
+        except (TimeoutError, RuntimeError):
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def model_info(request):
+        return web.json_response(engine.model_info())
+
+    async def flush_cache(request):
+        # No cache outlives a request here; like SGLang, refuse while requests are running or waiting.
+        if engine.running or (engine.waiting and not engine.paused):
+            return web.Response(status=400, text="Cache not flushed: requests are running.\n")
+        return web.Response(status=200, text="Cache flushed.\n")
+
+    async def pause_generation(request):
+        await engine.pause((await json_body(request)).get("mode", "abort"))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(request):
+        engine.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def locked_call(fn, body, blocking: bool = True) -> None:
+        async with engine.model_lock:
+            if blocking:  # off the event loop, which keeps serving the other routes meanwhile
+                await asyncio.get_running_loop().run_in_executor(None, fn, body)
+            else:  # bookkeeping only: a hand-over to a thread would cost more than the call
+                fn(body)
+
+    def locked_route(method: str, message: str, blocking: bool = True):
+        """A control route: `engine.<method>(body)` under the model lock, answered with SGLang's success body."""
+        async def route(request):
+            await locked_call(getattr(engine, method), await json_body(request), blocking)
+            return web.json_response({"success": True, "message": message})
+        return route
+
+    async def update_distributed(request):
+        body = await json_body(request)
+        async with engine.model_lock:  # generation never sees a half-loaded bucket
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, engine.update_from_distributed, body)
+        if body.get("weight_version") is not None:
+            engine.weight_version = str(body["weight_version"])
+        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def update_from_disk(request):
+        body = await json_body(request)
+        await locked_call(engine.load_from_disk, body)
+        engine.load_format = body.get("load_format")
+        if body.get("weight_version") is not None:
+            engine.weight_version = str(body["weight_version"])
+        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+                                  "num_paused_requests": 0})
+
+    app = web.Application(middlewares=[check_api_key], client_max_size=1024**3)
+    app.router.add_route("POST", "/generate", handler(generate))
+    app.router.add_route("PUT", "/generate", handler(generate))
+    app.router.add_get("/health", handler(health))
+    app.router.add_get("/health_generate", handler(health_generate))
+    app.router.add_get("/model_info", handler(model_info))
+    app.router.add_route("*", "/flush_cache", handler(flush_cache))
+    app.router.add_post("/pause_generation", handler(pause_generation))
+    app.router.add_post("/continue_generation", handler(continue_generation))
+    app.router.add_post("/init_weights_update_group", handler(locked_route(
+        "join_group", "Succeeded to initialize custom process group.")))
+    app.router.add_post("/destroy_weights_update_group", handler(locked_route(
+        "leave_group", "Succeeded to destroy custom process group.")))
+    app.router.add_post("/begin_weight_update", handler(locked_route("begin_weight_update", "Success",
+                                                                     blocking=False)))
+    app.router.add_post("/update_weights_from_distributed", handler(update_distributed))
+    app.router.add_post("/end_weight_update", handler(locked_route("end_weight_update", "Success", blocking=False)))
+    app.router.add_post("/update_weights_from_disk", handler(update_from_disk))
+
+    async def start_batch_loop(app):
+        engine.model_lock = asyncio.Lock()
+        engine.wakeup = asyncio.Event()
+        app["batch_loop"] = asyncio.create_task(engine.batch_loop())
+
+    async def stop_batch_loop(app):
+        app["batch_loop"].cancel()
+
+    app.on_startup.append(start_batch_loop)
+    app.on_cleanup.append(stop_batch_loop)
+    return app

@@ -1,0 +1,229 @@
+"""The embedded engine's scheduler: a queue of sequences, batched and decoded on worker threads.
+
+    requests ──► queue ──► batch loop (until a quiet millisecond, at most `batch_window_s`) ──► split over the decode
+                 workers ──► each: prefill, then one position per step from its KV cache (rollout/decoder.py), every
+                 row sampled at once (rollout/sampling.py)
+
+pause(abort) ends running sequences with finish_reason "abort"; pause(retract) puts them back in the queue with their
+tokens, resumed on continue. A batch is split over the workers as a function of the batch alone, and a seeded
+sample's randomness depends on its seed and position only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from megatron_dppo.rollout.engine_requests import RequestError, Sequence
+from megatron_dppo.rollout.sampling import sample_next_tokens, sample_uniforms, seed_words
+
+# Below this many sequences per worker, splitting a batch costs more (smaller matmuls, a second prefill of shared
+# prompts) than a second core gives back.
+MIN_ROWS_PER_WORKER = 16
+
+
+class BatchScheduler:
+    """The EmbeddedEngine's generation side: queue, batch loop, decode workers, pause and continue."""
+
+    def decode(self, batch: list[Sequence]) -> None:
+        """Decode `batch`, split over the workers (contiguous parts, so the same batch is always split alike)."""
+        parts = min(self.num_workers, len(batch) // MIN_ROWS_PER_WORKER)
+        if parts <= 1:
+            self.generate_batch(batch)
+            return
+        bounds = [len(batch) * part // parts for part in range(parts + 1)]
+        futures = [self.workers.submit(self.generate_batch, batch[start:end])
+                   for start, end in zip(bounds, bounds[1:])]
+        errors = [error for future in futures if (error := future.exception()) is not None]
+        if errors:
+            raise errors[0]
+
+    @torch.no_grad()
+    def generate_batch(self, batch: list[Sequence]) -> None:
+        """Run the sampling loop for `batch` until each sequence finishes or a pause interrupts it.
+
+        The batch's tokens and log-probs are kept in tensors and handed to the sequences once, at the end (also when
+        a pause interrupts it: a retracted sequence resumes after the tokens it has)."""
+        for seq in batch:  # nothing left to generate (e.g. max_new_tokens 0 for prompt scoring)
+            if seq.finish_reason is None and len(seq.output_ids) >= seq.params.max_new_tokens:
+                seq.finish_reason = {"type": "length", "length": seq.params.max_new_tokens}
+        contexts = [seq.prompt_ids + seq.output_ids for seq in batch]
+        budgets = torch.tensor([0 if seq.finish_reason else seq.token_budget(self.max_positions) for seq in batch])
+        state, hidden = self.decoder.prefill(contexts)
+        for row, seq in enumerate(batch):
+            if seq.return_logprob and seq.logprob_start_len >= 0 and seq.input_logprobs is None:
+                context_logits = self.decoder.logits(hidden[row, hidden.shape[1] - len(contexts[row]):])
+                seq.input_logprobs = self._prompt_logprobs(context_logits, seq)
+        rows = (budgets > 0).nonzero().squeeze(1)  # batch index of each row of the cache
+        if len(rows) == 0:
+            return
+        if len(rows) < len(batch):
+            self.decoder.keep(state, rows)
+        next_logits = self.decoder.logits(hidden[rows, -1])  # [rows, V]
+        del hidden
+
+        max_budget = int(budgets.max())
+        temperature, top_p, top_k, uniforms, stop_table = self._row_settings(batch, contexts, max_budget)
+        tokens_out = torch.zeros(len(batch), max_budget, dtype=torch.long)  # [B, budget]
+        logprobs_out = torch.zeros(tokens_out.shape, dtype=torch.float32)
+        produced = torch.zeros(len(batch), dtype=torch.long)
+        stopped = torch.zeros(len(batch), dtype=torch.bool)
+        running = torch.ones(len(rows), dtype=torch.bool)  # per cache row: still generating
+        try:
+            while True:
+                if self.interrupt.is_set():
+                    return  # the pause handler decides what happens to unfinished sequences
+                # a finished row still in the cache has produced its budget: it reads the last uniform, unused
+                step_uniforms = uniforms[rows, produced[rows].clamp(max=max_budget - 1)]
+                tokens, token_logprobs = sample_next_tokens(next_logits, temperature[rows], top_p[rows], top_k[rows],
+                                                            step_uniforms)
+                live = running.nonzero().squeeze(1)
+                batch_rows = rows[live]
+                tokens_out[batch_rows, produced[batch_rows]] = tokens[live]
+                logprobs_out[batch_rows, produced[batch_rows]] = token_logprobs[live]
+                produced[batch_rows] += 1
+                hit_stop = (tokens[live, None] == stop_table[batch_rows]).any(dim=1)
+                stopped[batch_rows] = hit_stop
+                finished = hit_stop | (produced[batch_rows] >= budgets[batch_rows])
+                if finished.any():
+                    running[live[finished]] = False
+                    if not running.any():
+                        return
+                    if 4 * int(running.sum()) <= 3 * len(rows):  # a quarter of the cache is finished rows: drop them
+                        kept = running.nonzero().squeeze(1)
+                        self.decoder.keep(state, kept)
+                        rows, tokens, running = rows[kept], tokens[kept], running[kept]
+                next_logits = self.decoder.logits(self.decoder.step(state, tokens))
+        finally:
+            self._hand_over(batch, tokens_out, logprobs_out, produced, stopped, budgets)
+
+    def _row_settings(self, batch: list[Sequence], contexts: list[list[int]], max_budget: int):
+        """Per row of `batch`: temperature [B], top_p [B], top_k [B], the uniform of each token it may generate
+        [B, max_budget] (rollout/sampling.py), and its stop ids [B, S] (-1 pads)."""
+        temperature = torch.tensor([seq.params.temperature for seq in batch], dtype=torch.float32)
+        top_p = torch.tensor([seq.params.top_p for seq in batch], dtype=torch.float32)
+        top_k = torch.tensor([seq.params.top_k for seq in batch], dtype=torch.long)
+        seeds = [seed_words(seq.seed) if seq.seed is not None else (0, 0) for seq in batch]
+        seed_low, seed_high = torch.tensor(seeds, dtype=torch.long).reshape(-1, 2).unbind(1)
+        seeded = torch.tensor([seq.seed is not None for seq in batch])
+        first_position = torch.tensor([len(context) for context in contexts])  # of each row's next token
+        uniforms = sample_uniforms(seed_low, seed_high, seeded, first_position, max_budget, self.generator)
+        stop_sets = [seq.params.stop_token_ids | (set() if seq.params.ignore_eos else self.eos_token_ids)
+                     for seq in batch]
+        stop_table = torch.full((len(batch), max(1, *map(len, stop_sets))), -1, dtype=torch.long)
+        for row, stops in enumerate(stop_sets):
+            stop_table[row, :len(stops)] = torch.tensor(sorted(stops), dtype=torch.long)
+        return temperature, top_p, top_k, uniforms, stop_table
+
+    def _hand_over(self, batch: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor,
+                   produced: torch.Tensor, stopped: torch.Tensor, budgets: torch.Tensor) -> None:
+        """Append each row's new tokens and log-probs to its sequence and set the finish reason of those that ended:
+        a stop token (SGLang's {"type": "stop", "matched": id}, the token kept in the output) or the length."""
+        for seq, row_tokens, row_logprobs, count, stop, budget in zip(
+                batch, tokens.tolist(), logprobs.tolist(), produced.tolist(), stopped.tolist(), budgets.tolist()):
+            if count == 0:
+                continue
+            seq.output_ids.extend(row_tokens[:count])
+            seq.output_logprobs.extend(row_logprobs[:count])
+            if stop:
+                seq.finish_reason = {"type": "stop", "matched": row_tokens[count - 1]}
+            elif count >= budget:
+                seq.finish_reason = {"type": "length", "length": len(seq.output_ids)}
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, seq: Sequence) -> list:
+        """SGLang's input_token_logprobs: position i scores token i given tokens < i; position 0 has None."""
+        scale = seq.params.temperature if seq.params.temperature > 0 else 1.0
+        logprobs = torch.log_softmax(logits[: len(seq.prompt_ids) - 1] / scale, dim=-1)  # [P-1, V]
+        targets = torch.tensor(seq.prompt_ids[1:], dtype=torch.long)
+        values = [None] + logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
+        return values[seq.logprob_start_len:]
+
+    async def batch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.wakeup.wait()
+            await self._gather_arrivals()
+            self.wakeup.clear()
+            if self.paused or not self.waiting:
+                continue
+            async with self.model_lock:
+                batch = self._next_batch()
+                self.running = True
+                try:
+                    await loop.run_in_executor(None, self.decode, batch)
+                except Exception as error:  # a broken batch must not kill the server
+                    for seq in batch:
+                        if not seq.done.done():
+                            seq.done.set_exception(error)
+                    continue
+                finally:
+                    self.running = False
+            interrupted = [seq for seq in batch if seq.finish_reason is None]
+            if interrupted and self.interrupt_mode == "retract":
+                self.waiting = interrupted + self.waiting
+            for seq in interrupted if self.interrupt_mode == "abort" else []:
+                seq.finish_reason = {"type": "abort", "message": "aborted by /pause_generation"}
+            for seq in batch:
+                if seq.finish_reason is not None and not seq.done.done():
+                    seq.done.set_result(None)
+            if self.waiting:
+                self.wakeup.set()
+
+    async def _gather_arrivals(self) -> None:
+        """Let concurrent requests join the batch: wait while requests keep arriving (a quiet period of a fifth of
+        the window), at most batch_window_s. One batched request (the trainer's) starts after the quiet period."""
+        deadline = time.monotonic() + self.batch_window_s
+        waiting = -1
+        while len(self.waiting) != waiting and time.monotonic() < deadline:
+            waiting = len(self.waiting)
+            await asyncio.sleep(min(self.batch_window_s / 5, max(deadline - time.monotonic(), 0.0)))
+
+    def _next_batch(self) -> list[Sequence]:
+        """The waiting sequences that run next, in order: at most max_batch_size, and as many as keep the batch's
+        cache (rows x (longest context + largest budget)) within max_total_tokens; always at least one."""
+        batch, width, budget = [], 0, 0
+        for seq in self.waiting:
+            row_width = max(width, len(seq.prompt_ids) + len(seq.output_ids))
+            row_budget = max(budget, seq.token_budget(self.max_positions))
+            if batch and (len(batch) == self.max_batch_size
+                          or (len(batch) + 1) * (row_width + row_budget) > self.max_total_tokens):
+                break
+            batch.append(seq)
+            width, budget = row_width, row_budget
+        self.waiting = self.waiting[len(batch):]
+        return batch
+
+    # ---- HTTP handlers ------------------------------------------------------------------------------------
+
+    async def generate(self, body: dict):
+        sequences, single = self._parse_generate(body)
+        loop = asyncio.get_running_loop()
+        for seq in sequences:
+            seq.done = loop.create_future()
+        self.waiting.extend(sequences)
+        self.wakeup.set()
+        await asyncio.gather(*(seq.done for seq in sequences))
+        responses = [self._response(seq) for seq in sequences]
+        return responses[0] if single else responses
+
+    async def pause(self, mode: str) -> None:
+        if mode not in ("abort", "retract"):
+            raise RequestError(f"pause mode {mode!r} is not supported by the embedded engine; use abort or retract")
+        self.paused = True
+        self.interrupt_mode = mode
+        self.interrupt.set()
+        async with self.model_lock:  # wait until the running batch has stopped
+            pass
+        if mode == "abort":
+            for seq in self.waiting:
+                seq.finish_reason = {"type": "abort", "message": "aborted by /pause_generation"}
+                seq.done.set_result(None)
+            self.waiting = []
+
+    def resume(self) -> None:
+        self.paused = False
+        self.interrupt.clear()
+        self.wakeup.set()

@@ -1,0 +1,196 @@
+"""The embedded engine's weights: SGLang's weight-update session and group, and loading by HF name.
+
+    /init_weights_update_group (once, gloo) ─► per sync: /begin_weight_update ─► /update_weights_from_distributed per
+    bucket (receive, check names and shapes, load: flattened buckets zero-copy, or one broadcast per tensor)
+    ─► /end_weight_update
+
+An update outside a begin .. end session is refused before anything is received (HTTP 400, SGLang's message), as
+are a second begin and an end without a begin; every received tensor must name a parameter of the model with the
+same shape, or the update fails and says which names were wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron_dppo.platform import collectives
+from megatron_dppo.rollout.engine_requests import RequestError
+from megatron_dppo.rollout.weight_sync import (
+    destroy_weight_update_group,
+    init_weight_update_group,
+    tensor_nbytes,
+    unpack_bucket,
+)
+
+# SGLang 0.5.23's weight-update session refusals (managers/scheduler_components/weight_updater.py), word for word;
+# tests/test_rollout_contract.py reads them from the wheel's source.
+UPDATE_OUTSIDE_SESSION = ("update_weights_from_distributed must run between begin_weight_update() and "
+                          "end_weight_update()")
+SESSION_ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
+NO_SESSION_OPEN = "no weight-update session is open; call begin_weight_update() first"
+SESSION_SELECTORS = ("target", "draft", "all")  # BeginWeightUpdateReqInput.selector
+
+
+class WeightUpdates:
+    """The EmbeddedEngine's weight side (the model lock is the routes': generation never sees a half-loaded bucket)."""
+
+    def _parameters_by_name(self) -> dict[str, torch.Tensor]:
+        tensors = dict(self.model.named_parameters(remove_duplicate=False))
+        tensors.update(self.model.named_buffers(remove_duplicate=False))
+        return tensors
+
+    def join_group(self, body: dict) -> None:
+        name = body.get("group_name", "weight_update_group")
+        if name in self.groups:
+            raise RequestError(f"weight update group {name!r} already exists; destroy it first")
+        backend = body.get("backend", "nccl")
+        if backend != "gloo":  # SGLang's default is nccl; this engine's weights live in host memory
+            raise RequestError(f"backend {backend!r}: the embedded engine holds its model in host memory, which only "
+                               "a gloo group carries; join with backend 'gloo'")
+        self.groups[name] = init_weight_update_group(
+            backend, body["master_address"], int(body["master_port"]),
+            int(body["rank_offset"]), int(body["world_size"]), name,
+        )
+
+    def leave_group(self, body: dict) -> None:
+        name = body.get("group_name", "weight_update_group")
+        if name not in self.groups:
+            raise RequestError(f"no weight update group {name!r}")
+        destroy_weight_update_group(self.groups.pop(name))
+
+    def begin_weight_update(self, body: dict) -> None:
+        selector = body.get("selector", "all")
+        if selector not in SESSION_SELECTORS:
+            raise RequestError(f"selector {selector!r} must be one of {list(SESSION_SELECTORS)}")
+        if self.session_selector is not None:
+            raise RequestError(SESSION_ALREADY_OPEN)
+        self.session_selector = selector
+
+    def end_weight_update(self, body: dict) -> None:
+        if self.session_selector is None:
+            raise RequestError(NO_SESSION_OPEN)
+        self.session_selector = None
+
+    def update_from_distributed(self, body: dict) -> None:
+        """Receive one bucket from group rank 0 and load it (flattened_bucket: one broadcast; null: one per tensor).
+
+        Zero-copy: a flattened bucket is received into a new buffer and the parameters it names become views into
+        it; the next sync with the same bucket layout broadcasts straight into that buffer, i.e. into the
+        parameters. Per-tensor broadcasts go straight into the parameters. A tensor whose dtype differs from its
+        parameter's, or that names a buffer, is copied (and converted) instead. Names and shapes are checked
+        before anything is loaded; a refused bucket is still received, so the group stays in step. Outside a
+        begin/end session nothing is received (SGLang's rule): the trainer's broadcast is left to its teardown."""
+        if self.session_selector is None:
+            raise RequestError(UPDATE_OUTSIDE_SESSION)
+        name = body.get("group_name", "weight_update_group")
+        if name not in self.groups:
+            raise RequestError(f"weight update group {name!r} does not exist; call /init_weights_update_group")
+        group = self.groups[name]
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        load_format = body.get("load_format")
+        problem = self._metadata_problem(names, dtypes, shapes, load_format)
+        if problem:
+            # The size of the trainer's broadcast cannot be known from malformed metadata, so this engine cannot
+            # stay in step with the group: leave it, and say how to recover, rather than hang or load garbage.
+            destroy_weight_update_group(self.groups.pop(name))
+            raise RequestError(f"malformed weight update ({problem}); the weight update group {name!r} was "
+                               "destroyed: call /init_weights_update_group again and resend the weights")
+        if load_format == "flattened_bucket":
+            layout = tuple(zip(names, dtypes, map(tuple, shapes), strict=True))
+            buffer = self.bucket_buffers.get(layout)
+            what = f"weight bucket {names[0]} .. {names[-1]}"
+            if buffer is not None and self._parameters_live_in(buffer, layout):
+                collectives.broadcast(group, buffer, 0, what).wait()
+                return
+            nbytes = sum(tensor_nbytes(dtype, shape) for dtype, shape in zip(dtypes, shapes))
+            flat = torch.empty(nbytes, dtype=torch.uint8)
+            collectives.broadcast(group, flat, 0, what).wait()
+            if self.load_named_tensors(unpack_bucket(flat, names, dtypes, shapes), adopt=True):
+                self.bucket_buffers = {key: value for key, value in self.bucket_buffers.items()
+                                       if not set(names) & {entry[0] for entry in key}}
+                self.bucket_buffers[layout] = flat
+            return
+        if load_format is None:
+            targets = self._parameters_by_name()
+            received = []
+            for tensor_name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+                target = targets.get(tensor_name)
+                direct = (target is not None and target.dtype == getattr(torch, dtype)
+                          and list(target.shape) == list(shape) and target.is_contiguous())
+                tensor = target.data if direct else torch.empty(shape, dtype=getattr(torch, dtype))
+                received.append((tensor_name, tensor))
+            try:
+                self._check_fit(received, targets)  # before receiving: a refused update changes nothing
+                refused = None
+            except RequestError as error:
+                refused = error
+                received = [(n, torch.empty(shape, dtype=getattr(torch, dtype)))
+                            for n, dtype, shape in zip(names, dtypes, shapes)]
+            for tensor_name, tensor in received:
+                collectives.broadcast(group, tensor, 0, f"weight {tensor_name}").wait()
+            if refused is not None:
+                raise refused
+            self.load_named_tensors([(n, t) for n, t in received if t.data_ptr() != targets[n].data_ptr()])
+            return
+
+    @staticmethod
+    def _metadata_problem(names, dtypes, shapes, load_format) -> str | None:
+        if load_format not in (None, "flattened_bucket"):
+            return f"load_format {load_format!r} is not supported; use null or 'flattened_bucket'"
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+            return "names, dtypes and shapes must be lists"
+        if not len(names) == len(dtypes) == len(shapes):
+            return f"{len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes"
+        unknown = sorted({d for d in dtypes if not isinstance(getattr(torch, str(d), None), torch.dtype)})
+        if unknown:
+            return f"unknown dtypes {unknown}"
+        if any(not isinstance(shape, list) or any(not isinstance(n, int) or n < 0 for n in shape) for shape in shapes):
+            return "every shape must be a list of non-negative integers"
+        return None
+
+    def _parameters_live_in(self, buffer: torch.Tensor, layout: tuple) -> bool:
+        """Whether every tensor of `layout` is still a parameter stored at its offset in `buffer`."""
+        targets = self._parameters_by_name()
+        offset = 0
+        for name, dtype, shape in layout:
+            target = targets.get(name)
+            if target is None or target.data_ptr() != buffer.data_ptr() + offset or list(target.shape) != list(shape):
+                return False
+            offset += tensor_nbytes(dtype, shape)
+        return True
+
+    @staticmethod
+    def _check_fit(named_tensors: list[tuple[str, torch.Tensor]], targets: dict[str, torch.Tensor]) -> None:
+        unknown = [name for name, _ in named_tensors if name not in targets]
+        mismatched = [f"{name} {list(t.shape)} vs {list(targets[name].shape)}" for name, t in named_tensors
+                      if name in targets and t.shape != targets[name].shape]
+        if unknown or mismatched:
+            raise RequestError(f"weights do not fit the model: unknown names {unknown[:8]}, "
+                               f"shape mismatches {mismatched[:8]}")
+
+    @torch.no_grad()
+    def load_named_tensors(self, named_tensors: list[tuple[str, torch.Tensor]], adopt: bool = False) -> bool:
+        """Load by HF name. adopt=True makes a parameter of the same dtype a view of the given tensor instead of
+        copying into it (the caller hands its buffer over). Returns whether every tensor was adopted."""
+        targets = self._parameters_by_name()
+        self._check_fit(named_tensors, targets)
+        parameters = dict(self.model.named_parameters(remove_duplicate=False))
+        adopted_all = True
+        for name, tensor in named_tensors:
+            target = targets[name]
+            if adopt and name in parameters and target.dtype == tensor.dtype:
+                parameters[name].data = tensor  # tied embeddings are one Parameter: both names follow
+            else:
+                target.copy_(tensor)
+                adopted_all = False
+        return adopted_all
+
+    def load_from_disk(self, body: dict) -> None:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(body["model_path"]).glob("*.safetensors"))
+        if not files:
+            raise RequestError(f"model_path {body['model_path']} has no *.safetensors files")
+        self.load_named_tensors([item for file in files for item in load_file(file).items()])
