@@ -66,13 +66,20 @@ METHODS = {
     "dppo-uncorrected": ["--algorithm", "dppo", "--no-dppo-importance-weights"],
     "cppo": ["--algorithm", "cppo", "--cppo-refill"],  # with its paper's refill: batch / (1 - P) prompts drawn
     "d3s": ["--algorithm", "d3s"],
-    # the unbiased alternatives to the defaults, so that the page shows which is best
+}
+# Run by default with --variant-seeds (fewer than the methods' seeds): DPPO's unbiased alternatives to its defaults,
+# so that the page shows which is best, and rollouts that do not wait for the longest response (partial rollouts,
+# one step off-policy), with GRPO and DPPO
+VARIANTS = {
     "dppo-no-refill": ["--algorithm", "dppo", "--no-dppo-refill"],
     "dppo-no-completion-level": ["--algorithm", "dppo", "--dppo-completion-prune-rate", "0"],
-    "dppo-p-min-0.1": ["--algorithm", "dppo", "--dppo-prompt-p-min", "0.1"],
+    "grpo-partial": ["--algorithm", "grpo", "--partial-rollout"],
+    "dppo-partial": ["--algorithm", "dppo", "--partial-rollout"],
+    "grpo-async": ["--algorithm", "grpo", "--async"],
+    "dppo-async": ["--algorithm", "dppo", "--async"],
 }
-ABLATIONS: dict[str, list[str]] = {}  # further variants: not run by default, --methods runs them
-ALL_METHODS = {**METHODS, **ABLATIONS}
+ABLATIONS = {"dppo-p-min-0.1": ["--algorithm", "dppo", "--dppo-prompt-p-min", "0.1"]}  # not run unless --methods
+ALL_METHODS = {**METHODS, **VARIANTS, **ABLATIONS}
 HEADLINE_METHOD = "dppo"
 CONTROL = "sft-control"
 # Every method runs with these flags, so the page records them (the embedded defaults may change under us).
@@ -132,6 +139,7 @@ class Settings:
     out_dir: Path
     methods: list[str]
     seeds: list[int]
+    variant_seeds: list[int]
     budget_s: float
     task: str
     warm_start_steps: int
@@ -240,6 +248,12 @@ def prepare_warm_start(settings: Settings, measure_rate: bool = True) -> tuple[P
         raise RuntimeError(f"the warm start built faster than it loaded from cache ({timing}): the machine was too "
                            f"noisy to time it, or the build found a cache; delete {root} and {cache} and run again")
     return found[0], timing["steps"] / seconds
+
+
+def seeds_of(settings: Settings, method: str) -> list[int]:
+    """The RL seeds a method runs with: every seed for METHODS and ABLATIONS, --variant-seeds among them for
+    VARIANTS."""
+    return [seed for seed in settings.seeds if method not in VARIANTS or seed in settings.variant_seeds]
 
 
 def rl_flags(settings: Settings, method: str, seed: int, warm_start: Path) -> list[str]:
@@ -779,9 +793,9 @@ def prompt_level_table(root: Path, runs: dict[str, dict[int, Run]], pool: int) -
     return markdown(header, rows)
 
 
-def load_groups(root: Path, methods: list[str], seeds: list[int], size: ModelSize) -> dict[str, dict[int, Run]]:
+def load_groups(root: Path, seeds_by_method: dict[str, list[int]], size: ModelSize) -> dict[str, dict[int, Run]]:
     groups = {}
-    for method in methods:
+    for method, seeds in seeds_by_method.items():
         by_seed = {}
         for seed in seeds:
             run_dir = root / method / f"seed_{seed}"
@@ -815,8 +829,10 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="smoke check: 1 seed, 25 s budget, 200-step warm start, 128 evaluation problems")
-    parser.add_argument("--methods", nargs="+", choices=list(ALL_METHODS), default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=list(ALL_METHODS), default=[*METHODS, *VARIANTS])
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="RL seeds (default 1 2 3 4 5; quick: 1)")
+    parser.add_argument("--variant-seeds", nargs="+", type=int, default=[1, 2, 3],
+                        help="the seeds (among --seeds) the VARIANTS run with (default 1 2 3)")
     parser.add_argument("--budget-s", type=float, default=None, help="RL wall time per run (default 150; quick 25)")
     parser.add_argument("--synthetic-task", choices=list(TASK_SETTINGS), default="worked",
                         help="worked (the embedded default) or the older answer-only task")
@@ -848,7 +864,8 @@ def parse_args(argv: list[str] | None) -> Settings:
     page = Path(args.write_page) if args.write_page else None
     settings = Settings(
         out_dir=out_dir, methods=["grpo", *[m for m in args.methods if m != "grpo"]],
-        seeds=pick(args.seeds, [1, 2, 3, 4, 5], [1]), budget_s=pick(args.budget_s, 150.0, 25.0), task=task,
+        seeds=pick(args.seeds, [1, 2, 3, 4, 5], [1]), variant_seeds=args.variant_seeds,
+        budget_s=pick(args.budget_s, 150.0, 25.0), task=task,
         warm_start_steps=pick(args.warm_start_steps, TASK_SETTINGS[task]["warm_start_steps"], 200),
         eval_interval=pick(args.eval_interval, 25, 25),
         eval_size=pick(args.eval_size, 1024, 128), control=not args.no_control,
@@ -874,16 +891,19 @@ def main(argv: list[str] | None = None) -> None:
         if settings.page:
             write_page(settings.page, "grpo-tuning", report)
         return
-    for seed in settings.seeds:
-        for method in settings.methods:
+    for seed in settings.seeds:  # seed by seed, so that a change in the machine's load falls on every method alike
+        for method in (method for method in settings.methods if seed in seeds_of(settings, method)):
             run_rl(settings, method, seed, warm_start)
             print(f"finished {method} seed {seed} ({time.perf_counter() - started:.0f} s so far)", flush=True)
     size = model_size(next((settings.out_dir / "cache" / "init").glob("embedded_*/init")))
-    groups = load_groups(settings.out_dir / "runs", settings.methods, settings.seeds, size)
+    groups = load_groups(settings.out_dir / "runs", {method: seeds_of(settings, method)
+                                                     for method in settings.methods}, size)
     table, results = accuracy_table(groups)
     flat = {method: list(by_seed.values()) for method, by_seed in groups.items()}
     sections = [
-        f"Settings: the {settings.task} synthetic task, {len(settings.seeds)} seed(s) {settings.seeds}, RL budget "
+        f"Settings: the {settings.task} synthetic task, {len(settings.seeds)} seed(s) {settings.seeds} (the "
+        f"variants {', '.join(m for m in settings.methods if m in VARIANTS) or 'none'}: seeds "
+        f"{settings.variant_seeds}), RL budget "
         f"{settings.budget_s:.0f} s per run, warm start {settings.warm_start_steps} supervised steps "
         f"(`{' '.join(warm_start_flags(settings.task))}`), {settings.eval_size} held-out problems every "
         f"{settings.eval_interval} steps, {settings.processes} processes. Model: {size.parameters} parameters.\n"
@@ -922,7 +942,8 @@ def main(argv: list[str] | None = None) -> None:
         math_size = model_size(model_dir)
         for method in settings.methods:
             run_math(settings, method, settings.seeds[0], model_dir)
-        math_groups = load_groups(settings.out_dir / "math", settings.methods, settings.seeds[:1], math_size)
+        math_groups = load_groups(settings.out_dir / "math", dict.fromkeys(settings.methods, settings.seeds[:1]),
+                                  math_size)
         sections.append(f"### MATH train prompts, tiny random model, {settings.math_budget_s:.0f} s per method "
                         f"(seed {settings.seeds[0]})\n\n"
                         f"{math_table({m: list(r.values()) for m, r in math_groups.items()}, math_size)}")

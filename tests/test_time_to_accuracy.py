@@ -136,7 +136,7 @@ def test_tables_from_metric_files_on_disk(tmp_path):
         write_run(tmp_path / "runs" / "grpo" / f"seed_{seed}", [0.25, 0.3, 0.35, 0.4, 0.4, 0.4], 1.0)
         write_run(tmp_path / "runs" / "dppo-proportional" / f"seed_{seed}", [0.4, 0.4, 0.42, 0.42], 0.5,
                   tokens=(100, 60))
-    groups = bench.load_groups(tmp_path / "runs", ["grpo", "dppo-proportional", "cppo"], [1, 2, 3], size)
+    groups = bench.load_groups(tmp_path / "runs", dict.fromkeys(["grpo", "dppo-proportional", "cppo"], [1, 2, 3]), size)
     assert sorted(groups) == ["dppo-proportional", "grpo"] and sorted(groups["grpo"]) == [1, 2]
     table, results = bench.accuracy_table(groups)
     # GRPO's target is 0.4, reached (trailing mean of 3) at 5 s. DPPO's trailing mean is 1/3 at 1.0 s and 1.22/3 at
