@@ -168,13 +168,13 @@ def test_partial_rollouts_pause_a_sample_mid_response_and_resume_it_from_its_pre
 
     client = RolloutClient([server.url], api=VLLMCompletionsAPI(), request_timeout_s=120)
     prompts = [Prompt(index, ids, "0") for index, ids in enumerate(PROMPTS)]
-    for temperature in (0.0, 1.0):
+    for temperature, group in ((0.0, 1), (1.0, 2)):  # vLLM refuses n > 1 with greedy sampling
         params = SamplingParams(temperature=temperature, max_new_tokens=11, seed=5)
         partial = PartialRollouts(PartialConfig(chunk_tokens=4, max_staleness=0, max_response_len=11), client)
-        partial.admit(partial.cohort_to_admit(1), 0, prompts, PromptDecision.keep_all(3), 3, 3, params, 2)
+        partial.admit(partial.cohort_to_admit(1), 0, prompts, PromptDecision.keep_all(3), 3, 3, params, group)
         cohort, stats = partial.run_until_oldest_whole(params, version=0)
         assert stats["partial_chunks"] == 3  # 4 + 4 + 3 tokens: every sample paused twice mid-response
-        straight = client.generate(PROMPTS, params, n=2)
+        straight = client.generate(PROMPTS, params, n=group)
         for sample, whole in zip(cohort.samples, straight):
             assert len(sample.output_ids) == 11 and sample.finished
             if temperature == 0.0:
