@@ -5,7 +5,7 @@ partial rollouts do to it on the worked task.
     runs (the real entry point, torchrun, 2 processes + the embedded engine, GRPO without the DAPO filter so that
     every generated token is also trained): the cached warm start (the default task's worked responses, 14 to ~160
     tokens), and an untrained model (--warm-start-steps 0: random tokens until the end token or
-    --rollout-max-response-len) at two response limits
+    --rollout-max-response-len) at two response limits, on the answer-only task's prompts
     ─► every step after the first --skip-steps of each run ─► least squares (bench/time_to_accuracy.fit_step_cost)
     ─► a table of the runs' median phases, the fit, `name: value` lines
 
@@ -30,87 +30,94 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.time_to_accuracy import (  # noqa: E402
-    fit_step_cost,
-    fit_step_cost_by_group,
-    launch_unless_finished,
-    markdown,
-)
+from bench.time_to_accuracy import fit_step_cost, launch_unless_finished, markdown  # noqa: E402
 from tools.plot_metrics import load_run  # noqa: E402
 
 # name -> trainer flags on top of GRPO without the DAPO filter: three response-length regimes
 RUNS = {
     "warm start, worked responses": [],
-    "untrained, up to 16 tokens": ["--warm-start-steps", "0", "--rollout-max-response-len", "16"],
-    "untrained, up to 44 tokens": ["--warm-start-steps", "0", "--rollout-max-response-len", "44"],
+    # the answer-only task's prompts: a response limit below the worked task's longest responses is refused there
+    "untrained, up to 16 tokens": ["--warm-start-steps", "0", "--synthetic-task", "answer",
+                                   "--rollout-max-response-len", "16"],
+    "untrained, up to 44 tokens": ["--warm-start-steps", "0", "--synthetic-task", "answer",
+                                   "--rollout-max-response-len", "44"],
 }
 PHASES = ("seconds_step", "seconds_rollout", "seconds_update", "seconds_sync", "tokens_generated", "tokens_trained")
-# the worked task's comparison: algorithm -> flags (the embedded default's DAPO filter kept), and partial rollouts' own
+# the worked task's comparison: algorithm -> flags (the embedded default's DAPO filter kept), and the rollout modes:
+# synchronous, the shipped partial-rollout defaults (the headline), and other bounds and chunk sizes
 ALGORITHMS = {"grpo": ["--algorithm", "grpo"], "dppo": ["--algorithm", "dppo"]}
-PARTIAL_FLAGS = ["--partial-rollout", "--partial-rollout-chunk-tokens", "32", "--partial-rollout-max-staleness", "1"]
+MODES = {
+    "synchronous": [],
+    "partial": ["--partial-rollout"],  # --partial-rollout-max-staleness 1, --partial-rollout-chunk-tokens 32
+    "partial, staleness 2": ["--partial-rollout", "--partial-rollout-max-staleness", "2"],
+    "partial, chunks of 64": ["--partial-rollout", "--partial-rollout-chunk-tokens", "64"],
+}
 
 
 def steps_per_second(run) -> float:
     return len(run.records) / sum(float(r["seconds_step"]) for r in run.records)
 
 
+def median_row(run, keys) -> list[str]:
+    return [f"{statistics.median(float(r.get(key, 0.0)) for r in run.records):.4g}" for key in keys]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget-s", type=float, default=40.0, help="RL seconds per run")
+    parser.add_argument("--budget-s", type=float, default=40.0, help="RL seconds per cost-model run")
+    parser.add_argument("--modes-budget-s", type=float, default=90.0,
+                        help="RL seconds per run of the worked task's rollout-mode comparison")
     parser.add_argument("--out-dir", default="runs/step_cost")
     parser.add_argument("--processes", type=int, default=2, help="torchrun --nproc-per-node")
     parser.add_argument("--skip-steps", type=int, default=5, help="first steps of each run left out (warm-up)")
     args = parser.parse_args(argv)
     out = Path(args.out_dir)
-    base = ["--algorithm", "grpo", "--no-dapo-filter", "--cache-dir", str(out / "cache"), "--eval-size", "16",
-            "--time-budget-s", str(args.budget_s)]
-    runs = {}
-    for index, (name, flags) in enumerate(RUNS.items()):
-        run_dir = launch_unless_finished([*base, *flags], out / f"run_{index}", args.processes)
+
+    def run_of(flags: list[str], name: str, budget_s: float):
+        common = ["--cache-dir", str(out / "cache"), "--eval-size", "16", "--time-budget-s", str(budget_s)]
+        run_dir = launch_unless_finished([*common, *flags], out / name.replace(", ", "_").replace(" ", "_"),
+                                         args.processes)
         run = load_run(run_dir, name)
         run.records = run.records[args.skip_steps:]
-        runs[name] = run
-    rows = [[name, str(len(run.records)), *(f"{statistics.median(r[key] for r in run.records):.4g}" for key in PHASES)]
-            for name, run in runs.items()]
-    cost = fit_step_cost(list(runs.values()))
-    print(markdown(["run", "steps", *PHASES], rows))
-    print(f"\nFit over {sum(len(run.records) for run in runs.values())} steps (R² {cost['r_squared']:.2f}): step ≈ "
-          f"{1000 * cost['fixed']:.1f} ms + {1e6 * cost['per_generated']:.1f} µs x generated tokens + "
-          f"{1e6 * cost['per_trained']:.1f} µs x trained tokens")
+        return run
+
+    keys = ("decode_iterations", *PHASES)
+    base = {name: run_of(["--algorithm", "grpo", "--no-dapo-filter", *flags], f"run_{index}", args.budget_s)
+            for index, (name, flags) in enumerate(RUNS.items())}
+    by_mode = {mode: {algorithm: run_of([*flags, *extra], f"{algorithm}, {mode}", args.modes_budget_s)
+                      for algorithm, flags in ALGORITHMS.items()} for mode, extra in MODES.items()}
+    every_run = [*base.values(), *(run for runs in by_mode.values() for run in runs.values())]
+    cost = fit_step_cost(every_run)
+    print(markdown(["run", "steps", *keys], [[name, str(len(run.records)), *median_row(run, keys)]
+                                              for name, run in base.items()]))
+    print(f"\nThe worked task, by rollout mode ({args.modes_budget_s:.0f} s of RL each):\n")
+    rows, shares, speedups = [], {}, {}
+    for mode, runs in by_mode.items():
+        records = [r for run in runs.values() for r in run.records]
+        step = statistics.fmean(float(r["seconds_step"]) for r in records)
+        iterations = statistics.fmean(float(r.get("decode_iterations", 0.0)) for r in records)
+        shares[mode] = (cost["fixed"] + cost["per_iteration"] * iterations) / step
+        speedups[mode] = min(steps_per_second(runs[a]) / steps_per_second(by_mode["synchronous"][a]) for a in runs)
+        for algorithm, run in runs.items():
+            rows.append([algorithm, mode, str(len(run.records)), f"{steps_per_second(run):.3f}",
+                         f"{steps_per_second(run) / steps_per_second(by_mode['synchronous'][algorithm]):.2f}x",
+                         *median_row(run, keys),
+                         f"{statistics.fmean(r.get('partial_chunks', 1.0) for r in run.records):.2f}"])
+    print(markdown(["algorithm", "rollouts", "steps", "steps/s", "vs synchronous", *keys, "chunks/step"], rows))
+    print(f"\nFit over {sum(len(run.records) for run in every_run)} steps of every run (R² {cost['r_squared']:.2f}): "
+          f"step ≈ {1000 * cost['fixed']:.1f} ms + {1000 * cost['per_iteration']:.2f} ms x decode iterations + "
+          f"{1e6 * cost['per_generated']:.1f} µs x generated tokens + {1e6 * cost['per_trained']:.1f} µs x trained "
+          "tokens. The part of a step that does not scale with tokens (fixed + decode iterations), by mode: "
+          + ", ".join(f"{mode} {100 * share:.0f}%" for mode, share in shares.items()) + ".")
+    print("Steps per second against synchronous rollouts, the smaller of GRPO's and DPPO's: "
+          + ", ".join(f"{mode} {value:.2f}x" for mode, value in speedups.items() if mode != "synchronous"))
     print(f"step_cost_fixed_ms: {1000 * cost['fixed']:.2f}")
+    print(f"step_cost_per_iteration_ms: {1000 * cost['per_iteration']:.3f}")
     print(f"step_cost_per_generated_token_us: {1e6 * cost['per_generated']:.2f}")
     print(f"step_cost_per_trained_token_us: {1e6 * cost['per_trained']:.2f}")
-
-    modes = {"synchronous": [], "partial": []}
-    speedups, rows = {}, []
-    for algorithm, flags in ALGORITHMS.items():
-        pair = {}
-        for mode, extra in (("synchronous", []), ("partial", PARTIAL_FLAGS)):
-            common = ["--cache-dir", str(out / "cache"), "--eval-size", "16", "--time-budget-s", str(args.budget_s)]
-            run_dir = launch_unless_finished([*common, *flags, *extra], out / f"{algorithm}_{mode}", args.processes)
-            run = load_run(run_dir, f"{algorithm}, {mode}")
-            run.records = run.records[args.skip_steps:]
-            pair[mode] = run
-            modes[mode].append(run)
-            rows.append([algorithm, mode, str(len(run.records)), f"{steps_per_second(run):.3f}",
-                         *(f"{statistics.median(r[key] for r in run.records):.4g}" for key in PHASES),
-                         f"{statistics.fmean(r.get('partial_chunks', 1.0) for r in run.records):.2f}"])
-        speedups[algorithm] = steps_per_second(pair["partial"]) / steps_per_second(pair["synchronous"])
-    by_mode = fit_step_cost_by_group(modes)
-    print(f"\nThe worked task, synchronous and partial rollouts ({' '.join(PARTIAL_FLAGS)}):\n")
-    print(markdown(["algorithm", "rollouts", "steps", "steps/s", *PHASES, "chunks/step"], rows))
-    shares = {}
-    for mode, runs_of_mode in modes.items():
-        mean_step = statistics.fmean(r["seconds_step"] for run in runs_of_mode for r in run.records)
-        shares[mode] = by_mode["fixed"][mode] / mean_step
-        print(f"{mode}: fixed {1000 * by_mode['fixed'][mode]:.1f} ms of a mean step of {1000 * mean_step:.1f} ms "
-              f"({100 * shares[mode]:.0f}%)")
-    print(f"shared per-token costs (R² {by_mode['r_squared']:.2f}): {1e6 * by_mode['per_generated']:.1f} µs per "
-          f"generated token, {1e6 * by_mode['per_trained']:.1f} µs per trained token")
-    print("steps per second, partial / synchronous: " + ", ".join(f"{a} {v:.2f}x" for a, v in speedups.items()))
     print(f"step_cost_fixed_share_synchronous: {shares['synchronous']:.3f}")
     print(f"step_cost_fixed_share_partial: {shares['partial']:.3f}")
-    print(f"partial_rollout_step_speedup: {min(speedups.values()):.3f}")
+    print(f"partial_rollout_step_speedup: {speedups['partial']:.3f}")
 
 
 if __name__ == "__main__":

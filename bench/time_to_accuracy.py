@@ -566,36 +566,34 @@ def speedup_decomposition(runs: dict[str, dict[int, Run]], results: dict[str, di
 
 
 def fit_step_cost(runs: list[Run]) -> dict[str, float]:
-    """Least squares over every step: seconds_step ≈ fixed + per_generated · tokens_generated + per_trained ·
-    tokens_trained. Returns the three coefficients (seconds, seconds per token) and the fit's R²."""
-    fit = fit_step_cost_by_group({"all": runs})
-    return {"fixed": fit["fixed"]["all"], **{key: fit[key] for key in ("per_generated", "per_trained", "r_squared")}}
-
-
-def fit_step_cost_by_group(groups: dict[str, list[Run]]) -> dict:
-    """The same model with one fixed part per group of runs (say, synchronous and partial rollouts) and per-token
-    costs shared by all: {"fixed": {group: seconds}, "per_generated", "per_trained", "r_squared"}."""
+    """Least squares over every step: seconds_step ≈ fixed + per_iteration · decode_iterations + per_generated ·
+    tokens_generated + per_trained · tokens_trained (decode_iterations: the engine's decode loop iterations, as many
+    as the step's longest response, or the chunks' under partial rollouts; left out for runs that do not log it).
+    Returns the coefficients (seconds, seconds per iteration or token) and the fit's R²."""
     import torch
 
-    names = list(groups)
-    rows, seconds = [], []
-    for index, name in enumerate(names):
-        for record in (r for run in groups[name] for r in run.records):
-            rows.append([float(i == index) for i in range(len(names))]
-                        + [float(record.get("tokens_generated", 0)), float(record.get("tokens_trained", 0))])
-            seconds.append(float(record.get("seconds_step", 0.0)))
-    if len(rows) < len(names) + 2:
-        raise ValueError(f"{len(rows)} step records cannot fit a {len(names) + 2}-term cost model: run longer or more "
-                         "runs")
-    design = torch.tensor(rows, dtype=torch.float64)
-    target = torch.tensor(seconds, dtype=torch.float64)
+    records = [r for run in runs for r in run.records]
+    iterations = all("decode_iterations" in r for r in records)
+    terms = ("decode_iterations",) * iterations + ("tokens_generated", "tokens_trained")
+    if len(records) < 1 + len(terms):
+        raise ValueError(f"{len(records)} step records cannot fit a {1 + len(terms)}-term cost model: run longer or "
+                         "more runs")
+    design = torch.tensor([[1.0] + [float(r.get(term, 0)) for term in terms] for r in records], dtype=torch.float64)
+    target = torch.tensor([float(r.get("seconds_step", 0.0)) for r in records], dtype=torch.float64)
     coefficients = torch.linalg.lstsq(design, target.unsqueeze(1)).solution.squeeze(1)
     residual = target - design @ coefficients
     total = ((target - target.mean()) ** 2).sum()
     r_squared = float(1 - (residual ** 2).sum() / total) if total > 0 else 0.0
-    values = coefficients.tolist()
-    return {"fixed": dict(zip(names, values[:len(names)])), "per_generated": values[-2], "per_trained": values[-1],
+    fixed, *values = coefficients.tolist()
+    per_term = dict(zip(terms, values))
+    return {"fixed": fixed, "per_iteration": per_term.get("decode_iterations", 0.0),
+            "per_generated": per_term["tokens_generated"], "per_trained": per_term["tokens_trained"],
             "r_squared": r_squared}
+
+
+def token_dependent_seconds(cost: dict, phases: dict) -> float:
+    """The part of a mean step (phase_breakdown) that scales with tokens, by the fit."""
+    return cost["per_generated"] * phases["tokens_generated"] + cost["per_trained"] * phases["tokens_trained"]
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -679,8 +677,7 @@ def decomposition_table(runs: dict[str, dict[int, Run]], results: dict[str, dict
     token_cost = {}
     for method, by_seed in runs.items():
         phases = phase_breakdown(list(by_seed.values()))
-        token_cost[method] = (phases["seconds_step"], cost["per_generated"] * phases["tokens_generated"]
-                              + cost["per_trained"] * phases["tokens_trained"])
+        token_cost[method] = (phases["seconds_step"], token_dependent_seconds(cost, phases))
     base_step, base_tokens = token_cost["grpo"]
     rows = []
     for method, part in parts.items():
@@ -694,9 +691,10 @@ def decomposition_table(runs: dict[str, dict[int, Run]], results: dict[str, dict
               "shorter steps: GRPO s/step / s/step", "fixed / token-dependent ms per step (fit)",
               "GRPO token-dependent time / method's"]
     fit = (f"Fit over every step of every run (R² {cost['r_squared']:.2f}): step ≈ {1000 * cost['fixed']:.0f} ms "
-           f"+ {1e6 * cost['per_generated']:.0f} µs per generated token + {1e6 * cost['per_trained']:.0f} µs per "
-           f"trained token. Of GRPO's mean step ({1000 * base_step:.0f} ms) the part that does not scale with "
-           f"tokens is {100 * (base_step - base_tokens) / base_step:.0f}%.")
+           f"+ {1000 * cost['per_iteration']:.2f} ms per decode iteration + {1e6 * cost['per_generated']:.0f} µs per "
+           f"generated token + {1e6 * cost['per_trained']:.0f} µs per trained token. Of GRPO's mean step "
+           f"({1000 * base_step:.0f} ms) the part that does not scale with tokens (fixed and decode iterations) is "
+           f"{100 * (base_step - base_tokens) / base_step:.0f}%.")
     return markdown(header, rows) + "\n\n" + fit
 
 

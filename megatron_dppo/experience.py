@@ -292,9 +292,12 @@ class ExperienceMaker:
             raise RuntimeError(f"the rollout servers returned {len(completions)} samples for {len(prompts)} prompts "
                                f"x {group}: a server dropped requests")
         output_ids = [c.output_ids for c in completions]
+        # the engine decodes a request's samples together, one iteration per position of the longest
+        iterations = max((len(ids) for ids in output_ids), default=0)
         return self.scored(prompts, decision, output_ids, [c.output_logprobs for c in completions],
                            [[self.weight_version] * len(ids) for ids in output_ids], time.perf_counter() - start,
-                           num_drawn, capacity, sum(len(ids) for ids in output_ids))
+                           num_drawn, capacity, sum(len(ids) for ids in output_ids),
+                           {"decode_iterations": float(iterations)})
 
     def scored(self, prompts: list, decision: PromptDecision, output_ids, output_logprobs, output_versions,
                seconds: float, num_drawn: int, capacity: int, tokens_generated: int,

@@ -148,7 +148,7 @@ class PartialRollouts:
         if not self.open:
             raise RuntimeError("no open cohort: admit one before generating")
         start = time.perf_counter()
-        chunks = tokens = 0
+        chunks = tokens = iterations = 0
         carried = sum(not s.finished and len(s.output_ids) > 0 for cohort in self.open for s in cohort.samples)
         while not self.open[0].whole:
             pending = [s for cohort in self.open for s in cohort.samples if not s.finished]
@@ -162,10 +162,12 @@ class PartialRollouts:
                               completion.finish_reason, self.config.max_response_len)
                 tokens += len(completion.output_ids)
             chunks += 1
+            iterations += max((len(completion.output_ids) for completion in completions), default=0)
         cohort = self.open.pop(0)
         self.counts["samples_trained"] += len(cohort.samples)
         in_flight = [s for c in self.open for s in c.samples if not s.finished]
-        stats = {"partial_chunks": float(chunks), "partial_open_cohorts": float(len(self.open)),
+        stats = {"partial_chunks": float(chunks), "decode_iterations": float(iterations),
+                 "partial_open_cohorts": float(len(self.open)),
                  "partial_samples_resumed": float(carried),
                  "partial_samples_carried": float(len(in_flight)),
                  "partial_tokens_carried": float(sum(len(s.output_ids) for s in in_flight)),

@@ -345,3 +345,13 @@ def test_a_pause_file_holds_the_benchmark_before_its_next_run_until_it_is_remove
     pause.unlink()
     holding.join(5)
     assert not holding.is_alive()
+
+
+def test_step_cost_fit_recovers_a_per_iteration_cost_when_runs_log_decode_iterations():
+    records = [{"seconds_step": 0.05 + 0.003 * it + 0.0001 * gen + 0.0002 * tr, "decode_iterations": it,
+                "tokens_generated": gen, "tokens_trained": tr}
+               for it, gen, tr in ((170, 6000, 1400), (80, 5000, 900), (120, 7000, 2000), (60, 3000, 500),
+                                   (176, 6500, 300))]
+    fit = bench.fit_step_cost([Run("a", records)])
+    assert fit["fixed"] == pytest.approx(0.05) and fit["per_iteration"] == pytest.approx(0.003)
+    assert fit["per_generated"] == pytest.approx(0.0001) and fit["per_trained"] == pytest.approx(0.0002)
