@@ -48,46 +48,26 @@ class Trainer:
         self.maker = ExperienceMaker(args, task, tokenizer, client)
         self.history, self.pruner, self.loss_config = self.maker.history, self.maker.pruner, self.maker.loss_config
         self.pad_multiple = sequence_pad_multiple(args.tensor_model_parallel_size, 1, args.sequence_parallel)
-        self.executor = ThreadPoolExecutor(1) if args.async_rollout and self.rank0 else None
-        self.pending = None  # rank 0, --async: the future of the next step's rollouts
-        self.pending_rollouts = None  # rank 0, --async after a resume: the saved next-step rollouts
+        self.rollouts = NextRollouts(self.maker, args.async_rollout and self.rank0)
 
     # ------------------------------------------------------------------------------------------- the loop
     def train_one_step(self, elapsed_s: float = 0.0) -> dict:
         """One RL step; `elapsed_s` is the RL wall time so far (rank 0's clock), for the run's progress."""
         self.step += 1
         start = time.perf_counter()
-        rollouts = self.next_rollouts()                        # rank 0: prompt level + generation
+        rollouts = self.rollouts.take(self.step) if self.rank0 else None  # rank 0: prompt level + generation
         experience = self.make_experience(rollouts, elapsed_s)  # rank 0 → every rank: reward, advantages, pruning
-        self.start_next_rollouts()                             # --async: step t+1 generates while t trains
+        if self.step < self.total_steps():
+            self.rollouts.start(self.step + 1)                 # --async: step t+1 generates while t trains
         micro_batches, packing_stats = self.pack(experience)   # Dense Prompt Packing, this DP rank's bins
         logprob_seconds = self.compute_old_logprobs(micro_batches, experience)
         update = self.update(micro_batches, experience)
-        self.wait_pending_rollouts()
+        self.rollouts.finish()                                 # before the weights change
         sync = self.sync_weights()
         return {**experience.stats, **packing_stats, **update, **sync, "seconds_logprobs": logprob_seconds,
                 "seconds_step": time.perf_counter() - start, "lr": self.actor.lr}
 
     # ------------------------------------------------------------------------------------------- phases
-    def next_rollouts(self) -> Rollouts | None:
-        if not self.rank0:
-            return None
-        if self.pending_rollouts is not None:
-            rollouts, self.pending_rollouts = self.pending_rollouts, None
-            return rollouts
-        if self.pending is not None:
-            rollouts, self.pending = self.pending.result(), None
-            return rollouts
-        return self.maker.generate(self.step)
-
-    def start_next_rollouts(self) -> None:
-        if self.executor is not None and self.step < self.total_steps():
-            self.pending = self.executor.submit(self.maker.generate, self.step + 1)
-
-    def wait_pending_rollouts(self) -> None:
-        if self.pending is not None:
-            self.pending_rollouts, self.pending = self.pending.result(), None
-
     def make_experience(self, rollouts: Rollouts | None, elapsed_s: float) -> Experience:
         """rank 0 computes, every rank receives: rewards → advantages (full groups) → history → DAPO → pruning."""
         progress = run_progress(self.step, elapsed_s, self.args.train_iters, self.args.time_budget_s)
@@ -203,7 +183,7 @@ class Trainer:
         dist.all_gather_object(rng_states, rng)
         state = {"step": self.step, "task": self.task.state_dict() if self.rank0 else None,
                  "history": self.history.state_dict(), "scheduler": self.actor.scheduler.state_dict(),
-                 "rng": rng_states, "pending_rollouts": self.pending_rollouts,
+                 "rng": rng_states, "pending_rollouts": self.rollouts.ready,
                  "partial_rollouts": self.maker.partial.state_dict() if self.maker.partial and self.rank0 else None,
                  **extra}
         save_checkpoint(self.args.save, self.step, self.actor.sharded_state_dict(),
@@ -221,7 +201,7 @@ class Trainer:
         self.actor.scheduler.load_state_dict(state["scheduler"])
         if self.rank0:
             self.task.load_state_dict(state["task"])
-            self.pending_rollouts = state["pending_rollouts"]
+            self.rollouts.ready = state["pending_rollouts"]
             if self.maker.partial is not None and state.get("partial_rollouts") is not None:
                 self.maker.partial.load_state_dict(state["partial_rollouts"])
         rng = state["rng"][dist.get_rank()] if len(state["rng"]) == dist.get_world_size() else state["rng"][0]
@@ -229,6 +209,32 @@ class Trainer:
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         return state
+
+
+class NextRollouts:
+    """rank 0: where a step's rollouts come from. Synchronous: generated when the step takes them. --async: the next
+    step's are generated in a thread while this step trains (start), finished before the weight sync (finish), so
+    they are one version old; `ready` holds them between steps and goes into a checkpoint."""
+
+    def __init__(self, maker: ExperienceMaker, overlap: bool):
+        self.maker = maker
+        self.executor = ThreadPoolExecutor(1) if overlap else None
+        self.future = None  # the next step's rollouts being generated
+        self.ready: Rollouts | None = None  # the next step's rollouts, generated (also after a resume)
+
+    def take(self, step: int) -> Rollouts:
+        if self.ready is not None:
+            rollouts, self.ready = self.ready, None
+            return rollouts
+        return self.maker.generate(step)
+
+    def start(self, step: int) -> None:
+        if self.executor is not None:
+            self.future = self.executor.submit(self.maker.generate, step)
+
+    def finish(self) -> None:
+        if self.future is not None:
+            self.ready, self.future = self.future.result(), None
 
 
 def select_step_tokens(pruner, micro_batches, progress: float):
