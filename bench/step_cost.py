@@ -48,10 +48,12 @@ PHASES = ("seconds_step", "seconds_rollout", "seconds_update", "seconds_sync", "
 ALGORITHMS = {"grpo": ["--algorithm", "grpo"], "dppo": ["--algorithm", "dppo"]}
 MODES = {
     "synchronous": [],
-    "partial": ["--partial-rollout"],  # --partial-rollout-max-staleness 1, --partial-rollout-chunk-tokens 32
-    "partial, staleness 2": ["--partial-rollout", "--partial-rollout-max-staleness", "2"],
-    "partial, chunks of 64": ["--partial-rollout", "--partial-rollout-chunk-tokens", "64"],
+    "partial, chunks of 64": ["--partial-rollout", "--partial-rollout-chunk-tokens", "64"],  # the shipped defaults
+    "partial, chunks of 32": ["--partial-rollout", "--partial-rollout-chunk-tokens", "32"],
+    "partial, chunks of 32, staleness 2": ["--partial-rollout", "--partial-rollout-chunk-tokens", "32",
+                                           "--partial-rollout-max-staleness", "2"],
 }
+HEADLINE = "partial, chunks of 64"  # --partial-rollout alone: --partial-rollout-max-staleness 1, chunks of 64
 
 
 def steps_per_second(run) -> float:
@@ -116,8 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"step_cost_per_generated_token_us: {1e6 * cost['per_generated']:.2f}")
     print(f"step_cost_per_trained_token_us: {1e6 * cost['per_trained']:.2f}")
     print(f"step_cost_fixed_share_synchronous: {shares['synchronous']:.3f}")
-    print(f"step_cost_fixed_share_partial: {shares['partial']:.3f}")
-    print(f"partial_rollout_step_speedup: {speedups['partial']:.3f}")
+    print(f"step_cost_fixed_share_partial: {shares[HEADLINE]:.3f}")
+    print(f"partial_rollout_step_speedup: {speedups[HEADLINE]:.3f}")
 
 
 if __name__ == "__main__":

@@ -240,7 +240,7 @@ def rollout_flags(parser: argparse.ArgumentParser) -> None:
                          help="a step's rollout does not wait for its longest response: each step's draw is a "
                               "cohort continued chunk by chunk over up to --partial-rollout-max-staleness + 1 steps, "
                               "and each step trains the oldest once all its samples are done (docs/rollout.md)")
-    rollout.add_argument("--partial-rollout-chunk-tokens", type=COUNT, default=32,
+    rollout.add_argument("--partial-rollout-chunk-tokens", type=COUNT, default=64,
                          help="--partial-rollout: tokens a sample may add per request; the step checks between "
                               "chunks whether its oldest cohort is whole")
     rollout.add_argument("--partial-rollout-max-staleness", type=COUNT_OR_NONE, default=1,
@@ -501,7 +501,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.dapo_oversample != 1.0 and not (args.dapo_filter or args.dapo_dynamic_sampling):
         errors.append("--dapo-oversample refills groups removed by the DAPO filter: add --dapo-filter")
     partial_flags = [flag for flag, value, default in (
-        ("--partial-rollout-chunk-tokens", args.partial_rollout_chunk_tokens, 32),
+        ("--partial-rollout-chunk-tokens", args.partial_rollout_chunk_tokens, 64),
         ("--partial-rollout-max-staleness", args.partial_rollout_max_staleness, 1)) if value != default]
     if partial_flags and not args.partial_rollout:
         errors.append(f"{partial_flags[0]} applies to partial rollouts: add --partial-rollout or drop it")

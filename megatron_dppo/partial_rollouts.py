@@ -89,7 +89,7 @@ class Cohort:
 
 @dataclass
 class PartialConfig:
-    chunk_tokens: int = 32
+    chunk_tokens: int = 64
     max_staleness: int = 1
     max_response_len: int = 1024
 
