@@ -90,11 +90,9 @@ def deterministic(metrics: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if not any(t in k for t in TIMING_FIELDS)} for m in metrics]
 
 
-def test_resume_after_kill_is_bitwise_identical_and_corrupt_checkpoints_are_named(cache_dir, tmp_path):
-    common = [*SHORT, "--cache-dir", cache_dir, "--train-iters", 4, "--save-interval", 2,
-              "--keep-last-checkpoints", 3]
-    run_ok([*common, "--save", tmp_path / "straight", "--log-dir", tmp_path / "straight_log"])
-
+def kill_after_step_2_and_resume(common: list, tmp_path: Path) -> None:
+    """Run to tmp_path/killed, kill -9 the whole torchrun group somewhere after step 2's checkpoint, then resume from
+    that checkpoint (the killed run may have got further before the kill landed) to the end."""
     process = launch([*common, "--save", tmp_path / "killed", "--log-dir", tmp_path / "killed_log"])
     marker = tmp_path / "killed" / "latest"
     deadline = time.monotonic() + 300
@@ -102,11 +100,18 @@ def test_resume_after_kill_is_bitwise_identical_and_corrupt_checkpoints_are_name
         assert process.poll() is None, f"the run ended before its step-2 checkpoint:\n{process.stdout.read()[-6000:]}"
         assert time.monotonic() < deadline, "no step-2 checkpoint within 300 s"
         time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)  # kill -9 the whole torchrun group, somewhere after step 2's checkpoint
+    os.killpg(process.pid, signal.SIGKILL)
     process.communicate()
-    # resume from step 2's checkpoint (the killed run may have got further before the kill landed)
     run_ok([*common, "--save", tmp_path / "killed", "--log-dir", tmp_path / "killed_log",
             "--load", tmp_path / "killed" / "iter_0000002"])
+
+
+def test_resume_after_kill_is_bitwise_identical_and_corrupt_checkpoints_are_named(cache_dir, tmp_path):
+    common = [*SHORT, "--cache-dir", cache_dir, "--train-iters", 4, "--save-interval", 2,
+              "--keep-last-checkpoints", 3]
+    run_ok([*common, "--save", tmp_path / "straight", "--log-dir", tmp_path / "straight_log"])
+
+    kill_after_step_2_and_resume(common, tmp_path)
 
     straight = export_weights(tmp_path / "straight" / "iter_0000004", tmp_path / "straight_hf")
     resumed = export_weights(tmp_path / "killed" / "iter_0000004", tmp_path / "resumed_hf")
@@ -171,17 +176,7 @@ def test_partial_rollouts_with_async_resume_exactly_with_carried_samples_in_the_
     assert any(sample.output_ids and not sample.finished for cohort in state["partial_rollouts"]["open"]
                for sample in cohort.samples), "step 2's checkpoint carries no sample mid-response"
 
-    process = launch([*common, "--save", tmp_path / "killed", "--log-dir", tmp_path / "killed_log"])
-    marker = tmp_path / "killed" / "latest"
-    deadline = time.monotonic() + 300
-    while not (marker.is_file() and marker.read_text().strip() >= "iter_0000002"):
-        assert process.poll() is None, f"the run ended before its step-2 checkpoint:\n{process.stdout.read()[-6000:]}"
-        assert time.monotonic() < deadline, "no step-2 checkpoint within 300 s"
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.communicate()
-    run_ok([*common, "--save", tmp_path / "killed", "--log-dir", tmp_path / "killed_log",
-            "--load", tmp_path / "killed" / "iter_0000002"])
+    kill_after_step_2_and_resume(common, tmp_path)
     straight_weights = export_weights(tmp_path / "straight" / "iter_0000004", tmp_path / "straight_hf")
     resumed_weights = export_weights(tmp_path / "killed" / "iter_0000004", tmp_path / "resumed_hf")
     for name in straight_weights:
