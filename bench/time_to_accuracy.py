@@ -37,6 +37,7 @@ Last line: dppo_speedup_vs_grpo: X [low, high] (DPPO's defaults; the seed-mean s
 """
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -153,6 +154,7 @@ class Settings:
     page: Path | None
     figures_dir: Path
     tune_grpo: bool = False
+    records_dir: Path | None = None  # RECORDS_DIR for the full benchmark; None: --no-records, --quick, --out-dir
 
 
 @dataclass
@@ -270,8 +272,75 @@ def rl_flags(settings: Settings, method: str, seed: int, warm_start: Path) -> li
 
 
 def run_rl(settings: Settings, method: str, seed: int, warm_start: Path) -> Path:
-    return launch_unless_finished(rl_flags(settings, method, seed, warm_start),
-                                  settings.out_dir / "runs" / method / f"seed_{seed}", settings.processes)
+    return launch_recorded(settings, rl_flags(settings, method, seed, warm_start),
+                           settings.out_dir / "runs" / method / f"seed_{seed}")
+
+
+# ------------------------------------------------------------------------------------------------ records
+# Finished RL runs and the control are also kept, compressed, in the repository (RECORDS_DIR), so that the full table
+# is finished over several sittings on fresh machines: a run recorded there with the same command (paths of the repo
+# and of --out-dir aside) and from the same warm start (its held-out accuracy at the start, 1024 greedy answers) is
+# restored into --out-dir instead of run again. The warm start itself is rebuilt (deterministic on the CPU build).
+RECORDS_DIR = REPO / "bench" / "records" / "time_to_accuracy"
+RECORD_FILES = ("summary.json", "metrics.jsonl", prompt_prediction.OUTCOMES_FILE)  # stored gzipped, + command.txt
+
+
+def portable_command(run_dir: Path, out_dir: Path) -> str:
+    """A finished run's command.txt with this checkout's and this --out-dir's paths named by placeholders."""
+    text = (run_dir / "command.txt").read_text().strip()
+    return text.replace(str(REPO), "$REPO").replace(str(out_dir), "$OUT")
+
+
+def warm_start_accuracy(settings: Settings) -> float:
+    return json.loads((settings.out_dir / "warm_start" / "build" / "summary.json").read_text())[
+        "heldout_accuracy_before"]
+
+
+def save_record(settings: Settings, run_dir: Path, record_dir: Path) -> None:
+    """Copy a finished run's command (portable) and files (gzipped, without timestamps) to record_dir."""
+    record_dir.mkdir(parents=True, exist_ok=True)
+    (record_dir / "command.txt").write_text(portable_command(run_dir, settings.out_dir) + "\n")
+    for name in RECORD_FILES:
+        if (run_dir / name).is_file():
+            with open(record_dir / f"{name}.gz", "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out:
+                out.write((run_dir / name).read_bytes())
+
+
+def restore_record(settings: Settings, record_dir: Path, run_dir: Path, flags: list[str]) -> bool:
+    """Restore record_dir into run_dir if it holds this very run: same command, same warm start; False if not."""
+    if not (record_dir / "command.txt").is_file() or not (record_dir / "summary.json.gz").is_file():
+        return False
+    (run_dir / "command.txt").parent.mkdir(parents=True, exist_ok=True)
+    (run_dir / "command.txt").write_text(" ".join(command_for(flags, run_dir, settings.processes)[1:]) + "\n")
+    if portable_command(run_dir, settings.out_dir) != (record_dir / "command.txt").read_text().strip():
+        print(f"not restoring {record_dir}: it was run with another command (see its command.txt)", flush=True)
+        return False
+    summary = json.loads(gzip.decompress((record_dir / "summary.json.gz").read_bytes()))
+    start = settings.out_dir / "warm_start" / "build" / "summary.json"
+    if start.is_file() and abs(summary["heldout_accuracy_before"] - warm_start_accuracy(settings)) > 1e-9:
+        raise RuntimeError(
+            f"{record_dir} starts from another warm start (held-out accuracy {summary['heldout_accuracy_before']} "
+            f"against this one's {warm_start_accuracy(settings)}): a changed warm-start setting, torch build or "
+            f"machine. Delete {RECORDS_DIR} to run every method again from this warm start, or pass --no-records")
+    for name in RECORD_FILES:
+        if (record_dir / f"{name}.gz").is_file():
+            (run_dir / name).write_bytes(gzip.decompress((record_dir / f"{name}.gz").read_bytes()))
+    print(f"restored {run_dir} from {record_dir}", flush=True)
+    return True
+
+
+def launch_recorded(settings: Settings, flags: list[str], run_dir: Path) -> Path:
+    """launch_unless_finished, reading the run back from settings.records_dir when it was recorded there, and
+    recording it there when it finishes."""
+    if settings.records_dir is None:
+        return launch_unless_finished(flags, run_dir, settings.processes)
+    record_dir = settings.records_dir / run_dir.relative_to(settings.out_dir)
+    if not finished(run_dir, flags, settings.processes):
+        restore_record(settings, record_dir, run_dir, flags)
+    launch_unless_finished(flags, run_dir, settings.processes)
+    if not (record_dir / "summary.json.gz").is_file():
+        save_record(settings, run_dir, record_dir)
+    return run_dir
 
 
 def flag_value(flags: list[str], name: str) -> str:
@@ -311,11 +380,12 @@ def run_control(settings: Settings, steps_per_second: float) -> tuple[Path, int]
     """More supervised steps in place of RL: the warm start lengthened by the RL budget's worth of steps, on the same
     warm-start data (same flags and seed, so the same problems in the same order, then more epochs of them)."""
     extra_steps = round(settings.budget_s * steps_per_second)
-    run_dir = launch_unless_finished(
+    run_dir = launch_recorded(
+        settings,
         ["--seed", str(settings.seeds[0]), "--cache-dir", str(settings.out_dir / "cache" / "control"),
          "--warm-start-steps", str(settings.warm_start_steps + extra_steps), *warm_start_flags(settings.task),
          "--train-iters", "0", "--eval-size", str(settings.eval_size), *RL_FLAGS, *task_flags(settings.task)],
-        settings.out_dir / "runs" / CONTROL / f"seed_{settings.seeds[0]}", settings.processes)
+        settings.out_dir / "runs" / CONTROL / f"seed_{settings.seeds[0]}")
     return run_dir, extra_steps
 
 
@@ -851,6 +921,9 @@ def parse_args(argv: list[str] | None) -> Settings:
                         help="instead of the methods: GRPO over GRPO_GRID (one setting changed at a time from "
                              "RL_FLAGS), scored by its mean held-out accuracy over the budget; writes the grpo-tuning "
                              "block")
+    parser.add_argument("--no-records", action="store_true",
+                        help=f"neither restore nor record runs in {RECORDS_DIR.relative_to(REPO)} (the full "
+                             "benchmark's finished runs, kept in the repository so that later sittings resume them)")
     args = parser.parse_args(argv)
     quick = args.quick
 
@@ -870,7 +943,11 @@ def parse_args(argv: list[str] | None) -> Settings:
         eval_size=pick(args.eval_size, 1024, 128), control=not args.no_control,
         math_budget_s=pick(args.math_budget_s, 0.0, 0.0), processes=args.processes, quick=quick, page=page,
         figures_dir=Path(args.figures_dir) if args.figures_dir else (
-            (page.parent if page else out_dir) / "figures" / page_block(task, quick)), tune_grpo=args.tune_grpo)
+            (page.parent if page else out_dir) / "figures" / page_block(task, quick)), tune_grpo=args.tune_grpo,
+        # the records hold the full benchmark's runs only: its default settings and --methods/--seeds among them
+        records_dir=None if args.no_records or quick or task != "worked" or any(
+            value is not None for value in (args.budget_s, args.warm_start_steps, args.eval_interval, args.eval_size))
+        else RECORDS_DIR)
     for name, value in (("--budget-s", settings.budget_s), ("--warm-start-steps", settings.warm_start_steps),
                         ("--eval-interval", settings.eval_interval), ("--eval-size", settings.eval_size)):
         if value <= 0:

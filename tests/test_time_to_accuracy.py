@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -355,3 +356,44 @@ def test_step_cost_fit_recovers_a_per_iteration_cost_when_runs_log_decode_iterat
     fit = bench.fit_step_cost([Run("a", records)])
     assert fit["fixed"] == pytest.approx(0.05) and fit["per_iteration"] == pytest.approx(0.003)
     assert fit["per_generated"] == pytest.approx(0.0001) and fit["per_trained"] == pytest.approx(0.0002)
+
+
+def test_a_recorded_run_is_restored_on_a_fresh_checkout_and_refused_from_another_command_or_warm_start(
+        tmp_path, monkeypatch):
+    """The full benchmark's finished runs are kept in the repository: a later sitting elsewhere (other checkout path,
+    other --out-dir) restores a run recorded with the same command from the same warm start instead of running it,
+    and refuses one from another command (it runs) or another warm start (a clear error)."""
+    launched = []
+
+    def fake_launch(flags, run_dir, processes):  # a training run: its command, metrics and summary
+        launched.append(run_dir)
+        shutil.rmtree(run_dir, ignore_errors=True)  # as the real launch does
+        write_run(run_dir, [0.3, 0.4, 0.5], 1.0, before=0.25)
+        (run_dir / "command.txt").write_text(" ".join(bench.command_for(flags, run_dir, processes)[1:]) + "\n")
+        return 1.0
+
+    monkeypatch.setattr(bench, "launch", fake_launch)
+    records = tmp_path / "records"
+
+    def sitting(out_dir: Path, warm_accuracy: float, budget: str = "150"):
+        settings = bench.parse_args(["--out-dir", str(out_dir)])
+        settings.records_dir = records
+        (out_dir / "warm_start" / "build").mkdir(parents=True, exist_ok=True)
+        (out_dir / "warm_start" / "build" / "summary.json").write_text(
+            json.dumps({"heldout_accuracy_before": warm_accuracy}))
+        flags = [*bench.rl_flags(settings, "grpo", 1, out_dir / "cache" / "warm" / "x"), "--budget-marker", budget]
+        return bench.launch_recorded(settings, flags, out_dir / "runs" / "grpo" / "seed_1")
+
+    first = sitting(tmp_path / "first", 0.25)
+    assert launched == [first] and (records / "runs" / "grpo" / "seed_1" / "metrics.jsonl.gz").is_file()
+    assert str(tmp_path) not in (records / "runs" / "grpo" / "seed_1" / "command.txt").read_text()  # portable
+
+    second = sitting(tmp_path / "second", 0.25)  # a fresh machine: restored, not run
+    assert launched == [first]
+    assert (second / "metrics.jsonl").read_text() == (first / "metrics.jsonl").read_text()
+    assert bench.finished(second)
+
+    third = sitting(tmp_path / "third", 0.25, budget="99")  # another command: run, the record kept as it was
+    assert launched == [first, third]
+    with pytest.raises(RuntimeError, match="another warm start"):
+        sitting(tmp_path / "fourth", 0.31)
