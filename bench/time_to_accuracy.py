@@ -154,7 +154,7 @@ class Settings:
     page: Path | None
     figures_dir: Path
     tune_grpo: bool = False
-    records_dir: Path | None = None  # RECORDS_DIR for the full benchmark; None: --no-records, --quick, --out-dir
+    records_dir: Path | None = None  # RECORDS_DIR at the full benchmark's settings; None: --no-records, --quick, ...
 
 
 @dataclass
