@@ -154,6 +154,7 @@ class Settings:
     page: Path | None
     figures_dir: Path
     tune_grpo: bool = False
+    analyse_only: bool = False  # --analyse-only: the page from the finished runs, none started
     records_dir: Path | None = None  # RECORDS_DIR at the full benchmark's settings; None: --no-records, --quick, ...
 
 
@@ -924,6 +925,9 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument("--no-records", action="store_true",
                         help=f"neither restore nor record runs in {RECORDS_DIR.relative_to(REPO)} (the full "
                              "benchmark's finished runs, kept in the repository so that later sittings resume them)")
+    parser.add_argument("--analyse-only", action="store_true",
+                        help="start no run: the tables and the page from the runs already finished (and those the "
+                             "records hold), each method with the seeds it has")
     args = parser.parse_args(argv)
     quick = args.quick
 
@@ -944,6 +948,7 @@ def parse_args(argv: list[str] | None) -> Settings:
         math_budget_s=pick(args.math_budget_s, 0.0, 0.0), processes=args.processes, quick=quick, page=page,
         figures_dir=Path(args.figures_dir) if args.figures_dir else (
             (page.parent if page else out_dir) / "figures" / page_block(task, quick)), tune_grpo=args.tune_grpo,
+        analyse_only=args.analyse_only,
         # the records hold the full benchmark's runs only: its default settings and --methods/--seeds among them
         records_dir=None if args.no_records or quick or task != "worked" or any(
             value is not None for value in (args.budget_s, args.warm_start_steps, args.eval_interval, args.eval_size))
@@ -967,10 +972,18 @@ def main(argv: list[str] | None = None) -> None:
         if settings.page:
             write_page(settings.page, "grpo-tuning", report)
         return
-    for seed in settings.seeds:  # seed by seed, so that a change in the machine's load falls on every method alike
-        for method in (method for method in settings.methods if seed in seeds_of(settings, method)):
+    for seed in [] if settings.analyse_only else settings.seeds:  # seed by seed: a change in the machine's load
+        for method in (method for method in settings.methods if seed in seeds_of(settings, method)):  # hits all
             run_rl(settings, method, seed, warm_start)
             print(f"finished {method} seed {seed} ({time.perf_counter() - started:.0f} s so far)", flush=True)
+    if settings.analyse_only:  # restore what the records hold, start nothing
+        for method in settings.methods:
+            for seed in seeds_of(settings, method):
+                run_dir = settings.out_dir / "runs" / method / f"seed_{seed}"
+                flags = rl_flags(settings, method, seed, warm_start)
+                if settings.records_dir and not finished(run_dir, flags, settings.processes):
+                    restore_record(settings, settings.records_dir / run_dir.relative_to(settings.out_dir), run_dir,
+                                   flags)
     size = model_size(next((settings.out_dir / "cache" / "init").glob("embedded_*/init")))
     groups = load_groups(settings.out_dir / "runs", {method: seeds_of(settings, method)
                                                      for method in settings.methods}, size)
@@ -983,6 +996,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{settings.budget_s:.0f} s per run, warm start {settings.warm_start_steps} supervised steps "
         f"(`{' '.join(warm_start_flags(settings.task))}`), {settings.eval_size} held-out problems every "
         f"{settings.eval_interval} steps, {settings.processes} processes. Model: {size.parameters} parameters.\n"
+        f"Finished runs (seeds): " + "; ".join(f"{m} {sorted(by_seed)}" for m, by_seed in groups.items()) + ".\n"
         f"Common RL flags: `{' '.join(RL_FLAGS + task_flags(settings.task))}`; per method: "
         + "; ".join(f"{m}: `{' '.join(ALL_METHODS[m])}`" for m in settings.methods) + ".",
         f"### Time to GRPO's final accuracy ({results['grpo']['target']:.3f}) on the {settings.task} synthetic "
@@ -993,7 +1007,9 @@ def main(argv: list[str] | None = None) -> None:
         f"### Fewer steps or shorter steps\n\n{decomposition_table(groups, results)}",
         f"### Projection for Qwen3-4B on MATH, 8 H100s (on paper, not measured)\n\n{projection(groups, results)}",
     ]
-    if settings.control:
+    control_ready = not settings.analyse_only or finished(settings.out_dir / "runs" / CONTROL /
+                                                         f"seed_{settings.seeds[0]}")
+    if settings.control and control_ready:
         control_dir, extra_steps = run_control(settings, sft_steps_per_second)
         control = json.loads((control_dir / "summary.json").read_text())
         rl_finals = {m: r["final_mean"] for m, r in results.items()}
