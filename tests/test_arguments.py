@@ -33,7 +33,8 @@ def prompts_file(tmp_path):
 
 
 def test_prompt_file_without_a_model_and_a_missing_model_folder_are_one_line_each(prompts_file):
-    finished = run_entry("--prompt-data", str(prompts_file))
+    # its own held-out file too: without one, a machine lacking the built-in sets would also be told of math500's
+    finished = run_entry("--prompt-data", str(prompts_file), "--eval-prompt-data", str(prompts_file))
     assert finished.returncode == 2
     assert finished.stderr.splitlines() == [
         f"pretrain_dppo.py: error: --prompt-data {prompts_file} needs --hf-checkpoint DIR, the Hugging Face model to "
@@ -49,7 +50,7 @@ def test_prompt_file_without_a_model_and_a_missing_model_folder_are_one_line_eac
 
 
 def test_under_torchrun_the_flag_error_is_said_once_and_nothing_starts(prompts_file):
-    process = start_torchrun(ENTRY, 2, ["--prompt-data", str(prompts_file)])
+    process = start_torchrun(ENTRY, 2, ["--prompt-data", str(prompts_file), "--eval-prompt-data", str(prompts_file)])
     output = finish(process, 300, "torchrun with a bad flag")
     assert process.returncode != 0
     assert len(error_lines(output)) == 1 and "needs --hf-checkpoint DIR" in error_lines(output)[0]

@@ -60,7 +60,10 @@ def test_trl_config_mirrors_the_time_to_accuracy_grpo_run(tmp_path):
         "seed": 3, "max_steps": 40, "use_cpu": True, "logging_steps": 1,
     }
     assert {key: config[key] for key in expected} == expected
-    assert (args.rollout_batch_size, args.n_samples_per_prompt, args.lr) == (16, 8, 1e-4)  # the settings
+    rl_flags = tta.RL_FLAGS  # the benchmark's GRPO settings (its --tune-grpo best)
+    assert (args.rollout_batch_size, args.n_samples_per_prompt, args.lr) == tuple(
+        kind(tta.flag_value(rl_flags, flag)) for kind, flag in (
+            (int, "--rollout-batch-size"), (int, "--n-samples-per-prompt"), (float, "--lr")))
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
