@@ -6,7 +6,7 @@ alternatives, the paper's deterministic variant, the uncorrected shortcut), CPPO
     1. warm start: one supervised warm start of the embedded tiny model (cached), timed twice (built, then cached)
        to measure its supervised steps per second
     2. RL: every method x seed starts from that checkpoint (--load) with the same flags and time budget, on a pool
-       of 256 problems that every prompt revisits about ten times (the paper: 15 epochs); --rl-seed varies the RL
+       of 256 problems that every prompt revisits about 13 times (the paper: 15 epochs); --rl-seed varies the RL
        randomness (training pool, its order, sampling, pruning draws), never the start
     3. control: a longer supervised warm start that spends the RL budget on more supervised steps instead, on the
        same warm-start data
@@ -84,9 +84,9 @@ ALL_METHODS = {**METHODS, **VARIANTS, **ABLATIONS}
 HEADLINE_METHOD = "dppo"
 CONTROL = "sft-control"
 # Every method runs with these flags, so the page records them (the embedded defaults may change under us).
-# The paper's regime: a pool of 256 training problems comes back every 16 GRPO steps, so within the budget every
-# prompt is visited about ten times and DPPO's prompt level has a history to act on, as over the 15 epochs of the
-# paper's run (research notes: every method that wins before rollout revisits its prompts 10-60 times).
+# The paper's regime: a pool of 256 training problems comes back every 32 GRPO steps (batch 8), so within the
+# budget every prompt is visited about 13 times and DPPO's prompt level has a history to act on, as over the 15
+# epochs of the paper's run (research notes: every method that wins before rollout revisits its prompts 10-60 times).
 # --dapo-filter (drop zero-variance groups, exact) is the embedded default, kept for every method: GRPO is the
 # strong baseline that already skips them. The MATH runs go without it: there each pruner meets them itself.
 # --lr and --rollout-batch-size are GRPO's own best (--tune-grpo, docs/results.md): the grid was run from a batch of
