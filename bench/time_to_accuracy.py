@@ -286,10 +286,9 @@ RECORDS_DIR = REPO / "bench" / "records" / "time_to_accuracy"
 RECORD_FILES = ("summary.json", "metrics.jsonl", prompt_prediction.OUTCOMES_FILE)  # stored gzipped, + command.txt
 
 
-def portable_command(run_dir: Path, out_dir: Path) -> str:
-    """A finished run's command.txt with this checkout's and this --out-dir's paths named by placeholders."""
-    text = (run_dir / "command.txt").read_text().strip()
-    return text.replace(str(REPO), "$REPO").replace(str(out_dir), "$OUT")
+def portable_command(command: str, out_dir: Path) -> str:
+    """A run's command line (command.txt) with this checkout's and this --out-dir's paths named by placeholders."""
+    return command.strip().replace(str(REPO), "$REPO").replace(str(out_dir), "$OUT")
 
 
 def warm_start_accuracy(settings: Settings) -> float:
@@ -300,29 +299,33 @@ def warm_start_accuracy(settings: Settings) -> float:
 def save_record(settings: Settings, run_dir: Path, record_dir: Path) -> None:
     """Copy a finished run's command (portable) and files (gzipped, without timestamps) to record_dir."""
     record_dir.mkdir(parents=True, exist_ok=True)
-    (record_dir / "command.txt").write_text(portable_command(run_dir, settings.out_dir) + "\n")
+    (record_dir / "command.txt").write_text(
+        portable_command((run_dir / "command.txt").read_text(), settings.out_dir) + "\n")
     for name in RECORD_FILES:
         if (run_dir / name).is_file():
             with open(record_dir / f"{name}.gz", "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out:
                 out.write((run_dir / name).read_bytes())
 
 
-def restore_record(settings: Settings, record_dir: Path, run_dir: Path, flags: list[str]) -> bool:
-    """Restore record_dir into run_dir if it holds this very run: same command, same warm start; False if not."""
+def restore_record(settings: Settings, record_dir: Path, run_dir: Path, flags: list[str],
+                   from_warm_start: bool = True) -> bool:
+    """Restore record_dir into run_dir if it holds this very run: same command and, for a run that starts from the
+    warm start (from_warm_start: RL runs; the control is a warm start of its own), the same warm start."""
     if not (record_dir / "command.txt").is_file() or not (record_dir / "summary.json.gz").is_file():
         return False
-    (run_dir / "command.txt").parent.mkdir(parents=True, exist_ok=True)
-    (run_dir / "command.txt").write_text(" ".join(command_for(flags, run_dir, settings.processes)[1:]) + "\n")
-    if portable_command(run_dir, settings.out_dir) != (record_dir / "command.txt").read_text().strip():
+    command = " ".join(command_for(flags, run_dir, settings.processes)[1:])
+    if portable_command(command, settings.out_dir) != (record_dir / "command.txt").read_text().strip():
         print(f"not restoring {record_dir}: it was run with another command (see its command.txt)", flush=True)
         return False
-    summary = json.loads(gzip.decompress((record_dir / "summary.json.gz").read_bytes()))
-    start = settings.out_dir / "warm_start" / "build" / "summary.json"
-    if start.is_file() and abs(summary["heldout_accuracy_before"] - warm_start_accuracy(settings)) > 1e-9:
+    recorded = json.loads(gzip.decompress((record_dir / "summary.json.gz").read_bytes()))["heldout_accuracy_before"]
+    expected = warm_start_accuracy(settings)
+    if from_warm_start and abs(recorded - expected) > 1e-9:
         raise RuntimeError(
-            f"{record_dir} starts from another warm start (held-out accuracy {summary['heldout_accuracy_before']} "
-            f"against this one's {warm_start_accuracy(settings)}): a changed warm-start setting, torch build or "
-            f"machine. Delete {RECORDS_DIR} to run every method again from this warm start, or pass --no-records")
+            f"{record_dir} starts from another warm start (held-out accuracy {recorded} against this one's "
+            f"{expected}): a changed warm-start setting, torch build or machine. Delete {RECORDS_DIR} to run every "
+            "method again from this warm start, or pass --no-records")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "command.txt").write_text(command + "\n")
     for name in RECORD_FILES:
         if (record_dir / f"{name}.gz").is_file():
             (run_dir / name).write_bytes(gzip.decompress((record_dir / f"{name}.gz").read_bytes()))
@@ -330,16 +333,16 @@ def restore_record(settings: Settings, record_dir: Path, run_dir: Path, flags: l
     return True
 
 
-def launch_recorded(settings: Settings, flags: list[str], run_dir: Path) -> Path:
+def launch_recorded(settings: Settings, flags: list[str], run_dir: Path, from_warm_start: bool = True) -> Path:
     """launch_unless_finished, reading the run back from settings.records_dir when it was recorded there, and
-    recording it there when it finishes."""
-    if settings.records_dir is None:
-        return launch_unless_finished(flags, run_dir, settings.processes)
-    record_dir = settings.records_dir / run_dir.relative_to(settings.out_dir)
-    if not finished(run_dir, flags, settings.processes):
-        restore_record(settings, record_dir, run_dir, flags)
+    recording it there when it finishes; with --analyse-only, the reading back only (the run may stay unfinished)."""
+    record_dir = settings.records_dir / run_dir.relative_to(settings.out_dir) if settings.records_dir else None
+    if record_dir and not finished(run_dir, flags, settings.processes):
+        restore_record(settings, record_dir, run_dir, flags, from_warm_start)
+    if settings.analyse_only:
+        return run_dir
     launch_unless_finished(flags, run_dir, settings.processes)
-    if not (record_dir / "summary.json.gz").is_file():
+    if record_dir and not (record_dir / "summary.json.gz").is_file():
         save_record(settings, run_dir, record_dir)
     return run_dir
 
@@ -386,7 +389,7 @@ def run_control(settings: Settings, steps_per_second: float) -> tuple[Path, int]
         ["--seed", str(settings.seeds[0]), "--cache-dir", str(settings.out_dir / "cache" / "control"),
          "--warm-start-steps", str(settings.warm_start_steps + extra_steps), *warm_start_flags(settings.task),
          "--train-iters", "0", "--eval-size", str(settings.eval_size), *RL_FLAGS, *task_flags(settings.task)],
-        settings.out_dir / "runs" / CONTROL / f"seed_{settings.seeds[0]}")
+        settings.out_dir / "runs" / CONTROL / f"seed_{settings.seeds[0]}", from_warm_start=False)
     return run_dir, extra_steps
 
 
@@ -972,18 +975,10 @@ def main(argv: list[str] | None = None) -> None:
         if settings.page:
             write_page(settings.page, "grpo-tuning", report)
         return
-    for seed in [] if settings.analyse_only else settings.seeds:  # seed by seed: a change in the machine's load
-        for method in (method for method in settings.methods if seed in seeds_of(settings, method)):  # hits all
-            run_rl(settings, method, seed, warm_start)
-            print(f"finished {method} seed {seed} ({time.perf_counter() - started:.0f} s so far)", flush=True)
-    if settings.analyse_only:  # restore what the records hold, start nothing
-        for method in settings.methods:
-            for seed in seeds_of(settings, method):
-                run_dir = settings.out_dir / "runs" / method / f"seed_{seed}"
-                flags = rl_flags(settings, method, seed, warm_start)
-                if settings.records_dir and not finished(run_dir, flags, settings.processes):
-                    restore_record(settings, settings.records_dir / run_dir.relative_to(settings.out_dir), run_dir,
-                                   flags)
+    for seed in settings.seeds:  # seed by seed, so that a change in the machine's load falls on every method alike
+        for method in (method for method in settings.methods if seed in seeds_of(settings, method)):
+            if finished(run_rl(settings, method, seed, warm_start)):
+                print(f"finished {method} seed {seed} ({time.perf_counter() - started:.0f} s so far)", flush=True)
     size = model_size(next((settings.out_dir / "cache" / "init").glob("embedded_*/init")))
     groups = load_groups(settings.out_dir / "runs", {method: seeds_of(settings, method)
                                                      for method in settings.methods}, size)
@@ -1007,10 +1002,8 @@ def main(argv: list[str] | None = None) -> None:
         f"### Fewer steps or shorter steps\n\n{decomposition_table(groups, results)}",
         f"### Projection for Qwen3-4B on MATH, 8 H100s (on paper, not measured)\n\n{projection(groups, results)}",
     ]
-    control_ready = not settings.analyse_only or finished(settings.out_dir / "runs" / CONTROL /
-                                                         f"seed_{settings.seeds[0]}")
-    if settings.control and control_ready:
-        control_dir, extra_steps = run_control(settings, sft_steps_per_second)
+    control_dir, extra_steps = run_control(settings, sft_steps_per_second) if settings.control else (None, 0)
+    if control_dir and finished(control_dir):  # --analyse-only: when it has run (here or in the records)
         control = json.loads((control_dir / "summary.json").read_text())
         rl_finals = {m: r["final_mean"] for m, r in results.items()}
         sections.append(

@@ -375,12 +375,15 @@ def test_a_recorded_run_is_restored_on_a_fresh_checkout_and_refused_from_another
     monkeypatch.setattr(bench, "launch", fake_launch)
     records = tmp_path / "records"
 
-    def sitting(out_dir: Path, warm_accuracy: float, budget: str = "150"):
+    def sitting(out_dir: Path, warm_accuracy: float, budget: str = "150", control: bool = False):
         settings = bench.parse_args(["--out-dir", str(out_dir)])
         settings.records_dir = records
         (out_dir / "warm_start" / "build").mkdir(parents=True, exist_ok=True)
         (out_dir / "warm_start" / "build" / "summary.json").write_text(
             json.dumps({"heldout_accuracy_before": warm_accuracy}))
+        if control:  # a warm start of its own: its accuracy at the start is its own, not the shared warm start's
+            return bench.launch_recorded(settings, ["--warm-start-steps", budget],
+                                         out_dir / "runs" / bench.CONTROL / "seed_1", from_warm_start=False)
         flags = [*bench.rl_flags(settings, "grpo", 1, out_dir / "cache" / "warm" / "x"), "--budget-marker", budget]
         return bench.launch_recorded(settings, flags, out_dir / "runs" / "grpo" / "seed_1")
 
@@ -397,3 +400,7 @@ def test_a_recorded_run_is_restored_on_a_fresh_checkout_and_refused_from_another
     assert launched == [first, third]
     with pytest.raises(RuntimeError, match="another warm start"):
         sitting(tmp_path / "fourth", 0.31)
+    control = sitting(tmp_path / "first", 0.25, control=True)
+    assert launched == [first, third, control]
+    assert bench.finished(sitting(tmp_path / "fifth", 0.31, control=True))  # restored from the records
+    assert launched == [first, third, control]
