@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_dppo.data.synthetic import TASKS as SYNTHETIC_TASKS
+from megatron_dppo.platform import TRANSFORMER_IMPLS, default_transformer_impl, transformer_impl_error
 from megatron_dppo.rollout.launcher import VLLM_PYTHON_VARIABLE, forward_sglang_args, sglang_flag_value
 
 ALGORITHMS = ("grpo", "dppo", "cppo", "d3s")
@@ -160,6 +161,10 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron.add_argument("--use-distributed-optimizer", action="store_true")
     megatron.add_argument("--bf16", action="store_true")
     megatron.add_argument("--fp16", action="store_true")
+    megatron.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default=None,
+                          help="the layer implementation: transformer_engine (Transformer Engine's layers; the "
+                               "default on a GPU) or local (megatron-core's own layers with SDPA attention over "
+                               "packed sequences; the default and only choice on the CPU, and a GPU without TE)")
     megatron.add_argument("--initial-loss-scale", type=POSITIVE, default=2.0**16,
                           help="--fp16: the dynamic loss scale at the start (Megatron-LM starts at 2^32 and halves "
                                "it after overflowing steps, which are skipped: here each skipped step throws a "
@@ -466,6 +471,9 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1: drop it or raise TP")
     if args.bf16 and args.fp16:
         errors.append("--bf16 and --fp16 are exclusive: pick one")
+    args.transformer_impl = args.transformer_impl or default_transformer_impl()
+    if transformer_impl_error(args.transformer_impl):
+        errors.append(transformer_impl_error(args.transformer_impl))
     if args.rollout_backend == "external" and not args.rollout_urls:
         errors.append("--rollout-backend external needs --rollout-urls URL [URL ...]")
     if args.rollout_urls and args.rollout_backend != "external":
@@ -563,6 +571,10 @@ def rollout_server_gpus(args: argparse.Namespace) -> tuple[int, list[str]]:
     by --sglang-tp-size or --rollout-server-gpus (both only if they agree), as SGLang refuses weight updates with more
     than one data-parallel replica (its tokenizer manager asserts dp_size == 1)."""
     given = args.rollout_server_gpus
+    if args.rollout_backend in ("vllm", "embedded") and (given or 1) > 1:
+        return 1, [f"--rollout-server-gpus {given}: a --rollout-backend {args.rollout_backend} server joins the "
+                   "weight-sync group as one rank (the group would wait for ranks that never join): drop it, and "
+                   "start more servers with --rollout-num-servers instead"]
     if args.rollout_backend != "sglang":
         return given or 1, []
     errors = []

@@ -233,7 +233,7 @@ def _convert_rank(rank: int, world: int, port: int, hf_dir: str, staging: str, t
     from megatron.core import parallel_state
 
     from megatron_dppo.actor.checkpoint import save_checkpoint
-    from megatron_dppo.actor.model import build_gpt_model, build_transformer_config
+    from megatron_dppo.actor.model import build_gpt_model, build_transformer_config, place_model
     from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
 
     init_parallel(tp, pp)
@@ -243,6 +243,8 @@ def _convert_rank(rank: int, world: int, port: int, hf_dir: str, staging: str, t
     with torch.device("meta"):
         # RoPE frequencies are not part of the checkpoint; llama3 scaling computes them with host-side values
         model = build_gpt_model(dataclasses.replace(checkpoint.shape, rope_scaling=None), config)
+    # placed as the trainer places it, so every tensor is written in the dtype the trainer trains and saves it in
+    model = place_model(model, "meta")
     chunks = _HFChunks(checkpoint, parallel_state.get_tensor_model_parallel_rank(), tp)
     with tqdm(desc=f"HF → Megatron tp={tp} pp={pp} (rank 0)", unit="tensor", disable=rank != 0) as progress:
         save_checkpoint(staging, 0, {"model": model.sharded_state_dict()}, checkpoint.config,

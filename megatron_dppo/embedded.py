@@ -89,7 +89,8 @@ def supervised_warm_start(args, model_dir: Path, tokenizer: CharTokenizer, out_d
     checkpoint = HFCheckpoint(model_dir)
     actor = Actor(model_shape(hf_config), args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   "fp32", OptimConfig(lr=args.warm_start_lr, lr_warmup_iters=100, clip_grad=1.0,
-                                      lr_decay_iters=args.warm_start_steps), checkpoint)
+                                      lr_decay_iters=args.warm_start_steps), checkpoint,
+                  transformer_impl=args.transformer_impl)
     problems = WarmStartData(args.seed, warm_start_cells(args), args.warm_start_problems)  # the same on every rank
     dp_size = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()

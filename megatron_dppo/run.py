@@ -144,13 +144,13 @@ def run(args) -> dict:
                         use_distributed_optimizer=args.use_distributed_optimizer,
                         initial_loss_scale=args.initial_loss_scale)
     actor = Actor(shape, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, dtype, optim,
-                  checkpoint, args.sequence_parallel)
+                  checkpoint, args.sequence_parallel, args.transformer_impl)
     if warm_start is not None and not args.load:
         actor.load_sharded(warm_start, with_optimizer=False)
     reference = None
     if args.kl_coef > 0:
         reference = Actor(shape, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, dtype, None,
-                          checkpoint, args.sequence_parallel)
+                          checkpoint, args.sequence_parallel, args.transformer_impl)
         if warm_start is not None:
             reference.load_sharded(warm_start, with_optimizer=False)
     pool = client = syncer = None

@@ -6,7 +6,9 @@ softmax included, tied and untied; with and without sequence parallelism at the 
 optimizer steps 1e-6 absolute against a single-process transformers reference (observed ~1e-8), and a resharded
 checkpoint load bit-identical. Every tensor reaching the
 model or the loss was moved to the model's device (checked with tests/workers/emulated_device.py standing in for
-CUDA), in the forward-only pass and in the update.
+CUDA), in the forward-only pass and in the update. The actor and the reference are built as Megatron-LM builds a
+model: every parameter and buffer on the actor's device (the `meta` device proves the move on the CPU) and in the
+bf16/fp16 training dtype.
 """
 
 from pathlib import Path
@@ -28,7 +30,7 @@ def tp2_checkpoint(tiny_models, tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("ckpt") / "tp2"
     output = run_torchrun(WORKER, 2, ["--models", tiny_models, "--tp", 2, "--pp", 1, "--checks",
                                       "hf_logits,packed_equals_padded,vocab_parallel_logprobs,output_layer_input,"
-                                      "fused_equals_unfused,training,device_move",
+                                      "fused_equals_unfused,training,device_move,model_placement",
                                       "--save-ckpt", checkpoint])
     return checkpoint, output
 
@@ -39,7 +41,7 @@ def test_tp2_logits_match_transformers_fused_output_equals_unfused_packed_equals
     assert_checks(output, ["hf_logits_qwen2", "hf_logits_qwen3", "hf_logits_llama", "packed_logprobs",
                            "packed_grads", "vocab_parallel_logprobs_tp2", "output_layer_input_sp0",
                            "output_layer_input_sp1", "fused_equals_unfused_qwen2", "fused_equals_unfused_qwen3",
-                           "training_matches_reference", "dist_checkpoint_saved", "device_move"])
+                           "training_matches_reference", "dist_checkpoint_saved", "device_move", "model_placement"])
 
 
 def test_pp2_logits_match_transformers_fused_output_equals_unfused_trains_and_loads_tp2_checkpoint(tiny_models,
@@ -58,7 +60,8 @@ def test_dp2_distributed_optimizer_matches_reference_loads_tp2_checkpoint_d3s_se
     checkpoint, _ = tp2_checkpoint
     output = run_torchrun(WORKER, 2, ["--models", tiny_models, "--tp", 1, "--pp", 1, "--checks",
                                       "hf_logits,vocab_parallel_logprobs,training,resharded_load,"
-                                      "d3s_tokens_over_data_parallel,fp16_loss_scaling", "--load-ckpt", checkpoint])
+                                      "d3s_tokens_over_data_parallel,fp16_loss_scaling,model_placement",
+                                      "--load-ckpt", checkpoint])
     assert_checks(output, ["hf_logits_qwen2", "vocab_parallel_logprobs_tp1", "training_matches_reference",
-                           "resharded_load", "d3s_tokens_over_data_parallel", "fp16_loss_scaling"])
+                           "resharded_load", "d3s_tokens_over_data_parallel", "fp16_loss_scaling", "model_placement"])
     assert "dp=2" in output

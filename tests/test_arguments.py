@@ -162,3 +162,21 @@ def test_built_in_prompt_data_brings_its_reward_and_held_out_set(tmp_path):
     save_tiny_chat_model(tmp_path / "model")
     args = parse_args(["--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", "gsm8k"])
     assert (args.reward_type, args.eval_prompt_data) == ("gsm8k", "gsm8k_test")
+
+
+def test_transformer_impl_is_megatron_lms_flag_local_by_default_on_the_cpu_and_te_there_is_one_line(capsys):
+    help_text = run_entry("--help").stdout
+    assert "--transformer-impl {transformer_engine,local}" in help_text
+    assert parse_args([]).transformer_impl == "local"
+    assert parse_args(["--transformer-impl", "local"]).transformer_impl == "local"
+    message = parse_errors(capsys, ["--transformer-impl", "transformer_engine"])
+    assert "--transformer-impl transformer_engine needs a CUDA GPU" in message and "--transformer-impl local" in message
+    assert "Traceback" not in message
+
+
+def test_rollout_server_gpus_above_1_is_refused_for_servers_that_join_the_sync_group_as_one_rank(capsys):
+    for backend, flags in (("embedded", []), ("vllm", ["--rollout-python", sys.executable])):
+        message = parse_errors(capsys, ["--rollout-backend", backend, *flags, "--rollout-server-gpus", "2"])
+        assert f"--rollout-server-gpus 2: a --rollout-backend {backend} server joins the weight-sync group as one " \
+               "rank" in message, message
+    assert parse_args(["--rollout-backend", "embedded", "--rollout-server-gpus", "1"]).rollout_server_gpus == 1

@@ -6,6 +6,15 @@
     hf_tensors()                         the weights as HF-named tensors on the export source rank (weight sync)
     sharded_state_dict() / load(...)     Megatron distributed checkpoint state
 
+Built as Megatron-LM builds a model (`get_model`, then DDP and the optimizer):
+
+    build_gpt_model (this rank's stage) → load HF weights → place_model: to the device, Float16Module for bf16/fp16
+        → DistributedDataParallel → get_megatron_optimizer (fp32 main copies of every bf16/fp16 parameter)
+
+`self.model` is the bare FusedOutputGPTModel (its names, shape and sharded state: checkpoints, export, weight sync);
+`self.ddp` is what the schedule runs: DDP(Float16Module(model)), Float16Module(model) for the frozen reference,
+or the model itself in fp32 when nothing wraps it.
+
 --fp16 trains as Megatron-LM does: the optimizer's dynamic grad scaler multiplies the loss before backward
 (`config.grad_scale_func = optimizer.scale_loss`, set here as Megatron-LM's training loop sets it), the optimizer
 divides the gradients by the scale and checks them for inf/NaN before clipping, and a step with overflowing gradients
@@ -17,13 +26,20 @@ from dataclasses import dataclass
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_dppo.actor.export import iter_hf_tensors
-from megatron_dppo.actor.model import build_gpt_model, build_transformer_config, load_hf_weights
+from megatron_dppo.actor.model import build_gpt_model, build_transformer_config, load_hf_weights, place_model
 from megatron_dppo.actor.step import LossFn, finalize_grads_without_token_scaling, run_micro_batches
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
 from megatron_dppo.convert.mapping import ModelShape
+from megatron_dppo.platform import current_device
+
+# How --use-distributed-optimizer saves its state: Megatron-LM's default, each rank's buffers as they are, which resume
+# under the same TP/PP (any DP). megatron-core 0.16's own default, fully_sharded_model_space, refuses to save
+# ("ShardedTensor.flattened_range is not supported"). The other optimizers ignore it.
+OPTIMIZER_CHECKPOINT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 @dataclass
@@ -44,15 +60,18 @@ class OptimConfig:
 
 class Actor:
     def __init__(self, shape: ModelShape, tp: int, pp: int, dtype: str, optim: OptimConfig | None,
-                 hf_checkpoint: HFCheckpoint | None = None, sequence_parallel: bool = False):
-        """`optim=None` builds a frozen model (the reference policy): no DDP, no optimizer."""
+                 hf_checkpoint: HFCheckpoint | None = None, sequence_parallel: bool = False,
+                 transformer_impl: str | None = None, device: torch.device | str | None = None):
+        """`optim=None` builds a frozen model (the reference policy): no DDP, no optimizer. `device`: where the model
+        runs, by default this rank's (`platform.current_device()`)."""
         self.shape = shape
-        config = build_transformer_config(shape, tp, pp, dtype, sequence_parallel)
+        self.device = torch.device(device or current_device())
+        config = build_transformer_config(shape, tp, pp, dtype, sequence_parallel, transformer_impl)
         self.model = build_gpt_model(shape, config)
         if hf_checkpoint is not None:
             load_hf_weights(self.model, hf_checkpoint)
         self.optimizer = self.scheduler = None
-        self.ddp = self.model
+        self.ddp = place_model(self.model, self.device)
         if optim is None:
             for param in self.model.parameters():
                 param.requires_grad_(False)
@@ -60,7 +79,7 @@ class Actor:
         self.ddp = DistributedDataParallel(
             config, DistributedDataParallelConfig(
                 use_distributed_optimizer=optim.use_distributed_optimizer, grad_reduce_in_fp32=True,
-                overlap_grad_reduce=False), self.model)
+                overlap_grad_reduce=False), self.ddp)
         config.finalize_model_grads_func = finalize_grads_without_token_scaling
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -115,8 +134,36 @@ class Actor:
         model_state = self.model.sharded_state_dict()
         state = {"model": model_state}
         if self.optimizer is not None:
-            state["optimizer"] = self.optimizer.sharded_state_dict(model_state)
+            state["optimizer"] = self.optimizer.sharded_state_dict(model_state, metadata=OPTIMIZER_CHECKPOINT_FORMAT)
         return state
+
+    def _torch_adams_of_distributed_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch Adam inside each distributed optimizer (the CPU's and a GPU's without TE or Apex; their fused
+        Adams count steps per group, which megatron-core's distributed checkpoints handle)."""
+        return [optimizer.optimizer for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+                if isinstance(optimizer, DistributedOptimizer)
+                and isinstance(optimizer.optimizer, torch.optim.Adam | torch.optim.AdamW)]
+
+    def _give_unstepped_adam_a_state(self) -> None:
+        """megatron-core 0.16.1's distributed optimizer describes its state for loading by torch Adam's
+        per-parameter step counts, which a torch Adam that never stepped lacks: give it zero moments and step 0,
+        placeholders the load overwrites (as megatron-core's own loaders load over dummy values)."""
+        for adam in self._torch_adams_of_distributed_optimizers():
+            for group in adam.param_groups:
+                for param in group["params"]:
+                    if not adam.state[param]:
+                        adam.state[param] = {"step": torch.zeros((), dtype=torch.float32),
+                                             "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+
+    def _restore_adam_step_counts(self) -> None:
+        """megatron-core 0.16.1's distributed optimizer, loading into torch Adam, sets every parameter's `step` to one
+        shared tensor holding the saved count, then copies the request's own step values (the placeholders) over
+        it; torch Adam would also add 1 to that shared tensor once per parameter. Each parameter gets its own count
+        again, the one the checkpoint saved with its group, as in an uninterrupted run."""
+        for adam in self._torch_adams_of_distributed_optimizers():
+            for group in adam.param_groups:
+                for param in group["params"]:
+                    adam.state[param]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
     def load_sharded(self, checkpoint, with_optimizer: bool) -> None:
         """Load model (and optimizer) state from a Megatron checkpoint saved under any TP/PP."""
@@ -125,10 +172,13 @@ class Actor:
         model_state = self.model.sharded_state_dict()
         request = {"model": model_state}
         if with_optimizer:
-            request["optimizer"] = self.optimizer.sharded_state_dict(model_state, is_loading=True)
+            self._give_unstepped_adam_a_state()
+            request["optimizer"] = self.optimizer.sharded_state_dict(model_state, is_loading=True,
+                                                                     metadata=OPTIMIZER_CHECKPOINT_FORMAT)
         loaded = load_sharded(checkpoint, request)
         load_module_state(self.model, loaded["model"])
         if with_optimizer:
             self.optimizer.load_state_dict(loaded["optimizer"])
+            self._restore_adam_step_counts()
         elif self.optimizer is not None:
             self.optimizer.reload_model_params()  # the optimizer's main copies must follow the new weights

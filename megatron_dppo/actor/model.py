@@ -4,10 +4,16 @@ The model's last pipeline stage stops before the output layer (`FusedOutputGPTMo
 states and the loss gets them with the output layer's weight (`OutputLayerInput`), so log-probs come straight from
 hidden states and weight (actor/logprobs.py) and no [T, V/tp] logits tensor exists, on the CPU as on the GPU.
 
-GPU: Transformer Engine layer spec; TE attention takes packed THD input natively.
-CPU: megatron-core's local spec with `core_attention` swapped (a supported ModuleSpec extension) for
-`SDPACoreAttention`, because the local `DotProductAttention` refuses `PackedSeqParams`. Both specs receive the
-same `packed_seq_params`, so the THD data path is one path.
+The layer spec is Megatron-LM's `--transformer-impl` (`TransformerConfig.transformer_impl`):
+`transformer_engine` (the default on a GPU): TE's layers; TE attention takes packed THD input natively.
+`local` (the default, and the only choice, on the CPU; a GPU without TE): megatron-core's local spec with
+`core_attention` swapped (a supported ModuleSpec extension) for `SDPACoreAttention`, because the local
+`DotProductAttention` refuses `PackedSeqParams`. Both specs receive the same `packed_seq_params`, so the THD data path
+is one path.
+
+A model is finished as Megatron-LM's `get_model` finishes it (`place_model`): moved to its device, then, for bf16 and
+fp16, wrapped in `Float16Module`, which casts every floating parameter and buffer. Invariant after it: every
+parameter and buffer is on the actor's device and in the training dtype.
 """
 
 import math
@@ -19,13 +25,14 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dppo.actor.logprobs import OutputLayerInput
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
 from megatron_dppo.convert.mapping import ModelShape, find_row, hf_names_of, padded_vocab_size
-from megatron_dppo.platform import is_cpu
+from megatron_dppo.errors import UserInputError
+from megatron_dppo.platform import default_transformer_impl, is_cpu, transformer_impl_error
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -107,10 +114,15 @@ class FusedOutputGPTModel(GPTModel):
 
 
 def build_transformer_config(shape: ModelShape, tp_size: int = 1, pp_size: int = 1, dtype: str = "fp32",
-                             sequence_parallel: bool = False, **overrides) -> TransformerConfig:
-    """The TransformerConfig of `shape` for this parallel layout. Dropout is 0 (RL recomputes log-probs that must
-    match the rollout engine's)."""
+                             sequence_parallel: bool = False, transformer_impl: str | None = None,
+                             **overrides) -> TransformerConfig:
+    """The TransformerConfig of `shape` for this parallel layout and layer implementation (default:
+    `default_transformer_impl()`). Dropout is 0 (RL recomputes log-probs that must match the rollout engine's)."""
     shape.check_parallel(tp_size, pp_size)
+    transformer_impl = transformer_impl or default_transformer_impl()
+    problem = transformer_impl_error(transformer_impl)
+    if problem:
+        raise UserInputError(problem)
     params_dtype = DTYPES[dtype]
     return TransformerConfig(
         num_layers=shape.num_layers,
@@ -145,20 +157,21 @@ def build_transformer_config(shape: ModelShape, tp_size: int = 1, pp_size: int =
         persist_layer_norm=False,
         # Losses arrive divided by global normalisers: Megatron must sum, never average (see actor/step.py).
         calculate_per_token_loss=True,
+        transformer_impl=transformer_impl,
         **overrides,
     )
 
 
-def layer_spec(shape: ModelShape):
-    """Transformer Engine spec on GPU, local spec with SDPA core attention on CPU."""
-    if not is_cpu():
+def layer_spec(shape: ModelShape, transformer_impl: str):
+    """Transformer Engine's spec, or the local spec with SDPA core attention."""
+    if transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
-    return cpu_layer_spec(shape)
+    return local_layer_spec(shape)
 
 
-def cpu_layer_spec(shape: ModelShape):
+def local_layer_spec(shape: ModelShape):
     """megatron-core's local spec with `SDPACoreAttention` as core attention (the local one refuses packed input)."""
     spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
     attention = spec.submodules.self_attention
@@ -187,7 +200,7 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, make_vocab_siz
     post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     model = FusedOutputGPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(shape),
+        transformer_layer_spec=layer_spec(shape, config.transformer_impl),
         vocab_size=padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size,
                                      make_vocab_size_divisible_by),
         max_sequence_length=shape.max_position_embeddings,
@@ -204,6 +217,27 @@ def build_gpt_model(shape: ModelShape, config: TransformerConfig, make_vocab_siz
             model.rotary_pos_emb.inv_freq.device)
     model.shape = shape
     return model
+
+
+def place_model(model: FusedOutputGPTModel, device: torch.device | str) -> torch.nn.Module:
+    """Finish a built model as Megatron-LM's `get_model` does: move it to `device` (there
+    `model.cuda(current_device)`), then, for bf16 and fp16, wrap it in megatron-core's `Float16Module`, which casts
+    every floating parameter and buffer to the training dtype. Returns the module to train or run (the wrapper, or
+    the model itself in fp32); `model`'s parameters are the same objects, moved and cast in place.
+
+    Both steps are needed whatever the spec: modules that take no device or `params_dtype` (the local spec's torch
+    RMSNorm weights) are built fp32 on the host, where the GPU forward refuses them, and the mixed-precision optimizer
+    keeps fp32 main copies of fp16/bf16 parameters only, so its checkpoint would have no entry for them."""
+    model.to(device)
+    config = model.config
+    placed = Float16Module(config, model) if config.bf16 or config.fp16 else model
+    dtype, device = config.params_dtype, torch.device(device)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        off_device = tensor.device.type != device.type or device.index not in (None, tensor.device.index)
+        if off_device or (tensor.is_floating_point() and tensor.dtype != dtype):
+            raise AssertionError(f"{name} is {tensor.dtype} on {tensor.device} after placing the model on {device} "
+                                 f"in {dtype}")
+    return placed
 
 
 def global_parameter_name(model: GPTModel, local_name: str) -> str:

@@ -28,6 +28,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_dppo.actor.logprobs import OutputLayerInput
@@ -74,11 +75,20 @@ def next_token_targets(micro_batch) -> torch.Tensor:
     return labels[0] if labels is not None else torch.roll(micro_batch.tokens[0], shifts=-1)
 
 
+def _wrapped_in_float16_module(model) -> bool:
+    while not isinstance(model, Float16Module) and isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return isinstance(model, Float16Module)
+
+
 def _forward_step(loss_fn: LossFn, data_iterator, model):
     micro_batch = to_device(next(data_iterator), next(model.parameters()).device)
     packed = getattr(micro_batch, "cu_seqlens", None) is not None
+    # Float16Module would upcast the last stage's output to fp32, a copy of the hidden states that the fused
+    # log-probs would cast back: they meet the output weight in the model's dtype.
+    keep_dtype = {"fp32_output": False} if _wrapped_in_float16_module(model) else {}
     hidden = model(micro_batch.tokens, getattr(micro_batch, "position_ids", None), None,
-                   packed_seq_params=packed_seq_params(micro_batch) if packed else None)
+                   packed_seq_params=packed_seq_params(micro_batch) if packed else None, **keep_dtype)
     output_layer_input = get_attr_wrapped_model(model, "output_layer_input")
 
     def loss_func(hidden_states):  # [s, b, H] (packed: b = 1), on the last stage only

@@ -1,6 +1,7 @@
 """Which device the actor runs on, decided once: CUDA with NCCL where a GPU is visible, else the CPU mode over gloo.
 
-Nothing else in the package asks which platform it is on except through `is_cpu()` / `distributed_backend()`;
+Nothing else in the package asks which platform it is on except through `is_cpu()` / `distributed_backend()` /
+`current_device()`;
 hide the GPUs (`CUDA_VISIBLE_DEVICES=""`) to run the CPU mode on a GPU machine.
 """
 
@@ -15,6 +16,36 @@ def is_cpu() -> bool:
 
 def distributed_backend() -> str:
     return "gloo" if is_cpu() else "nccl"
+
+
+def current_device():
+    """This rank's device: its GPU (after `setup_device`), or the CPU."""
+    import torch
+
+    return torch.device("cpu") if is_cpu() else torch.device("cuda", torch.cuda.current_device())
+
+
+TRANSFORMER_IMPLS = ("transformer_engine", "local")  # Megatron-LM's --transformer-impl
+
+
+def default_transformer_impl() -> str:
+    """Megatron-LM's default, Transformer Engine, where a GPU runs the model; megatron-core's local spec on the CPU."""
+    return "local" if is_cpu() else "transformer_engine"
+
+
+def transformer_impl_error(transformer_impl: str) -> str | None:
+    """Why `--transformer-impl transformer_engine` cannot run here (no GPU, or TE not installed), else None."""
+    import importlib.util
+
+    if transformer_impl != "transformer_engine":
+        return None
+    if is_cpu():
+        return ("--transformer-impl transformer_engine needs a CUDA GPU; on the CPU the model runs megatron-core's "
+                "local spec: drop the flag or pass --transformer-impl local")
+    if importlib.util.find_spec("transformer_engine") is None:
+        return ("--transformer-impl transformer_engine (the default on a GPU): Transformer Engine is not installed; "
+                "install it (pip install -e '.[gpu]', or the Dockerfile's image) or pass --transformer-impl local")
+    return None
 
 
 def setup_device():

@@ -575,7 +575,39 @@ def check_fp16_loss_scaling(args):
             "it; an overflowing step was skipped")
 
 
+def off_device_or_dtype(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> list[str]:
+    return [f"{name}: {tensor.dtype} on {tensor.device}"
+            for name, tensor in [*module.named_parameters(), *module.named_buffers()]
+            if tensor.device.type != device.type or (tensor.is_floating_point() and tensor.dtype != dtype)]
+
+
+def check_model_placement(args):
+    """The actor and the frozen reference are built as Megatron-LM builds a model: every parameter and buffer on the
+    actor's device and, in bf16 and fp16, in that dtype (the local spec's torch RMSNorm weights are built fp32 on
+    the host; megatron-core's modules place themselves). On the CPU the device that proves the move is `meta`: the
+    modules allocate on the host, so a parameter the build leaves behind stays there and is named."""
+    from megatron_dppo.actor.actor import Actor, OptimConfig
+    from megatron_dppo.actor.model import DTYPES, build_gpt_model, build_transformer_config
+    from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
+
+    reset_parallel(args.tp, args.pp)
+    checkpoint = HFCheckpoint(f"{args.models}/qwen3")
+    for dtype in ("bf16", "fp16"):
+        built = build_gpt_model(checkpoint.shape, build_transformer_config(checkpoint.shape, args.tp, args.pp, dtype))
+        left = [name for name, param in built.named_parameters() if param.dtype != DTYPES[dtype]]
+        assert left, "the test's premise: a built local-spec model has fp32 parameters (its norms)"
+        reference = Actor(checkpoint.shape, args.tp, args.pp, dtype, None, hf_checkpoint=checkpoint, device="meta")
+        assert not off_device_or_dtype(reference.model, torch.device("meta"), DTYPES[dtype])
+        actor = Actor(checkpoint.shape, args.tp, args.pp, dtype, OptimConfig(lr=LR), hf_checkpoint=checkpoint)
+        for model in (actor.model, actor.ddp):
+            wrong = off_device_or_dtype(model, actor.device, DTYPES[dtype])
+            assert not wrong, f"{dtype}: {wrong[:4]} off the actor's device or dtype"
+    log(f"CHECK model_placement ok bf16 and fp16 actor and reference on their device in their dtype (built: "
+        f"{len(left)} fp32 parameters, such as {left[0]})")
+
+
 CHECKS = {
+    "model_placement": check_model_placement,
     "fp16_loss_scaling": check_fp16_loss_scaling,
     "device_move": check_device_move,
     "hf_logits": check_hf_logits,

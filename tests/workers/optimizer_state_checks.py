@@ -1,0 +1,67 @@
+"""Load two training checkpoints into the actor and compare what they restore, tensor for tensor, in memory.
+
+Usage: torchrun --nproc-per-node N optimizer_state_checks.py --first DIR --second DIR --dtype bf16|fp16 --tp T
+       [--use-distributed-optimizer]
+
+The restored state is what a resume trains on: the model's weights, each parameter's optimizer state as the torch
+optimizer holds it (fp32 main parameter, Adam moments, step count) and the loss scaler. Comparing it here, rather
+than the files, leaves out what a checkpoint stores but never restores: the distributed optimizer writes its flat
+buffers with the alignment gaps between parameters filled from uninitialised memory. Prints
+`CHECK restored_state_equal ok <tensors>` on rank 0; any difference raises, naming it.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+
+def restored_state(checkpoint: str, args) -> dict[str, torch.Tensor]:
+    from megatron_dppo.actor.actor import Actor, OptimConfig
+    from megatron_dppo.actor.checkpoint import read_hf_config, resolve_checkpoint
+    from megatron_dppo.convert.mapping import model_shape
+
+    path = resolve_checkpoint(checkpoint)
+    optim = OptimConfig(use_distributed_optimizer=args.use_distributed_optimizer)
+    actor = Actor(model_shape(read_hf_config(path)), args.tp, 1, args.dtype, optim)
+    actor.load_sharded(path, with_optimizer=True)
+    state = {f"model.{name}": param.detach().clone() for name, param in actor.model.named_parameters()}
+    for index, optimizer in enumerate(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])):
+        torch_optimizer = optimizer.optimizer
+        for group_index, group in enumerate(torch_optimizer.param_groups):
+            for param_index, param in enumerate(group["params"]):
+                where = f"optimizer{index}.group{group_index}.param{param_index}"
+                state[f"{where}.main_param"] = param.detach().clone()
+                for key, value in torch_optimizer.state[param].items():
+                    state[f"{where}.{key}"] = torch.as_tensor(value).clone()
+        if getattr(optimizer, "grad_scaler", None) is not None:
+            for key, value in optimizer.grad_scaler.state_dict().items():
+                state[f"optimizer{index}.grad_scaler.{key}"] = torch.as_tensor(value).clone()
+    return state
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--first", required=True)
+    parser.add_argument("--second", required=True)
+    parser.add_argument("--dtype", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
+
+    init_parallel(args.tp, 1)
+    first, second = restored_state(args.first, args), restored_state(args.second, args)
+    assert first.keys() == second.keys(), sorted(set(first) ^ set(second))
+    for name in first:
+        assert first[name].dtype == second[name].dtype and torch.equal(first[name], second[name]), (
+            f"rank {dist.get_rank()}: {name} differs between {args.first} and {args.second}")
+    assert any(".exp_avg" in name for name in first), "no Adam moments were restored"
+    if dist.get_rank() == 0:
+        print(f"CHECK restored_state_equal ok {len(first)} tensors", flush=True)
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
