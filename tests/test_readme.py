@@ -3,7 +3,9 @@
 
 Only the block's own settings change (its first four lines read them from the environment): a tiny local model
 with a chat template instead of Qwen3-4B, 2 CPU processes and TP 1, 2 steps, the embedded engine instead of SGLang
-servers, small batches, 2 problems per benchmark. Everything else runs exactly as written.
+servers, small batches (`--bf16` kept), 2 problems per benchmark. Everything else runs exactly as written: the bf16
+run saves at its end (the export and evaluation read that checkpoint), then the resume the README gives (its
+torchrun line with `--load ckpt/run`) takes 2 more steps from it and saves step 4.
 """
 
 import json
@@ -21,7 +23,7 @@ from tests.launch import REPO_ROOT
 SETTINGS = {
     "NPROC": "2", "TP": "1", "STEPS": "2",
     "ROLLOUT": "--rollout-backend embedded",
-    "SIZES": "--rollout-batch-size 2 --n-samples-per-prompt 2 --rollout-max-response-len 8 --eval-size 4 "
+    "SIZES": "--bf16 --rollout-batch-size 2 --n-samples-per-prompt 2 --rollout-max-response-len 8 --eval-size 4 "
              "--max-tokens-per-gpu 16384",
     "EVAL": "--limit 2 --max-new-tokens 8 --no-progress",
 }
@@ -33,6 +35,13 @@ def real_run_block() -> str:
     match = re.search(r"```bash\n(.*?)```", section, re.DOTALL)
     assert match, "README.md has no bash block under '## A real run'"
     return match.group(1)
+
+
+def torchrun_line(block: str) -> str:
+    """The block's torchrun command, its continuation lines joined."""
+    command = re.search(r"^torchrun .*?(?<!\\)\n", block, re.DOTALL | re.MULTILINE)
+    assert command, "the real-run block has no torchrun command"
+    return command.group(0)
 
 
 def fresh_copy(destination: Path) -> Path:
@@ -62,10 +71,19 @@ def test_readme_real_run_block_runs_as_written_from_a_prepared_parquet_file(tmp_
     finished = subprocess.run(["bash", "-euo", "pipefail", "-c", real_run_block()], cwd=clone, env=environment,
                               capture_output=True, text=True, timeout=600, start_new_session=True)
     assert finished.returncode == 0, f"{finished.stdout[-4000:]}\n{finished.stderr[-6000:]}"
+    assert (clone / "ckpt" / "run" / "latest").read_text().strip() == "iter_0000002"
+    # the README's resume: the same torchrun line with --load ckpt/run, here to 2 more steps
+    resume = torchrun_line(real_run_block()).rstrip() + " --load ckpt/run --train-iters 4\n"
+    resumed = subprocess.run(["bash", "-euo", "pipefail", "-c", resume], cwd=clone, env=environment,
+                             capture_output=True, text=True, timeout=600, start_new_session=True)
+    assert resumed.returncode == 0, f"{resumed.stdout[-4000:]}\n{resumed.stderr[-6000:]}"
+    assert (clone / "ckpt" / "run" / "latest").read_text().strip() == "iter_0000004"
+    steps = [json.loads(line) for line in (clone / "runs" / "dppo" / "metrics.jsonl").read_text().splitlines()]
+    assert [step["step"] for step in steps] == [1, 2, 3, 4]
 
     assert (clone / "data" / "math_train.parquet").is_file()
     summary = json.loads((clone / "runs" / "dppo" / "summary.json").read_text())
-    assert summary["steps"] == 2
+    assert summary["steps"] == 4
     results = json.loads((clone / "eval" / "run" / "results.json").read_text())
     assert list(results["benchmarks"]) == ["math500", "gsm8k", "aime24", "amc23", "minerva_math", "olympiadbench"]
     assert all(summary["num_problems"] == 2 for summary in results["benchmarks"].values())
