@@ -30,26 +30,10 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 GIB = 2**30
 
 
-def full_vocabulary_logprobs(hidden, weight, targets, chunk_size):
-    """The unfused path: [T, V] logits from the output layer's GEMM, log-probs and entropy per chunk of tokens."""
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    def log_softmax_terms(logits, chunk_targets):  # [chunk, V] -> logprobs, entropy [chunk], in fp32
-        log_softmax = torch.log_softmax(logits.float(), dim=-1)
-        return (log_softmax.gather(1, chunk_targets[:, None]).squeeze(1),
-                -(log_softmax.exp() * log_softmax).sum(-1))
-
-    logits = hidden @ weight.T  # [T, V], kept whole for backward, as the output layer's output is
-    terms = [checkpoint(log_softmax_terms, chunk, chunk_targets, use_reentrant=False)
-             for chunk, chunk_targets in zip(logits.split(chunk_size), targets.split(chunk_size))]
-    return torch.cat([lp for lp, _ in terms]), torch.cat([h for _, h in terms])
-
-
 def measure(method: str, tokens: int, vocab: int, hidden_size: int, dtype: str) -> dict:
     import torch
 
-    from megatron_dppo.actor.logprobs import CHUNK_ELEMENTS, output_layer_logprobs
+    from megatron_dppo.actor.logprobs import CHUNK_ELEMENTS, output_layer_logprobs, unfused_logprobs
 
     torch.manual_seed(0)
     dtype = getattr(torch, DTYPES[dtype])
@@ -63,7 +47,7 @@ def measure(method: str, tokens: int, vocab: int, hidden_size: int, dtype: str) 
     if method == "fused":
         logprobs, entropy = output_layer_logprobs(hidden, weight, targets, vocab, chunk_size=chunk_size)
     else:
-        logprobs, entropy = full_vocabulary_logprobs(hidden, weight, targets, chunk_size)
+        logprobs, entropy = unfused_logprobs(hidden, weight, targets, chunk_size)
     forward = time.perf_counter() - start
     (logprobs.sum() + 0.01 * entropy.sum()).backward()
     seconds = time.perf_counter() - start

@@ -196,3 +196,24 @@ class OutputLayerInput:
         against the fused path and for callers that need the logits themselves."""
         logits, _ = self.output_layer(self.hidden, weight=self.weight)
         return logits.transpose(0, 1)
+
+
+def unfused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                     chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The path `output_layer_logprobs` replaces, at its leanest, for measuring and checking the fused one against
+    (bench/logprob_memory.py, tools/gpu_check.py): the output layer's [T, V] logits materialised whole, as GPTModel
+    gives them, then log-probs and entropy in fp32 per chunk of tokens under activation checkpointing, so that only
+    the logits and their gradient are whole. One rank, no vocabulary padding."""
+    from torch.utils.checkpoint import checkpoint
+
+    chunk_size = chunk_size or max(1, CHUNK_ELEMENTS // weight.shape[0])
+
+    def log_softmax_terms(logits, chunk_targets):  # [chunk, V] -> logprobs, entropy [chunk], in fp32
+        log_softmax = torch.log_softmax(logits.float(), dim=-1)
+        return (log_softmax.gather(1, chunk_targets[:, None]).squeeze(1),
+                -(log_softmax.exp() * log_softmax).sum(-1))
+
+    logits = hidden @ weight.T  # [T, V], kept whole for backward, as the output layer's output is
+    terms = [checkpoint(log_softmax_terms, chunk, chunk_targets, use_reentrant=False)
+             for chunk, chunk_targets in zip(logits.split(chunk_size), targets.split(chunk_size))]
+    return torch.cat([lp for lp, _ in terms]), torch.cat([h for _, h in terms])
