@@ -3,6 +3,9 @@
 tests/slurm/local_slurm.sh installs the packages when they are missing (as root, with apt-get), writes a
 localhost slurm.conf, starts munged, slurmctld and slurmd, and stops them at the end. If they cannot be installed
 or started the tests fail: this is the launch path users run, so it is never skipped.
+
+The tests at the end need no daemons: stand-in srun / sbatch / scontrol record what pipeline.sh and dppo.sbatch ask
+of Slurm (containers, GPUs, the trainer's command) on allocations a one-node cluster cannot have.
 """
 
 import json
@@ -81,3 +84,117 @@ def test_sbatch_dry_run_prints_the_plan_and_starts_no_trainer(slurm, tmp_path):
     assert (logs / "plan.txt").exists()
     assert not (logs / "trainer-0.log").exists() and not (tmp_path / "run").exists()
     assert "dppo.sbatch: trainer on" not in stdout
+
+
+# -------------------------------------------------------------------------------- stand-in Slurm commands (no daemons)
+PIPELINE = REPO / "examples" / "slurm" / "pipeline.sh"
+
+
+def stand_in_slurm(tmp_path: Path, nodes: list[str]) -> tuple[dict, Path]:
+    """A PATH directory whose srun, sbatch and scontrol record each call (command, arguments, SRUN_ARGS) as one JSON
+    line and start nothing; `scontrol show hostnames` prints `nodes` (in Slurm's order). A trainer step's srun also
+    writes per-node trainer logs as torchrun's c10d rendezvous would lay them out when rank 0 is not on the first node:
+    see test_sbatch_reports_rank_0s_summary_from_whichever_node_holds_it. Returns (environment, record file)."""
+    bin_dir, record = tmp_path / "bin", tmp_path / "slurm-calls.jsonl"
+    bin_dir.mkdir()
+    recorder = (f"#!{sys.executable}\nimport json, os, re, sys\nfrom pathlib import Path\n"
+                f"name = os.path.basename(sys.argv[0])\n"
+                f"with open({str(record)!r}, 'a') as out:\n"
+                f"    out.write(json.dumps({{'command': name, 'args': sys.argv[1:],\n"
+                f"                          'SRUN_ARGS': os.environ.get('SRUN_ARGS')}}) + '\\n')\n"
+                f"if name == 'scontrol':\n"
+                f"    print('\\n'.join({nodes!r}))\n"
+                f"for arg in sys.argv[1:]:\n"
+                f"    found = re.fullmatch(r'--output=(.*/trainer-)%n\\.log', arg)\n"
+                f"    if found:  # node 0 of the step logs a rank's progress; node 1 holds rank 0 and its summary\n"
+                f"        Path(found.group(1) + '0.log').write_text('rank 2: done\\n')\n"
+                f"        Path(found.group(1) + '1.log').write_text('rank 0: done\\n{{\"steps\": 3}}\\n')\n")
+    for name in ("srun", "sbatch", "scontrol"):
+        (bin_dir / name).write_text(recorder)
+        (bin_dir / name).chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "SRUN_"))
+           and key not in ("TRAINER_NODES", "ROLLOUT_NODES", "GPUS_PER_NODE", "SGLANG_TP", "STAGES", "EVAL_ARGS")}
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    return env, record
+
+
+def recorded(record: Path, command: str) -> list[dict]:
+    return [call for call in map(json.loads, record.read_text().splitlines()) if call["command"] == command]
+
+
+def srun_options(args: list[str]) -> list[str]:
+    """srun's own options: those before the command it runs (everything after that is the command's)."""
+    options = []
+    for arg in args:
+        if not arg.startswith("-"):
+            break
+        options.append(arg)
+    return options
+
+
+def test_every_pipeline_srun_runs_in_the_srun_args_container_and_evaluation_gets_the_gpus(tmp_path):
+    """pipeline.sh's convert, export and evaluate steps take SRUN_ARGS (e.g. pyxis' container) as dppo.sbatch's steps
+    do, and the evaluate step asks for the GPUS_PER_NODE GPUs evaluate_node.sh starts one server on each."""
+    env, record = stand_in_slurm(tmp_path, ["node1"])
+    work = tmp_path / "work"
+    (work / "eval").mkdir(parents=True)
+    (work / "eval" / "results.md").write_text("| benchmark | pass@1 |\n")
+    container = ["--container-image=/images/megatron-dppo.sqsh", "--container-mounts=/data:/data,/scratch:/scratch"]
+    env.update(HF_CHECKPOINT="/data/Qwen3-4B", WORK_DIR=str(work), GPUS_PER_NODE="4", SRUN_ARGS=" ".join(container))
+    result = subprocess.run(["bash", str(PIPELINE), "--train-iters", "3"], env=env, cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    steps = {next(arg.split("=", 1)[1] for arg in call["args"] if arg.startswith("--job-name=")): call["args"]
+             for call in recorded(record, "srun")}
+    assert set(steps) == {"dppo-convert", "dppo-export", "dppo-eval"}, steps
+    faults = [f"{name}: srun {srun_options(args)} runs outside SRUN_ARGS' container"
+              for name, args in steps.items() if not all(flag in srun_options(args) for flag in container)]
+    evaluate = srun_options(steps["dppo-eval"])
+    if "--gpus-per-node=4" not in evaluate and "--gpus=4" not in evaluate:
+        faults.append(f"dppo-eval starts 4 SGLang servers (one per GPU) but asks srun for no 4 GPUs: {evaluate}")
+    assert not faults, "\n".join(faults)
+    (train,) = recorded(record, "sbatch")
+    assert train["SRUN_ARGS"] == " ".join(container), "dppo.sbatch's own steps read SRUN_ARGS from the environment"
+    assert "--gpus-per-node=4" in train["args"]
+
+
+def sbatch_with_stand_ins(tmp_path: Path, nodes: list[str], trainer_nodes: int, rollout_nodes: int):
+    """Run dppo.sbatch as the batch script of an allocation of `nodes` (stand-in srun: nothing starts; the servers are
+    taken as healthy). Returns (the script's result, the record file)."""
+    env, record = stand_in_slurm(tmp_path, nodes)
+    python = tmp_path / "bin" / "python-stand-in"  # the trainer's interpreter, except that the servers are "healthy"
+    python.write_text(f'#!/usr/bin/env bash\ncase "${{1:-}}" in */wait_healthy.py) exit 0 ;; esac\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    env.update(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=f"{nodes[0]},{nodes[-1]}", DPPO_REPO=str(REPO),
+               PYTHON=str(python), LOG_DIR=str(tmp_path / "logs"), TRAINER_NODES=str(trainer_nodes),
+               ROLLOUT_NODES=str(rollout_nodes), GPUS_PER_NODE="2", HF_CHECKPOINT="/data/Qwen3-4B",
+               RDZV_PORT="29500")
+    result = subprocess.run(["bash", str(SBATCH), "--hf-checkpoint", "/data/Qwen3-4B"], env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    return result, record
+
+
+def test_sbatch_leaves_the_weight_sync_address_to_trainer_rank_0_itself(tmp_path):
+    """torchrun's c10d rendezvous numbers the nodes by sorted host name (node10 before node9), not by the
+    allocation's order, so trainer rank 0 (which hosts the weight-sync group's TCPStore) need not be the first node:
+    the servers must get rank 0's own address (run.py's default for external servers), not the first node's."""
+    nodes = ["node9", "node10", "node11"]  # Slurm's order; torchrun's c10d gives node10 rank 0
+    _, record = sbatch_with_stand_ins(tmp_path, nodes, trainer_nodes=2, rollout_nodes=1)
+    # the rollout step runs in the background: the two stand-ins may record in either order
+    steps = {next(arg for arg in call["args"] if arg.startswith("--nodelist=")): call
+             for call in recorded(record, "srun")}
+    assert set(steps) == {"--nodelist=node11", "--nodelist=node9,node10"}, steps
+    trainer = steps["--nodelist=node9,node10"]
+    assert "--rdzv-backend=c10d" in trainer["args"] and "--rdzv-endpoint=node9:29500" in trainer["args"]
+    command = trainer["args"][trainer["args"].index(str(REPO / "examples" / "pretrain_dppo.py")):]
+    assert "--rollout-urls" in command and "http://node11:30000" in command
+    assert "--weight-sync-master-address" not in command, (
+        f"the trainer pins the weight-sync group's address to the first node by list order: {command}")
+
+
+def test_sbatch_reports_rank_0s_summary_from_whichever_node_holds_it(tmp_path):
+    """The summary line is rank 0's, which with c10d may be on trainer node 1 (stand-in srun's logs)."""
+    result, _ = sbatch_with_stand_ins(tmp_path, ["node9", "node10", "node11"], trainer_nodes=2, rollout_nodes=1)
+    assert 'dppo.sbatch: summary {"steps": 3}' in result.stdout, result.stdout

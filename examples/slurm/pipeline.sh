@@ -8,6 +8,11 @@
 #   TRAINER_NODES, ROLLOUT_NODES, GPUS_PER_NODE (default 1, 1, 8), SGLANG_TP, ...  passed on to dppo.sbatch
 #   EVAL_ARGS       flags of tools/evaluate.py (default: the six benchmarks, greedy, 1024 new tokens)
 #   STAGES          which stages run (default "convert train export evaluate")
+#   SRUN_ARGS       extra flags of every srun, this script's and dppo.sbatch's, e.g. pyxis'
+#                   "--container-image=megatron-dppo.sqsh --container-mounts=/data": every step runs in that container
+#
+# Convert and export are CPU steps; evaluate asks for one node's GPUS_PER_NODE GPUs (evaluate_node.sh starts one
+# SGLang server on each). The steps get absolute paths: a container's working directory may differ.
 #
 # A stage whose output is complete is skipped, so re-running after a failure resumes: training restarts from
 # WORK_DIR/checkpoints when it holds a checkpoint (see docs/multinode.md, "When something dies").
@@ -21,6 +26,8 @@ PP=${PP:-1}
 # ROLLOUT_NODES=0, would make the rollout node train)
 export TRAINER_NODES=${TRAINER_NODES:-1} ROLLOUT_NODES=${ROLLOUT_NODES:-1} GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 PYTHON=${PYTHON:-python3}
+REPO=$PWD
+read -r -a SRUN_EXTRA <<<"${SRUN_ARGS:-}"
 STAGES=${STAGES:-convert train export evaluate}
 INIT_DIR=$WORK_DIR/megatron-init-tp$TP-pp$PP
 SAVE_DIR=$WORK_DIR/checkpoints
@@ -36,8 +43,8 @@ has_stage() {
 
 if has_stage convert && [ ! -e "$INIT_DIR/latest" ]; then
     echo "pipeline: HF -> Megatron (TP=$TP, PP=$PP) into $INIT_DIR"
-    srun --nodes=1 --ntasks=1 --job-name=dppo-convert --output="$LOG_DIR/convert.log" \
-        "$PYTHON" tools/convert_hf_to_megatron.py --hf-dir "$HF_CHECKPOINT" --out "$INIT_DIR" \
+    srun "${SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --job-name=dppo-convert --output="$LOG_DIR/convert.log" \
+        "$PYTHON" "$REPO/tools/convert_hf_to_megatron.py" --hf-dir "$HF_CHECKPOINT" --out "$INIT_DIR" \
         --tp "$TP" --pp "$PP" --dtype bf16
 fi
 
@@ -57,15 +64,16 @@ fi
 
 if has_stage export && [ ! -e "$HF_OUT/config.json" ]; then
     echo "pipeline: Megatron -> HF into $HF_OUT"
-    srun --nodes=1 --ntasks=1 --job-name=dppo-export --output="$LOG_DIR/export.log" \
-        "$PYTHON" tools/convert_megatron_to_hf.py --megatron-dir "$SAVE_DIR" --out "$HF_OUT" \
+    srun "${SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --job-name=dppo-export --output="$LOG_DIR/export.log" \
+        "$PYTHON" "$REPO/tools/convert_megatron_to_hf.py" --megatron-dir "$SAVE_DIR" --out "$HF_OUT" \
         --tokenizer-dir "$HF_CHECKPOINT" --dtype bf16
 fi
 
 if has_stage evaluate; then
     echo "pipeline: evaluating $HF_OUT into $EVAL_DIR"
     read -r -a EXTRA_EVAL <<<"${EVAL_ARGS:-}"
-    srun --nodes=1 --ntasks=1 --job-name=dppo-eval --output="$LOG_DIR/evaluate.log" \
-        bash examples/slurm/evaluate_node.sh "$HF_OUT" "$EVAL_DIR" "${EXTRA_EVAL[@]}"
+    srun "${SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --gpus-per-node="$GPUS_PER_NODE" --job-name=dppo-eval \
+        --output="$LOG_DIR/evaluate.log" \
+        bash "$REPO/examples/slurm/evaluate_node.sh" "$HF_OUT" "$EVAL_DIR" "${EXTRA_EVAL[@]}"
     cat "$EVAL_DIR/results.md"
 fi
