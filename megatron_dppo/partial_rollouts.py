@@ -3,7 +3,8 @@
     each step: admit drawn batches ("cohorts": one draw, the prompt level's decision, G samples per kept prompt) until
     --partial-rollout-max-staleness + 1 are open, oldest first
     ─► chunks: every unfinished sample of every open cohort adds at most --partial-rollout-chunk-tokens tokens,
-       continued from its prompt + the tokens it has, with the seed it was drawn with (one request per chunk)
+       continued from its prompt + the tokens it has, carrying the seed it was drawn with (one request per chunk;
+       the vLLM backend derives each chunk's own seed from it)
     ─► after each chunk, and before the first: is the oldest cohort whole (every sample finished)? then the step
        closes its rollout, the oldest cohort is rewarded and trains as this step's Rollouts (experience.make); the
        others stay open, their tokens carried into the next step, which continues them under the new weights

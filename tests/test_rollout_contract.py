@@ -185,7 +185,7 @@ def test_continued_samples_payload_fits_generate_req_input_with_their_own_seed_a
     """Partial rollouts continue a sample from its prompt + response so far, with the seed it was drawn with and the
     tokens it may still add: SGLang's batched GenerateReqInput takes that per entry; vLLM gets one request each."""
     from megatron_dppo.rollout.client import SequenceRequest, batch_payload
-    from megatron_dppo.rollout.vllm import VLLMCompletionsAPI
+    from megatron_dppo.rollout.vllm import VLLMCompletionsAPI, continuation_seed
 
     root = sglang_dir()
     params = SamplingParams(temperature=1.0, max_new_tokens=64, stop_token_ids=[2], seed=7)
@@ -199,7 +199,8 @@ def test_continued_samples_payload_fits_generate_req_input_with_their_own_seed_a
         assert_valid(sampling, class_fields(root / "srt/sampling/sampling_params.py", "SamplingParams"),
                      "continued sampling (srt)")
     vllm = VLLMCompletionsAPI().request([5, 6, 9, 9], SamplingParams(max_new_tokens=8, seed=7), 1, 0, seed=11)
-    assert vllm["prompt"] == [5, 6, 9, 9] and vllm["seed"] == 11 and vllm["max_tokens"] == 8 and vllm["n"] == 1
+    assert vllm["prompt"] == [5, 6, 9, 9] and vllm["max_tokens"] == 8 and vllm["n"] == 1
+    assert vllm["seed"] == continuation_seed(11, [5, 6, 9, 9]) != 11  # a chunk's own seed (docs/rollout.md)
 
 
 def method(path: Path, class_name: str, method_name: str) -> ast.FunctionDef:

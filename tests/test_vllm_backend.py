@@ -3,20 +3,25 @@ tools/install_vllm_cpu.sh builds it; $MEGATRON_DPPO_VLLM_PYTHON names its interp
 
 One server on a tiny Qwen3 (head_dim 32: vLLM's CPU attention supports 32, 64, ..., not 16) serves, in order:
 generation (n > 1, seeds, top-k/top-p, stop tokens, log-probs against transformers), partial rollouts (samples paused
-mid-response and continued from their prefix), weight sync from a Megatron TP=2
-actor under torchrun (tests/workers/vllm_checks.py: log-probs differ before and equal after, version advances), then
-kill -9. A server start costs 1-2 minutes on 2 cores, so checks are grouped per server. The embedded default's run
-with `--rollout-backend vllm` starts its own.
+mid-response and continued from their prefix; at temperature 1 a chunk does not reuse chunk 1's noise), weight
+sync from a Megatron TP=2 actor under torchrun (tests/workers/vllm_checks.py: log-probs differ before and equal after,
+version advances), then kill -9. A server start costs 1-2 minutes on 2 cores, so checks are grouped per server. The
+embedded default's run with `--rollout-backend vllm` starts its own.
 
 Tolerance: 1e-5 absolute on fp32 log-probs (vLLM's CPU kernels vs transformers or Megatron; observed ~5e-7).
 """
 
 import json
+import math
 import os
+import pickle
+import random
 import re
 import signal
 import subprocess
+import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -114,6 +119,87 @@ def test_rollout_backend_vllm_flags_are_checked_and_its_plan_has_one_server_in_t
     assert "--enforce-eager" in plan.servers[0].command and plan.servers[0].cuda_visible_devices is None
 
 
+VOCAB = 100
+
+
+class GeneratorPerRequestServer:
+    """/v1/completions as vLLM serves a model whose next-token distribution is uniform at every position: a fresh
+    generator seeded with the request's seed (gpu_model_runner: torch.Generator().manual_seed(sampling_params.seed)
+    for each new request), its k-th new token from the generator's k-th draw (sample/ops/topk_topp_sampler.py:
+    random_sample, q[i].exponential_(generator=...)), nothing of the position or the prefix. Records every request
+    with its answer; `post` stands in for RolloutClient._post_generate."""
+
+    def __init__(self):
+        self.calls: list[tuple[dict, list[int]]] = []
+
+    async def post(self, session, url, payload):
+        draws = random.Random(payload["seed"])
+        tokens = [draws.randrange(VOCAB) for _ in range(payload["max_tokens"])]
+        self.calls.append((payload, tokens))
+        return {"choices": [{"index": 0, "token_ids": tokens, "finish_reason": "length",
+                             "logprobs": {"tokens": [f"token_id:{token}" for token in tokens],
+                                          "token_logprobs": [-math.log(VOCAB)] * len(tokens)}}]}
+
+    def chunk(self, input_ids: list[int], tokens: list[int], calls: int | None = None) -> dict:
+        """The request (among the first `calls`) that sent `input_ids` and got `tokens` back."""
+        (payload,) = [payload for payload, answer in self.calls[:calls]
+                      if payload["prompt"] == input_ids and answer == tokens]
+        return payload
+
+
+def test_each_vllm_chunk_of_a_partial_rollout_is_seeded_from_its_draw_seed_and_tokens_so_far(monkeypatch):
+    """A partial rollout's sample is generated in chunks, one vLLM request each. vLLM restarts a seeded request's
+    generator, so chunks sent with one seed share their noise position by position: on a position-independent model
+    chunk 2 would repeat chunk 1 token for token. Each chunk's seed must be its own, and a function of the draw seed and
+    the tokens so far only, so that a resumed run (the samples as a checkpoint holds them) sends the same seeds."""
+    from megatron_dppo.algo.pruning import PromptDecision
+    from megatron_dppo.partial_rollouts import PartialConfig, PartialRollouts, PartialSample
+    from megatron_dppo.tasks import Prompt
+
+    server = GeneratorPerRequestServer()
+    monkeypatch.setattr(RolloutClient, "_post_generate", lambda client, session, url, payload: server.post(
+        session, url, payload))
+    client = RolloutClient(["http://vllm.invalid:1"], api=VLLMCompletionsAPI(), max_retries=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
+    partial = PartialRollouts(PartialConfig(chunk_tokens=4, max_staleness=0, max_response_len=12), client)
+    partial.admit(partial.cohort_to_admit(1), 0, [Prompt(i, ids, "0") for i, ids in enumerate(PROMPTS)],
+                  PromptDecision.keep_all(3), 3, 3, params, 2)
+    cohort, stats = partial.run_until_oldest_whole(params, version=0)
+    assert stats["partial_chunks"] == 3 and len(server.calls) == 18  # 6 samples x (4 + 4 + 4 tokens)
+
+    seeds, repeats = [], 0
+    for sample in cohort.samples:
+        chunks = [sample.output_ids[start:start + 4] for start in (0, 4, 8)]
+        sent = [server.chunk(sample.prompt_ids + sample.output_ids[:start], chunks[number])["seed"]
+                for number, start in enumerate((0, 4, 8))]
+        assert len(set(sent)) == 3, f"sample drawn with seed {sample.seed}: its chunks were sent with seeds {sent}"
+        assert all(0 <= seed < 2**63 for seed in sent)  # vLLM's seed field is an int64
+        seeds += sent
+        repeats += sum(a == b for later in chunks[1:] for a, b in zip(chunks[0], later))
+    assert len(set(seeds)) == len(seeds)  # no two chunks of any samples share their noise
+    assert repeats <= 4, f"{repeats} of 48 later-chunk tokens repeat chunk 1's at their offset (~0.5 by chance)"
+
+    # resume: each sample as a checkpoint holds it after chunk k-1 (pickled), continued by a fresh client in this
+    # process and in another one (its own hash randomisation) sends chunk k's seed and gets chunk k's tokens
+    fresh = RolloutClient(["http://vllm.invalid:1"], api=VLLMCompletionsAPI(), max_retries=0)
+    for sample in cohort.samples:
+        for start in (4, 8):
+            carried = pickle.loads(pickle.dumps(PartialSample(sample.prompt_ids, sample.seed,
+                                                              sample.output_ids[:start])))
+            request = carried.request(4, 12)
+            (completion,) = fresh.generate_requests([request], params)
+            assert completion.output_ids == sample.output_ids[start:start + 4]
+            assert server.calls[-1][0] == server.chunk(request.input_ids, completion.output_ids, calls=18)
+    request = PartialSample(PROMPTS[0], 5, [7, 8, 9]).request(4, 12)
+    script = ("import sys; from megatron_dppo.rollout.client import SamplingParams; from megatron_dppo.rollout.vllm "
+              f"import VLLMCompletionsAPI; print(VLLMCompletionsAPI().request({request.input_ids}, SamplingParams(),"
+              f" 1, 0, seed={request.seed})['seed'])")
+    other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+                           env={**os.environ, "PYTHONHASHSEED": "random"}, check=True)
+    assert int(other.stdout) == VLLMCompletionsAPI().request(request.input_ids, SamplingParams(), 1, 0,
+                                                             seed=request.seed)["seed"]
+
+
 def test_install_script_reuses_a_valid_environment_and_prints_only_its_interpreter(python):
     env_dir = Path(python).parents[1]  # what .ci/run just built or reused: a second run must reuse it as is
     result = subprocess.run(["bash", str(REPO_ROOT / "tools" / "install_vllm_cpu.sh"), str(env_dir)],
@@ -160,8 +246,9 @@ def test_generation_with_n_samples_and_seeds_is_reproducible_and_its_logprobs_eq
 
 def test_partial_rollouts_pause_a_sample_mid_response_and_resume_it_from_its_prefix_on_vllm(server, hf_model):
     """Partial rollouts on a real vLLM server: each chunk asks for at most 4 tokens, a sample cut at the chunk
-    continues from prompt + its tokens with the seed it was drawn with. Greedy, the chunked samples are the straight
-    ones token for token; sampled, each continued sample's log-probs are the model's on the whole response."""
+    continues from prompt + its tokens with a seed derived from its draw seed and those tokens. Greedy, the chunked
+    samples are the straight ones token for token; sampled, each continued sample's log-probs are the model's on the
+    whole response."""
     from megatron_dppo.algo.pruning import PromptDecision
     from megatron_dppo.partial_rollouts import PartialConfig, PartialRollouts
     from megatron_dppo.tasks import Prompt
@@ -181,6 +268,45 @@ def test_partial_rollouts_pause_a_sample_mid_response_and_resume_it_from_its_pre
                 assert sample.output_ids == whole.output_ids
             want = sequence_logprobs(hf_model, sample.prompt_ids, sample.output_ids)
             torch.testing.assert_close(torch.tensor(sample.output_logprobs), want, atol=LOGPROB_TOL, rtol=0)
+
+
+def test_vllm_partial_rollout_chunks_at_temperature_1_do_not_repeat_the_first_chunks_noise(server):
+    """On the real server: vLLM seeds a fresh generator per request and draws a request's k-th new token from its
+    k-th draw, whatever the position. The test model is nearly uniform at every position (tiny random weights: no
+    next-token probability above ~0.03), so a chunk sent with chunk 1's seed repeats chunk 1's tokens at their
+    offsets (observed: 46 to 48 of 48; ~1% with independent noise). The control request (chunk 2's as the client builds
+    it, but with chunk 1's seed) shows that on this server; the partial rollout's own chunk 2 must not, and the same
+    cohort generated again gives the same tokens (seeds from the draw seed and the tokens so far only)."""
+    from megatron_dppo.algo.pruning import PromptDecision
+    from megatron_dppo.partial_rollouts import PartialConfig, PartialRollouts
+    from megatron_dppo.tasks import Prompt
+
+    api = VLLMCompletionsAPI()
+    client = RolloutClient([server.url], api=api, request_timeout_s=120)
+    prompts = [Prompt(index, ids, "0") for index, ids in enumerate(PROMPTS)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=7)
+    runs = []
+    for _ in range(2):
+        partial = PartialRollouts(PartialConfig(chunk_tokens=8, max_staleness=0, max_response_len=16), client)
+        partial.admit(partial.cohort_to_admit(1), 0, prompts, PromptDecision.keep_all(3), 3, 3, params, 2)
+        cohort, stats = partial.run_until_oldest_whole(params, version=0)
+        assert stats["partial_chunks"] == 2
+        runs.append([sample.output_ids for sample in cohort.samples])
+    assert runs[0] == runs[1]
+
+    chunk = replace(params, max_new_tokens=8)
+    repeats = control_repeats = 0
+    for sample in cohort.samples:
+        first, second = sample.output_ids[:8], sample.output_ids[8:]
+        assert len(second) == 8
+        first_seed = api.request(sample.prompt_ids, chunk, 1, 0, seed=sample.seed)["seed"]
+        control = {**api.request(sample.prompt_ids + first, chunk, 1, 0, seed=sample.seed), "seed": first_seed}
+        (replayed,) = api.parse(control_request(server.url, api.path, control, timeout_s=120), 0, 1, server.url)
+        control_repeats += sum(a == b for a, b in zip(first, replayed.output_ids))
+        repeats += sum(a == b for a, b in zip(first, second))
+    print(f"chunk 2 repeats chunk 1 at {repeats} of 48 offsets; with chunk 1's seed at {control_repeats} of 48")
+    assert control_repeats >= 24, f"the control repeats only {control_repeats} of 48: the test model is not flat"
+    assert repeats <= 8, f"chunk 2 repeats chunk 1's token at {repeats} of 48 offsets: it reuses chunk 1's noise"
 
 
 def test_megatron_tp2_actor_syncs_into_vllm_logprobs_match_after_differ_before_and_version_advances(server,

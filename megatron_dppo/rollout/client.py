@@ -155,8 +155,9 @@ class GenerateAPI(Protocol):
 
     def request(self, input_ids: list[int], params: SamplingParams, n: int, prompt_index: int,
                 seed: int | None = None) -> dict[str, Any]:
-        """`seed`, when given, seeds sample 0 (sample i: seed + i) in place of params.sample_seed(prompt_index, 0,
-        n)."""
+        """`seed`, when given, is the draw seed of a sample continued from its prefix, in place of
+        params.sample_seed(prompt_index, 0, n); each backend turns it into what its server needs (SGLang: the seed,
+        hashed with positions server-side; vLLM: `continuation_seed` of the seed and the prefix)."""
 
     def parse(self, body: Any, prompt_index: int, n: int, url: str) -> list[Completion]: ...
 

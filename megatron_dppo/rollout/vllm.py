@@ -5,6 +5,8 @@ imports vLLM (the server side is rollout/vllm_server.py, which runs in vLLM's en
 generation:  RolloutClient(urls, api=VLLMCompletionsAPI())
              one POST /v1/completions per prompt {prompt: token ids, n, seed, logprobs: 0, return_token_ids}
              ─► choices (in sample order) ─► Completion(output_ids, output_logprobs)
+             a sample continued from its prefix (partial rollouts: generate_requests): one request per chunk, seeded
+             with continuation_seed(its draw seed, prompt + the tokens so far), never with the draw seed itself
 weight sync: WeightSyncer(urls, control=VLLMControl())
              WeightSyncer speaks SGLang's control protocol; VLLMControl carries out each of its routes on vLLM:
     /init_weights_update_group       ─► /collective_rpc dppo_join_weight_group (vLLM's worker extension)
@@ -28,7 +30,9 @@ log_softmax(logits / temperature); the two agree at temperature 1.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 import threading
 from typing import Any
 
@@ -37,6 +41,24 @@ from megatron_dppo.rollout.client import Completion, RolloutServerError, Samplin
 WORKER_EXTENSION = "megatron_dppo.rollout.vllm_server.WeightSyncExtension"
 # vLLM's finish reasons that end a sample normally, as the trainer's Completion names them
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def continuation_seed(seed: int, input_ids: list[int]) -> int:
+    """The vLLM seed of a request that generates a sample's next chunk from `input_ids` (its prompt + the tokens it
+    has so far), given the seed the sample was drawn with.
+
+    vLLM seeds a fresh torch.Generator with a request's seed and draws the noise of the request's k-th new token as
+    the generator's k-th draw: nothing of the position in the sequence enters. Two chunks of one sample sent with
+    the same seed would therefore reuse the same noise, position by position, so the chunks are correlated and the
+    response is not a sample of the policy at temperature > 0 (SGLang and the embedded engine hash the seed with the
+    absolute position, and need none of this). Each chunk gets its own seed instead: a stable hash (BLAKE2b, 8 bytes,
+    of the seed and the token ids as little-endian int64) of what the chunk is conditioned on, so the same sample at
+    the same point gets the same seed in any process (a resumed run continues exactly as the straight one) and
+    different chunks, or different samples, get unrelated ones. In [0, 2**63): vLLM takes int64 seeds."""
+    key = hashlib.blake2b(digest_size=8, person=b"dppo-vllm-chunk")
+    key.update(struct.pack("<Q", seed % 2**64))
+    key.update(struct.pack(f"<{len(input_ids)}q", *input_ids))
+    return int.from_bytes(key.digest(), "little") >> 1
 
 
 class VLLMCompletionsAPI:
@@ -53,8 +75,8 @@ class VLLMCompletionsAPI:
                    "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
         if params.stop_token_ids:
             payload["stop_token_ids"] = list(params.stop_token_ids)
-        if seed is not None:  # a sample continued from its prefix keeps the seed it was drawn with
-            payload["seed"] = seed
+        if seed is not None:  # a sample's chunk (continued from its prefix): its own seed, see continuation_seed
+            payload["seed"] = continuation_seed(seed, input_ids)
         elif params.seed is not None:  # vLLM seeds sample i with seed + i: the same seeds as SGLang's sampling_seed
             payload["seed"] = params.sample_seed(prompt_index, 0, n)
         return payload
