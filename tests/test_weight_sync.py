@@ -395,3 +395,10 @@ def test_malformed_update_metadata_leaves_the_group_with_a_clear_error_instead_o
         assert "g" not in engine.groups
     for name, tensor in engine.model.state_dict().items():
         assert torch.equal(tensor, before[name])
+
+
+def test_syncer_refuses_an_in_place_pause_whose_running_batch_sglang_would_never_flush():
+    from megatron_dppo.rollout.weight_sync import WeightSyncer
+
+    with pytest.raises(ValueError, match="pause_mode='in_place' must be abort or retract"):
+        WeightSyncer(["http://127.0.0.1:1"], pause_mode="in_place")

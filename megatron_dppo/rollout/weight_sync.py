@@ -353,8 +353,11 @@ class WeightSyncer:
         if load_format not in (FLATTENED_BUCKET, AUTO_FORMAT, None):
             raise ValueError(f"load_format={load_format!r} must be {FLATTENED_BUCKET!r}, {AUTO_FORMAT!r} or None "
                              "(per tensor)")
-        if pause_mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"pause_mode={pause_mode!r} must be one of SGLang's: abort, retract, in_place")
+        if pause_mode not in ("abort", "retract"):
+            # SGLang's third mode, in_place, keeps the running batch, and its scheduler refuses /flush_cache while it
+            # holds one: every sync would wait out its timeout at the flush.
+            raise ValueError(f"pause_mode={pause_mode!r} must be abort or retract (SGLang refuses to flush the cache "
+                             "of an in_place pause that holds running requests)")
         self.urls = [url.rstrip("/") for url in urls]
         # Ranks per engine: 1 for the embedded engine, tp*dp GPUs for an SGLang server.
         self.engine_ranks = engine_ranks or [1] * len(self.urls)
