@@ -197,3 +197,49 @@ def test_pipeline_sh_asks_sbatch_for_the_nodes_it_tells_dppo_sbatch_to_use(tmp_p
     nodes = int(re.search(r"--nodes=(\d+)", line).group(1))
     trainer, rollout = (int(re.search(rf"{name}=(\d+)", line).group(1)) for name in ("TRAINER_NODES", "ROLLOUT_NODES"))
     assert nodes == trainer + rollout == 2 and "--gpus-per-node=8" in line and "GPUS_PER_NODE=8" in line, line
+
+
+def pytest_timeout_of(function: ast.FunctionDef, module: ast.Module, default: float) -> float:
+    """The pytest-timeout a test runs under: its own `@pytest.mark.timeout(N)`, its module's `pytestmark`, or the
+    ini's."""
+    def marked(node) -> float | None:
+        for call in ast.walk(node):
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "timeout"
+                    and call.args and isinstance(call.args[0], ast.Constant)):
+                return float(call.args[0].value)
+        return None
+
+    for decorator in function.decorator_list:
+        if (value := marked(decorator)) is not None:
+            return value
+    for statement in module.body:
+        if isinstance(statement, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in statement.targets):
+            if (value := marked(statement.value)) is not None:
+                return value
+    return default
+
+
+def test_every_launch_times_out_before_its_test_so_the_launch_log_is_reported():
+    """A launch's own timeout (run_torchrun, subprocess.run, ... `timeout=N`) must fire before pytest-timeout kills
+    the test: the launch's handler prints the torchrun or server log, pytest-timeout's kill prints none of it."""
+    default = float(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+                    ["timeout"])
+    too_long = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        module = ast.parse(path.read_text())
+        constants = {target.id: statement.value for statement in module.body if isinstance(statement, ast.Assign)
+                     for target in statement.targets if isinstance(target, ast.Name)}
+        for function in ast.walk(module):
+            if not (isinstance(function, ast.FunctionDef) and function.name.startswith("test_")):
+                continue
+            limit = pytest_timeout_of(function, module, default)
+            for call in ast.walk(function):
+                for keyword in getattr(call, "keywords", []) if isinstance(call, ast.Call) else []:
+                    value = keyword.value
+                    if isinstance(value, ast.Name):  # a module-level constant
+                        value = constants.get(value.id)
+                    if (keyword.arg == "timeout" and isinstance(value, ast.Constant)
+                            and isinstance(value.value, int | float) and value.value >= limit):
+                        too_long.append(f"{path.relative_to(REPO)}::{function.name} line {call.lineno}: "
+                                        f"timeout={value.value} >= its pytest timeout {limit:g}")
+    assert not too_long, "\n".join(too_long)

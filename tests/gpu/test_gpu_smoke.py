@@ -25,9 +25,11 @@ import torch
 
 from tests.launch import REPO_ROOT, run_torchrun
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="GPU smoke run: needs a CUDA GPU (with Transformer Engine and SGLang: the "
-                                       "Docker image); run examples/gpu_smoke.sh there")
+LAUNCH_TIMEOUT_S = 900  # the torchrun launch's own limit, under the test's: its handler prints the run's log
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="GPU smoke run: needs a CUDA GPU (with Transformer Engine and SGLang: the "
+                                        "Docker image); run examples/gpu_smoke.sh there"),
+              pytest.mark.timeout(1200)]
 
 ENTRY = REPO_ROOT / "examples" / "pretrain_dppo.py"
 STEPS = 3
@@ -70,7 +72,7 @@ def test_one_gpu_te_actor_and_sglang_run_three_dppo_steps_with_synced_weights(ti
         "--data-train-size", "64", "--eval-size", "8", "--log-dir", log_dir,
         "--rollout-backend", "sglang", "--rollout-colocate", "--sglang-skip-tokenizer-init",
         "--sglang-dtype", "bfloat16", "--sglang-mem-fraction-static", "0.3", "--sglang-context-length", "256",
-    ], timeout=900)
+    ], timeout=LAUNCH_TIMEOUT_S)
     steps = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     assert [step["step"] for step in steps] == list(range(1, STEPS + 1)), output[-4000:]
     for step in steps:
