@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_dppo.data.synthetic import TASKS as SYNTHETIC_TASKS
-from megatron_dppo.platform import TRANSFORMER_IMPLS, default_transformer_impl, transformer_impl_error
+from megatron_dppo.platform import TRANSFORMER_IMPLS, transformer_impl_error
 from megatron_dppo.rollout.launcher import VLLM_PYTHON_VARIABLE, forward_sglang_args, sglang_flag_value
 
 ALGORITHMS = ("grpo", "dppo", "cppo", "d3s")
@@ -471,9 +471,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1: drop it or raise TP")
     if args.bf16 and args.fp16:
         errors.append("--bf16 and --fp16 are exclusive: pick one")
-    args.transformer_impl = args.transformer_impl or default_transformer_impl()
-    if transformer_impl_error(args.transformer_impl):
-        errors.append(transformer_impl_error(args.transformer_impl))
+    if args.transformer_impl and transformer_impl_error(args.transformer_impl):  # the default is the model's to
+        errors.append(transformer_impl_error(args.transformer_impl))             # resolve: it needs torch
     if args.rollout_backend == "external" and not args.rollout_urls:
         errors.append("--rollout-backend external needs --rollout-urls URL [URL ...]")
     if args.rollout_urls and args.rollout_backend != "external":

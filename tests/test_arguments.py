@@ -1,6 +1,7 @@
 """Model and prompt-data flags are checked before any process group or model starts, as a new user meets them:
 through examples/pretrain_dppo.py and under torchrun, each problem one line naming the flag and the fix."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -164,14 +165,24 @@ def test_built_in_prompt_data_brings_its_reward_and_held_out_set(tmp_path):
     assert (args.reward_type, args.eval_prompt_data) == ("gsm8k", "gsm8k_test")
 
 
-def test_transformer_impl_is_megatron_lms_flag_local_by_default_on_the_cpu_and_te_there_is_one_line(capsys):
+def test_transformer_impl_is_megatron_lms_flag_local_by_default_on_the_cpu_and_te_there_is_one_line(capsys,
+                                                                                                      monkeypatch):
+    from megatron_dppo.platform import default_transformer_impl, transformer_impl_error
+
     help_text = run_entry("--help").stdout
     assert "--transformer-impl {transformer_engine,local}" in help_text
-    assert parse_args([]).transformer_impl == "local"
+    assert parse_args([]).transformer_impl is None and default_transformer_impl() == "local"  # resolved at the build
     assert parse_args(["--transformer-impl", "local"]).transformer_impl == "local"
-    message = parse_errors(capsys, ["--transformer-impl", "transformer_engine"])
-    assert "--transformer-impl transformer_engine needs a CUDA GPU" in message and "--transformer-impl local" in message
-    assert "Traceback" not in message
+    message = parse_errors(capsys, ["--transformer-impl", "transformer_engine"])  # TE is not installed here
+    assert "--transformer-impl transformer_engine (the default on a GPU) needs Transformer Engine" in message
+    assert "pass --transformer-impl local" in message and "Traceback" not in message
+    # where TE is installed but no GPU is visible, it is refused as well (here at the model's build), in one line
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: object() if name == "transformer_engine" else real_find_spec(name, *rest))
+    assert transformer_impl_error("transformer_engine").startswith("--transformer-impl transformer_engine needs a CUDA "
+                                                                   "GPU")
+    assert transformer_impl_error("local") is None
 
 
 def test_rollout_server_gpus_above_1_is_refused_for_servers_that_join_the_sync_group_as_one_rank(capsys):

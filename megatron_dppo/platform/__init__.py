@@ -34,17 +34,19 @@ def default_transformer_impl() -> str:
 
 
 def transformer_impl_error(transformer_impl: str) -> str | None:
-    """Why `--transformer-impl transformer_engine` cannot run here (no GPU, or TE not installed), else None."""
+    """Why `--transformer-impl transformer_engine` cannot run here (TE not installed, or no GPU), else None. The GPU
+    is asked about only once TE is found, so that argument parsing stays torch-free where TE is absent."""
     import importlib.util
 
     if transformer_impl != "transformer_engine":
         return None
+    if importlib.util.find_spec("transformer_engine") is None:
+        return ("--transformer-impl transformer_engine (the default on a GPU) needs Transformer Engine, which is not "
+                "installed: install it (pip install -e '.[gpu]', or the Dockerfile's image) or pass "
+                "--transformer-impl local")
     if is_cpu():
         return ("--transformer-impl transformer_engine needs a CUDA GPU; on the CPU the model runs megatron-core's "
                 "local spec: drop the flag or pass --transformer-impl local")
-    if importlib.util.find_spec("transformer_engine") is None:
-        return ("--transformer-impl transformer_engine (the default on a GPU): Transformer Engine is not installed; "
-                "install it (pip install -e '.[gpu]', or the Dockerfile's image) or pass --transformer-impl local")
     return None
 
 
