@@ -107,12 +107,12 @@ def check_megatron_save(args):
     log(f"CHECK megatron_save ok tp={args.tp} pp={args.pp}")
 
 
-def te_style_layer_spec(shape):
+def te_style_layer_spec(shape, transformer_impl="local"):
     """The CPU layer spec, with core attention carrying `_extra_state` as Transformer Engine's DotProductAttention
     does (its FP8 metadata): a checkpoint written by the converter (local spec) has no such key."""
     from dataclasses import replace
 
-    from megatron_dppo.actor.model import SDPACoreAttention, cpu_layer_spec
+    from megatron_dppo.actor.model import SDPACoreAttention, local_layer_spec
 
     class ExtraStateCoreAttention(SDPACoreAttention):
         def get_extra_state(self) -> torch.Tensor:
@@ -121,7 +121,7 @@ def te_style_layer_spec(shape):
         def set_extra_state(self, state) -> None:
             self.restored_extra_state = state
 
-    spec = cpu_layer_spec(shape)
+    spec = local_layer_spec(shape)
     attention = spec.submodules.self_attention
     submodules = replace(attention.submodules, core_attention=ExtraStateCoreAttention)
     return replace(spec, submodules=replace(spec.submodules, self_attention=replace(attention, submodules=submodules)))
