@@ -1,7 +1,9 @@
 """Batched KV-cache decoding for the embedded engine, computed from an HF Qwen2 / Qwen3 / Llama model's own parameters.
 
 contexts ──► prefill: [B, T] left-padded, one pass with a causal + padding mask; K/V written into a contiguous cache
-             [B, kv_heads, slots, head_dim] per layer ──► final hidden states [B, T, hidden]
+             [B, kv_heads, slots, head_dim] per layer ──► final hidden states [B, T, hidden]. A context whose first
+             tokens the prefix cache holds (rollout/prefix_cache.py) has their K/V copied in, and the pass runs only
+             over the last W positions, W the longest uncached part of any row ──► hidden states [B, W, hidden]
 tokens   ──► step: one position per row, K/V written in place at the next slot (the cache grows by BLOCK slots when
              full), attention over every slot of the cache, empty and padding slots masked ──► hidden [B, hidden]
 finished rows ──► keep(rows): the cache shrinks to the rows still generating
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from megatron_dppo.rollout.prefix_cache import CachedPrefix
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 # Cache slots added at a time: an empty slot costs one masked read per step, a growth copies the cache once.
@@ -73,6 +77,7 @@ class DecodeState:
     attention_bias: torch.Tensor  # [B, 1, 1, slots] float: 0 at filled slots, -inf at left padding and empty slots
     positions: torch.Tensor  # [B] long, the position id of each row's next token
     length: int  # slots filled so far (the same for every row: left padding aligns the ends)
+    starts: torch.Tensor  # [B] long, each row's first filled slot (its left padding ends there)
 
     def grow(self, slots: int) -> None:
         """Room for `slots` more positions: new contiguous tensors, the filled part copied."""
@@ -151,49 +156,85 @@ class KVCacheDecoder:
         """The output layer on final hidden states [..., hidden] → fp32 logits [..., vocab]."""
         return F.linear(hidden, self.model.lm_head.weight).float()
 
-    def prefill(self, contexts: list[list[int]], pad_token_id: int = 0) -> tuple[DecodeState, torch.Tensor]:
-        """Run the left-padded contexts; returns the cache and the final hidden states [B, T, hidden] (row r's context
-        ends at T - 1). Equal contexts (the n samples of one prompt) are run once and their cache rows copied."""
+    def prefill(self, contexts: list[list[int]], pad_token_id: int = 0,
+                prefixes: list[CachedPrefix | None] | None = None) -> tuple[DecodeState, torch.Tensor]:
+        """Run the left-padded contexts; returns the cache and the final hidden states [B, W, hidden] of each row's
+        last W positions (row r's context ends at W - 1): W is the longest context, or, with `prefixes` (per
+        context, the cached K/V of its first tokens or None), the longest part of a context that no prefix covers.
+        Equal contexts (the n samples of one prompt) are run once and their cache rows copied."""
         distinct: dict[tuple[int, ...], int] = {}
         source = torch.tensor([distinct.setdefault(tuple(context), len(distinct)) for context in contexts])
-        state, hidden = self._prefill_distinct([list(context) for context in distinct], pad_token_id)
+        first = {}
+        for row, index in enumerate(source.tolist()):
+            first.setdefault(index, row)
+        distinct_prefixes = [prefixes[first[index]] if prefixes else None for index in range(len(distinct))]
+        state, hidden = self._prefill_distinct([list(context) for context in distinct], pad_token_id,
+                                               distinct_prefixes)
         if len(distinct) < len(contexts):
             self.keep(state, source)
             hidden = hidden.index_select(0, source)
         return state, hidden
 
-    def _prefill_distinct(self, contexts: list[list[int]], pad_token_id: int) -> tuple[DecodeState, torch.Tensor]:
+    def _prefill_distinct(self, contexts: list[list[int]], pad_token_id: int,
+                          prefixes: list[CachedPrefix | None]) -> tuple[DecodeState, torch.Tensor]:
         width = max(map(len, contexts))
         slots = -(-(width + 1) // BLOCK) * BLOCK
         batch = len(contexts)
+        starts = torch.tensor([width - len(context) for context in contexts])
+        cached = torch.tensor([prefix.length if prefix else 0 for prefix in prefixes])
+        window = int((width - starts - cached).max())  # the positions computed: the last `window` of every row
         input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
         valid = torch.zeros(batch, slots, dtype=torch.bool)
         for row, context in enumerate(contexts):
             input_ids[row, width - len(context):] = torch.tensor(context, dtype=torch.long)
             valid[row, width - len(context):width] = True
         position_ids = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)  # [B, T], as HF numbers left padding
-        causal = torch.ones(width, width, dtype=torch.bool).tril()
-        # [B, 1, T, T]: causal and not padding; a pad position sees itself so that its row of scores is not empty
-        mask = (causal[None] & valid[:, None, :width]) | torch.eye(width, dtype=torch.bool)[None]
-        mask = mask[:, None]
+        query_slots = torch.arange(width - window, width)  # [W]
+        key_slots = torch.arange(width)
+        # [B, 1, W, T]: causal and not padding; a pad position sees itself so that its row of scores is not empty
+        mask = ((key_slots[None] <= query_slots[:, None])[None] & valid[:, None, :width]
+                | (key_slots[None] == query_slots[:, None])[None])[:, None]
         shape = (batch, self.num_kv_heads, slots, self.head_dim)
         keys = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
         values = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
         bias = torch.zeros(batch, 1, 1, slots, dtype=self.dtype).masked_fill_(~valid[:, None, None], float("-inf"))
-        state = DecodeState(keys, values, bias, position_ids[:, -1] + 1, width)
+        state = DecodeState(keys, values, bias, position_ids[:, -1] + 1, width, starts)
+        for row, prefix in enumerate(prefixes):
+            if prefix is not None:
+                start = int(starts[row])
+                for index in range(len(self.layers)):
+                    keys[index][row, :, start:start + prefix.length] = prefix.keys[index]
+                    values[index][row, :, start:start + prefix.length] = prefix.values[index]
+        # [B, 1, W, 1]: the window slots whose K/V this pass writes (not those a prefix gave, nor left padding)
+        computed = (query_slots[None] >= (starts + cached)[:, None])[:, None, :, None]
+        from_cache = window < width or bool(cached.any())
 
-        hidden = self.embed(input_ids)  # [B, T, hidden]
-        cos, sin = self.rotary(hidden, position_ids)  # [B, T, head_dim]
+        hidden = self.embed(input_ids[:, width - window:])  # [B, W, hidden]
+        cos, sin = self.rotary(hidden, position_ids[:, width - window:])  # [B, W, head_dim]
         for index, layer in enumerate(self.layers):
             residual = hidden
-            query, key, value = self._qkv(layer, rms_norm(layer.input_norm, hidden), cos, sin)  # [B, heads, T, D]
-            keys[index][:, :, :width] = key
-            values[index][:, :, :width] = value
+            query, key, value = self._qkv(layer, rms_norm(layer.input_norm, hidden), cos, sin)  # [B, heads, W, D]
+            if from_cache:  # attend over the whole context: the prefixes' K/V and this pass's
+                keys[index][:, :, width - window:width] = torch.where(computed, key,
+                                                                      keys[index][:, :, width - window:width])
+                values[index][:, :, width - window:width] = torch.where(computed, value,
+                                                                        values[index][:, :, width - window:width])
+                key, value = keys[index][:, :, :width], values[index][:, :, :width]
+            else:
+                keys[index][:, :, :width] = key
+                values[index][:, :, :width] = value
             attended = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scaling,
                                                       enable_gqa=self.num_kv_heads != self.num_heads)
-            hidden = residual + linear(layer.o_proj, attended.transpose(1, 2).reshape(batch, width, -1))
+            hidden = residual + linear(layer.o_proj, attended.transpose(1, 2).reshape(batch, window, -1))
             hidden = hidden + self._mlp(layer, rms_norm(layer.post_norm, hidden))
         return state, rms_norm(self.final_norm, hidden)
+
+    @staticmethod
+    def processed(state: DecodeState, row: int, count: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of the K/V of cache row `row`'s first `count` filled slots, per layer [kv_heads, count, D]."""
+        start = int(state.starts[row])
+        return ([keys[row, :, start:start + count].clone() for keys in state.keys],
+                [values[row, :, start:start + count].clone() for values in state.values])
 
     def step(self, state: DecodeState, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row [B]; returns the final hidden states [B, hidden] at that position."""
@@ -226,6 +267,7 @@ class KVCacheDecoder:
         state.values = [select_rows(values, rows) for values in state.values]
         state.attention_bias = select_rows(state.attention_bias, rows)
         state.positions = state.positions.index_select(0, rows)
+        state.starts = state.starts.index_select(0, rows)
 
     def _qkv(self, layer: Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Projections, q/k norms (Qwen3) and RoPE: query [B, heads, T, D], key and value [B, kv_heads, T, D]."""

@@ -8,7 +8,9 @@ weights  ──► /init_weights_update_group (once) ──► per sync: /begin_
 
 One class, EmbeddedEngine (here: the model, its settings and main), composed of its responsibilities, each in its
 own file: engine_requests.py (parse and answer /generate), engine_scheduler.py (queue, batch loop, decode workers,
-pause and continue), engine_weights.py (the weight-update session and loading), engine_routes.py (the HTTP routes).
+pause and continue), engine_weights.py (the weight-update session and loading), engine_routes.py (the HTTP routes);
+prefix_cache.py keeps the K/V of chunks that stopped at their token budget, so a request continuing one prefills
+only what follows it.
 
 Endpoints (same routes, fields and response layout as SGLang 0.5.23): /generate, /health, /health_generate,
 /model_info, /flush_cache, /pause_generation, /continue_generation, /init_weights_update_group,
@@ -27,8 +29,10 @@ Invariants:
 - SGLang's weight-update session: /update_weights_from_distributed outside a /begin_weight_update ..
   /end_weight_update bracket is refused before anything is received (HTTP 400, SGLang's message), as are a second
   begin and an end without a begin;
-- generation and weight loading never overlap (one lock); pause(abort) ends running sequences with
-  finish_reason "abort", pause(retract) puts them back in the queue with their tokens, resumed on continue;
+- generation and weight loading never overlap (one lock), and every weight load (and /flush_cache) clears the
+  prefix cache, so cached K/V never serves weights other than those that computed it; pause(abort) ends running
+  sequences with finish_reason "abort", pause(retract) puts them back in the queue with their tokens, resumed on
+  continue;
 - every received tensor must name a parameter of the model with the same shape, or the update fails
   and says which names were wrong;
 - a /generate body is checked whole before anything of it is queued, and refused with HTTP 400 and the reason:
@@ -63,6 +67,7 @@ from megatron_dppo.rollout.engine_requests import DEFAULT_MAX_N, GenerateRequest
 from megatron_dppo.rollout.engine_routes import build_app
 from megatron_dppo.rollout.engine_scheduler import MIN_ROWS_PER_WORKER, BatchScheduler
 from megatron_dppo.rollout.engine_weights import WeightUpdates
+from megatron_dppo.rollout.prefix_cache import PrefixCache
 
 DEFAULT_KV_CACHE_BYTES = 2**30  # the KV budget's default size: see --max-total-tokens
 
@@ -104,6 +109,7 @@ class EmbeddedEngine(BatchScheduler, GenerateRequests, WeightUpdates):
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.max_batch_size = max_batch_size
         self.max_total_tokens = max_total_tokens or DEFAULT_KV_CACHE_BYTES // self.decoder.kv_bytes_per_token()
+        self.prefix_cache = PrefixCache(self.max_total_tokens)  # cleared by every weight load and /flush_cache
         self.workers = ThreadPoolExecutor(workers, thread_name_prefix="decode") if workers > 1 else None
         self.num_workers = workers
         self.batch_window_s = batch_window_s

@@ -62,11 +62,12 @@ def build_app(engine, api_key: str | None = None):
         return web.json_response(engine.model_info())
 
     async def flush_cache(request):
-        # No cache outlives a request here. As SGLang 0.5.23's Scheduler.flush_cache, is_fully_idle(ignore_waiting=
-        # paused): refused (HTTP 400) while a batch runs or requests wait on an unpaused engine; a paused engine's
-        # queue, retracted requests holding no cache, does not block it, so a sync flushes with requests retracted.
+        # Drops the prefix cache. As SGLang 0.5.23's Scheduler.flush_cache, is_fully_idle(ignore_waiting=paused):
+        # refused (HTTP 400) while a batch runs or requests wait on an unpaused engine; a paused engine's queue,
+        # retracted requests, does not block it, so a sync flushes with requests retracted.
         if engine.running or (engine.waiting and not engine.paused):
             return web.Response(status=400, text="Cache not flushed: requests are running.\n")
+        engine.prefix_cache.clear()
         return web.Response(status=200, text="Cache flushed.\n")
 
     async def pause_generation(request):

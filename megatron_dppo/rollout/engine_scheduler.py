@@ -51,9 +51,12 @@ class BatchScheduler:
                 seq.finish_reason = {"type": "length", "length": seq.params.max_new_tokens}
         contexts = [seq.prompt_ids + seq.output_ids for seq in batch]
         budgets = torch.tensor([0 if seq.finish_reason else seq.token_budget(self.max_positions) for seq in batch])
-        state, hidden = self.decoder.prefill(contexts)
+        # a row that scores its prompt needs every prompt position's hidden state: it takes nothing from the cache
+        prefixes = [None if self._scores_prompt(seq) else self.prefix_cache.lookup(context)
+                    for seq, context in zip(batch, contexts)]
+        state, hidden = self.decoder.prefill(contexts, prefixes=prefixes)
         for row, seq in enumerate(batch):
-            if seq.return_logprob and seq.logprob_start_len >= 0 and seq.input_logprobs is None:
+            if self._scores_prompt(seq):
                 context_logits = self.decoder.logits(hidden[row, hidden.shape[1] - len(contexts[row]):])
                 seq.input_logprobs = self._prompt_logprobs(context_logits, seq)
         rows = (budgets > 0).nonzero().squeeze(1)  # batch index of each row of the cache
@@ -88,6 +91,7 @@ class BatchScheduler:
                 stopped[batch_rows] = hit_stop
                 finished = hit_stop | (produced[batch_rows] >= budgets[batch_rows])
                 if finished.any():
+                    self._cache_prefixes(state, live[finished & ~hit_stop], rows, contexts, tokens_out, produced)
                     running[live[finished]] = False
                     if not running.any():
                         return
@@ -98,6 +102,21 @@ class BatchScheduler:
                 next_logits = self.decoder.logits(self.decoder.step(state, tokens))
         finally:
             self._hand_over(batch, tokens_out, logprobs_out, produced, stopped, budgets)
+
+    @staticmethod
+    def _scores_prompt(seq: Sequence) -> bool:
+        return seq.return_logprob and seq.logprob_start_len >= 0 and seq.input_logprobs is None
+
+    def _cache_prefixes(self, state, cache_rows: torch.Tensor, rows: torch.Tensor, contexts: list[list[int]],
+                        tokens_out: torch.Tensor, produced: torch.Tensor) -> None:
+        """Keep, for rows that stopped at their token budget (a chunk a later request may continue), the K/V of what
+        the cache holds for them: the context and every generated token but the last (sampled, not yet fed)."""
+        for cache_row in cache_rows.tolist():
+            batch_row = int(rows[cache_row])
+            fed = tokens_out[batch_row, :int(produced[batch_row]) - 1].tolist()
+            tokens = contexts[batch_row] + fed
+            keys, values = self.decoder.processed(state, cache_row, len(tokens))
+            self.prefix_cache.insert(tokens, keys, values)
 
     def _row_settings(self, batch: list[Sequence], contexts: list[list[int]], max_budget: int):
         """Per row of `batch`: temperature [B], top_p [B], top_k [B], the uniform of each token it may generate

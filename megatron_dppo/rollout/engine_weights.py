@@ -5,7 +5,8 @@
     ─► /end_weight_update
 
 An update outside a begin .. end session is refused before anything is received (HTTP 400, SGLang's message), as
-are a second begin and an end without a begin; every received tensor must name a parameter of the model with the
+are a second begin and an end without a begin; every load clears the prefix cache first (its K/V were computed by
+the weights being replaced); every received tensor must name a parameter of the model with the
 same shape, or the update fails and says which names were wrong.
 """
 
@@ -82,6 +83,7 @@ class WeightUpdates:
         parameter's, or that names a buffer, is copied (and converted) instead. Names and shapes are checked
         before anything is loaded; a refused bucket is still received, so the group stays in step. Outside a
         begin/end session nothing is received (SGLang's rule): the trainer's broadcast is left to its teardown."""
+        self.prefix_cache.clear()  # K/V computed by the weights this update replaces
         if self.session_selector is None:
             raise RequestError(UPDATE_OUTSIDE_SESSION)
         name = body.get("group_name", "weight_update_group")
@@ -190,6 +192,7 @@ class WeightUpdates:
     def load_from_disk(self, body: dict) -> None:
         from safetensors.torch import load_file
 
+        self.prefix_cache.clear()  # K/V computed by the weights this load replaces
         files = sorted(Path(body["model_path"]).glob("*.safetensors"))
         if not files:
             raise RequestError(f"model_path {body['model_path']} has no *.safetensors files")
