@@ -103,7 +103,9 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (args.prompt_len,), generator=generator).tolist() for _ in range(args.prompts)]
     generated_tokens = args.prompts * args.samples * args.new_tokens
-    engine_options = embedded_engine_options(SimpleNamespace(rollout_engine_threads=1, rollout_engine_workers=None),
+    engine_options = embedded_engine_options(SimpleNamespace(rollout_engine_threads=None, rollout_engine_workers=None,
+                                                             async_rollout=False,
+                                                             rollout_engine_disable_radix_cache=False),
                                              args.processes)
     with tempfile.TemporaryDirectory() as model_dir, contextlib.ExitStack() as servers:
         save_model(model_dir, args.hidden, args.layers, args.prompt_len + args.new_tokens)

@@ -52,6 +52,10 @@ MODES = {
     "partial, chunks of 32": ["--partial-rollout", "--partial-rollout-chunk-tokens", "32"],
     "partial, chunks of 32, staleness 2": ["--partial-rollout", "--partial-rollout-chunk-tokens", "32",
                                            "--partial-rollout-max-staleness", "2"],
+    "partial, chunks of 64, no prefix cache": ["--partial-rollout", "--partial-rollout-chunk-tokens", "64",
+                                               "--rollout-engine-disable-radix-cache"],
+    # the engine's layout: the trainer's default gives it one decode worker per trainer process, 1 thread each
+    "synchronous, engine 1 worker x 2 threads": ["--rollout-engine-workers", "1", "--rollout-engine-threads", "2"],
 }
 HEADLINE = "partial, chunks of 64"  # --partial-rollout alone: --partial-rollout-max-staleness 1, chunks of 64
 

@@ -230,11 +230,17 @@ def rollout_flags(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--weight-sync-master-address", default=None,
                          help="address of trainer rank 0 that rollout servers reach for the weight-sync group "
                               "(default: 127.0.0.1 for local servers, this host's address for external ones)")
-    rollout.add_argument("--rollout-engine-threads", type=COUNT, default=1,
-                         help="torch threads of each decode worker of the embedded engine")
+    rollout.add_argument("--rollout-engine-threads", type=COUNT, default=None,
+                         help="torch threads of each decode worker of the embedded engine (default: the trainer's "
+                              "processes on this node, whose cores are free while the engine generates; 1 with "
+                              "--async, where they train meanwhile)")
     rollout.add_argument("--rollout-engine-workers", type=COUNT, default=None,
                          help="decode workers (threads) of the embedded engine; a step's batch is split among them "
-                              "(default: the trainer's processes on this node, which wait while the engine generates)")
+                              "(default: 1; with --async, the trainer's processes on this node, each worker one "
+                              "thread, which degrades more gracefully when the cores are shared)")
+    rollout.add_argument("--rollout-engine-disable-radix-cache", action="store_true",
+                         help="the embedded engine keeps no prefix K/V between requests (SGLang's "
+                              "--disable-radix-cache): each partial-rollout chunk prefills its prompt and tokens again")
     rollout.add_argument("--rollout-colocate", action="store_true",
                          help="--rollout-backend sglang: the servers share the trainer's GPUs (a one-GPU machine; "
                               "leave them memory with --sglang-mem-fraction-static) and weights sync over gloo, as "

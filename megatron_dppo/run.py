@@ -57,11 +57,18 @@ def build_task(args, tokenizer) -> Task:
 
 
 def embedded_engine_options(args, local_processes: int) -> dict:
-    """How the trainer starts the embedded engine: deterministic (see start_rollout), with --rollout-engine-threads
-    torch threads per decode worker and --rollout-engine-workers workers, by default one per trainer process on this
-    node (`local_processes`: they wait, blocked, while the engine generates)."""
-    return {"threads": args.rollout_engine_threads, "workers": args.rollout_engine_workers or local_processes,
-            "enable_deterministic_inference": True}
+    """How the trainer starts the embedded engine: deterministic (see start_rollout), --rollout-engine-workers decode
+    workers of --rollout-engine-threads torch threads each. By default one worker with a thread per trainer process
+    on this node (`local_processes`): they wait, blocked, while the engine generates, and one worker's batched
+    matmuls use the freed cores best (measured by bench/step_cost.py: 1.05-1.07x the steps per second of one
+    single-thread worker per process). Under --async the trainer computes while the engine generates, so the cores
+    are shared: one single-thread worker per process, which slows down gracefully where one two-thread kernel waits
+    for its slower thread (docs/rollout.md)."""
+    shared_cores = args.async_rollout
+    workers = args.rollout_engine_workers or (local_processes if shared_cores else 1)
+    threads = args.rollout_engine_threads or (1 if shared_cores else max(1, local_processes // workers))
+    return {"threads": threads, "workers": workers, "enable_deterministic_inference": True,
+            "disable_radix_cache": args.rollout_engine_disable_radix_cache}
 
 
 def start_rollout(args, model_dir: Path):

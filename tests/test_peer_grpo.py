@@ -241,10 +241,13 @@ def test_generation_ratios_divide_the_engine_by_in_process_generate(tmp_path):
     assert table.count("embedded engine") == 2 and "2 worker(s) x 1 thread(s)" in table
 
 
-def test_the_trainer_starts_one_engine_worker_per_trainer_process_unless_told(tmp_path):
+def test_the_trainer_starts_one_engine_worker_with_a_thread_per_trainer_process_unless_async_or_told(tmp_path):
     from megatron_dppo.run import embedded_engine_options
 
+    common = {"enable_deterministic_inference": True, "disable_radix_cache": False}
     args = grpo_args(tmp_path)
-    assert embedded_engine_options(args, 2) == {"threads": 1, "workers": 2, "enable_deterministic_inference": True}
+    assert embedded_engine_options(args, 2) == {"threads": 2, "workers": 1, **common}
+    args = grpo_args(tmp_path, "--async")  # the trainer computes while the engine generates: one thread a worker
+    assert embedded_engine_options(args, 2) == {"threads": 1, "workers": 2, **common}
     args = grpo_args(tmp_path, "--rollout-engine-workers", "3", "--rollout-engine-threads", "2")
-    assert embedded_engine_options(args, 2) == {"threads": 2, "workers": 3, "enable_deterministic_inference": True}
+    assert embedded_engine_options(args, 2) == {"threads": 2, "workers": 3, **common}

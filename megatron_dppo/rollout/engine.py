@@ -46,7 +46,7 @@ Invariants:
   through the rounding of its logits.
 
 Run: python -m megatron_dppo.rollout.engine --model-dir DIR [--host 127.0.0.1] [--port P] [--api-key K]
-     [--workers W] [--threads T] [--max-total-tokens KV_BUDGET] [--max-n N]
+     [--workers W] [--threads T] [--max-total-tokens KV_BUDGET] [--max-n N] [--disable-radix-cache]
 """
 
 
@@ -78,7 +78,7 @@ class EmbeddedEngine(BatchScheduler, GenerateRequests, WeightUpdates):
     def __init__(self, model_dir: str, dtype: str = "float32", max_batch_size: int = 256,
                  batch_window_s: float = 0.005, seed: int = 0, model_name: str | None = None,
                  deterministic_inference: bool = False, workers: int = 1, max_total_tokens: int | None = None,
-                 max_n: int = DEFAULT_MAX_N):
+                 max_n: int = DEFAULT_MAX_N, prefix_cache: bool = True):
         """deterministic_inference: SGLang's --enable-deterministic-inference, without which sampling_seed is
         ignored (see the module docstring). workers: a batch of at least MIN_ROWS_PER_WORKER sequences per worker is
         split into that many contiguous parts, decoded concurrently by as many threads. max_total_tokens: the KV
@@ -109,7 +109,8 @@ class EmbeddedEngine(BatchScheduler, GenerateRequests, WeightUpdates):
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.max_batch_size = max_batch_size
         self.max_total_tokens = max_total_tokens or DEFAULT_KV_CACHE_BYTES // self.decoder.kv_bytes_per_token()
-        self.prefix_cache = PrefixCache(self.max_total_tokens)  # cleared by every weight load and /flush_cache
+        # cleared by every weight load and /flush_cache; holds nothing under --disable-radix-cache
+        self.prefix_cache = PrefixCache(self.max_total_tokens if prefix_cache else 0)
         self.workers = ThreadPoolExecutor(workers, thread_name_prefix="decode") if workers > 1 else None
         self.num_workers = workers
         self.batch_window_s = batch_window_s
@@ -165,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
                              "42 when the request gives none); without it sampling_seed is ignored")
     parser.add_argument("--threads", type=COUNT, default=None,
                         help="torch intra-op threads of each worker (default: cores / 2)")
+    parser.add_argument("--disable-radix-cache", action="store_true",
+                        help="as SGLang's flag: keep no prefix K/V between requests (a continued chunk is prefilled "
+                             "again)")
     require_domains(parser)
     args = parser.parse_args(argv)
 
@@ -173,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
     engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed,
                             deterministic_inference=args.enable_deterministic_inference, workers=args.workers,
-                            max_total_tokens=args.max_total_tokens, max_n=args.max_n)
+                            max_total_tokens=args.max_total_tokens, max_n=args.max_n,
+                            prefix_cache=not args.disable_radix_cache)
     start = time.perf_counter()
     print(f"embedded engine: model {args.model_dir} loaded, serving http://{args.host}:{args.port}", flush=True)
     web.run_app(build_app(engine, args.api_key), host=args.host, port=args.port, print=None,

@@ -52,8 +52,9 @@ class PrefixCache:
     """Longest-prefix K/V lookup over token ids, bounded in tokens, least recently used evicted first."""
 
     def __init__(self, capacity_tokens: int):
-        if capacity_tokens < 1:
-            raise ValueError(f"capacity_tokens={capacity_tokens} must be >= 1")
+        """capacity_tokens 0: a cache that keeps nothing (the engine's --disable-radix-cache)."""
+        if capacity_tokens < 0:
+            raise ValueError(f"capacity_tokens={capacity_tokens} must be >= 0")
         self.capacity = capacity_tokens
         self.root = _Node()
         self.recent: OrderedDict[tuple[int, ...], CachedPrefix] = OrderedDict()  # oldest first
