@@ -35,10 +35,12 @@ RENAMED_FLAGS = {"--data-prompts": "--prompt-data", "--reward-fn": "--reward-typ
 
 # The embedded default (no --hf-checkpoint, embedded engine, synthetic prompts) starts from these unless a flag
 # says otherwise: a tiny model, a supervised warm start cached under --cache-dir, a wall-time budget for RL.
-# Its pool of 256 problems comes back every 16 steps, the regime where DPPO's prompt level acts (docs/results.md).
+# Its pool of 2048 problems comes back many times in the budget, so DPPO's prompt level has a history to act on, and
+# is large enough that RL generalises rather than learning the pool (docs/trainer.md, calibration: 512, 1024, 2048,
+# 4096 measured).
 EMBEDDED_DEFAULTS = dict(
     lr=1e-4, rollout_batch_size=16, n_samples_per_prompt=8, dapo_filter=True, time_budget_s=240.0,
-    max_tokens_per_gpu=4096, log_dir="runs/embedded", data_train_size=256,
+    max_tokens_per_gpu=4096, log_dir="runs/embedded", data_train_size=2048,
 )
 # ... and these, by --synthetic-task: how long a response may get, and what the warm start sees. The worked task's
 # warm start sees worked solutions for a limited set only (--warm-start-problems of them, from --warm-start-cells),
