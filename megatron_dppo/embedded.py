@@ -62,17 +62,11 @@ def cache_key(args, vocab_size: int, world_size: int) -> str:
 
 def prepare(args) -> tuple[Path, CharTokenizer, Path]:
     """(HF model dir for the engine and the actor, tokenizer, warm-start checkpoint dir); every rank calls."""
-    from megatron_dppo.convert.tiny import save_random_hf_model, tiny_hf_config
-
     tokenizer = CharTokenizer.for_synthetic_task()
     root = Path(args.cache_dir) / f"embedded_{cache_key(args, tokenizer.vocab_size, dist.get_world_size())}"
     model_dir = root / "init"
     if dist.get_rank() == 0 and not (model_dir / "config.json").is_file():
-        config = tiny_hf_config(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_token_id,
-                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                **tiny_model(args))
-        save_random_hf_model(config, model_dir, seed=args.seed)
-        tokenizer.save_pretrained(model_dir)
+        tokenizer.save_random_model(model_dir, seed=args.seed, **tiny_model(args))
     dist.barrier()
     warm_dir = root / "warm_start"
     if not complete_checkpoints(warm_dir):

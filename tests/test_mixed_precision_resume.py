@@ -52,17 +52,11 @@ def run_tool(script: str, *args) -> None:
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
     """A random tiny Qwen3 (q/k norms: the local spec's torch RMSNorms that stayed fp32) with a tokenizer."""
-    from megatron_dppo.convert.tiny import save_random_hf_model, tiny_hf_config
     from megatron_dppo.data.tokenizer import CharTokenizer
 
-    tokenizer = CharTokenizer.for_synthetic_task()
-    config = tiny_hf_config("qwen3", vocab_size=tokenizer.vocab_size, hidden_size=64, num_layers=2, num_heads=4,
-                            num_kv_heads=2, ffn_hidden_size=128, head_dim=16, max_position_embeddings=256,
-                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=tokenizer.pad_token_id)
-    model_dir = save_random_hf_model(config, tmp_path_factory.mktemp("tiny_qwen3") / "hf", seed=0)
-    tokenizer.save_pretrained(model_dir)
-    return model_dir
+    return CharTokenizer.for_synthetic_task().save_random_model(
+        tmp_path_factory.mktemp("tiny_qwen3") / "hf", "qwen3", hidden_size=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, ffn_hidden_size=128, head_dim=16, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")

@@ -101,17 +101,11 @@ def check_environment(options) -> bool:
 
 def tiny_qwen3(root: Path) -> Path:
     """A random tiny Qwen3 with the synthetic task's character tokenizer (head_dim 64: what TE's kernels take)."""
-    from megatron_dppo.convert.tiny import save_random_hf_model, tiny_hf_config
     from megatron_dppo.data.tokenizer import CharTokenizer
 
-    tokenizer = CharTokenizer.for_synthetic_task()
-    config = tiny_hf_config("qwen3", vocab_size=tokenizer.vocab_size, hidden_size=256, num_layers=2, num_heads=4,
-                            num_kv_heads=2, ffn_hidden_size=512, head_dim=64, max_position_embeddings=256,
-                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=tokenizer.pad_token_id)
-    model_dir = save_random_hf_model(config, root / "hf", seed=0)
-    tokenizer.save_pretrained(model_dir)
-    return model_dir
+    return CharTokenizer.for_synthetic_task().save_random_model(
+        root / "hf", "qwen3", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=512,
+        head_dim=64, max_position_embeddings=256)
 
 
 def check_rl_run(options) -> bool:

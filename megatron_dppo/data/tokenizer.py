@@ -82,6 +82,18 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
+    def save_random_model(self, out_dir: str | Path, architecture: str, seed: int = 0, **shape) -> Path:
+        """A randomly initialised tiny HF model over this vocabulary (its bos/eos/pad ids), saved to `out_dir` with
+        this tokenizer beside it: an HF model directory the trainer, the converter and the engines all take.
+        `shape`: convert.tiny.tiny_hf_config's sizes (hidden_size, num_layers, head_dim, ...)."""
+        from megatron_dppo.convert.tiny import save_random_hf_model, tiny_hf_config
+
+        config = tiny_hf_config(architecture, vocab_size=self.vocab_size, bos_token_id=self.bos_token_id,
+                                eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id, **shape)
+        model_dir = save_random_hf_model(config, out_dir, seed=seed)
+        self.save_pretrained(model_dir)
+        return model_dir
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 

@@ -45,17 +45,12 @@ def require(module: str, install: str) -> None:
 def tiny_qwen3(tmp_path_factory):
     """A random tiny Qwen3 with our character tokenizer, and its Megatron checkpoint written by our converter."""
     from megatron_dppo.conversion import hf_to_megatron
-    from megatron_dppo.convert.tiny import save_random_hf_model, tiny_hf_config
     from megatron_dppo.data.tokenizer import CharTokenizer
 
     root = tmp_path_factory.mktemp("gpu_smoke")
-    tokenizer = CharTokenizer.for_synthetic_task()
-    config = tiny_hf_config("qwen3", vocab_size=tokenizer.vocab_size, hidden_size=256, num_layers=2, num_heads=4,
-                            num_kv_heads=2, ffn_hidden_size=512, head_dim=64, max_position_embeddings=256,
-                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=tokenizer.pad_token_id)
-    model_dir = save_random_hf_model(config, root / "hf", seed=0)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = CharTokenizer.for_synthetic_task().save_random_model(
+        root / "hf", "qwen3", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=512,
+        head_dim=64, max_position_embeddings=256)
     converted = hf_to_megatron(model_dir, root / "megatron", tp=1, pp=1, dtype="bf16")
     return model_dir, converted, root
 
