@@ -15,8 +15,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main():
-    from megatron_dppo.arguments import exit_saying_once, is_rank0, parse_args
+    from megatron_dppo.arguments import parse_args
     from megatron_dppo.errors import UserInputError, require_torchrun
+    from megatron_dppo.platform.process import exit_saying_once, is_rank0
 
     args = parse_args()
     try:

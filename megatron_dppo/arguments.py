@@ -14,14 +14,26 @@ Invariants:
 """
 
 import argparse
-import math
 import os
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_dppo.data.synthetic import TASKS as SYNTHETIC_TASKS
+from megatron_dppo.flags import (
+    ABOVE_ONE,
+    AT_LEAST_ONE,
+    COUNT,
+    COUNT_OR_NONE,
+    FRACTION,
+    NON_NEGATIVE,
+    POSITIVE,
+    RATE,
+    RATE_OR_AUTO,
+    SEED,
+    TOP_K,
+    FlagParser,
+    require_domains,
+)
 from megatron_dppo.platform import TRANSFORMER_IMPLS, transformer_impl_error
 from megatron_dppo.rollout.launcher import VLLM_PYTHON_VARIABLE, forward_sglang_args, sglang_flag_value
 
@@ -51,7 +63,6 @@ EMBEDDED_TASK_DEFAULTS = {
     "answer": dict(rollout_max_response_len=8, warm_start_steps=900, warm_start_lr=3e-3, warm_start_batch_size=128,
                    warm_start_problems=0, warm_start_cells=None),
 }
-RANK0_ERROR_WAIT_S = 60  # how long ranks other than 0 wait for rank 0 to report a flag error and exit
 EMBEDDED_HEAD_DIM = 32  # the tiny model's attention heads: --embedded-hidden-size / 32 of them
 
 
@@ -63,83 +74,6 @@ def _by_task(key: str) -> str:
 def is_embedded_default(args) -> bool:
     """The tiny model and synthetic task of the no-argument run, served by the embedded engine or by vLLM."""
     return args.rollout_backend in ("embedded", "vllm") and not args.hf_checkpoint and args.prompt_data == "synthetic"
-
-
-# ------------------------------------------------------------------------------------------------ flag domains
-@dataclass(frozen=True)
-class Domain:
-    """The values a numeric flag takes, declared with the flag as its argparse `type`: argparse calls it on the
-    flag's text, so a value outside stops parsing with `argument --flag: VALUE is out of range; give RULE`. Every
-    numeric flag has one (build_parser refuses a flag without), so a new flag states its range where it is added."""
-
-    rule: str  # the values, as the error says them: "a number in [0, 1)"
-    number: type  # int or float (floats must be finite)
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False  # low itself is excluded
-    high_open: bool = False
-    also: tuple = ()  # values taken besides the range (top-k's -1)
-    words: tuple = ()  # words taken as they are ("auto")
-
-    def contains(self, value) -> bool:
-        if value in self.also or value in self.words:
-            return True
-        if isinstance(value, float) and not math.isfinite(value):
-            return False
-        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
-        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
-        return above and below
-
-    def __call__(self, text: str):
-        if text in self.words:
-            return text
-        try:
-            value = self.number(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if self.number is int else 'a number'}; "
-                                             f"give {self.rule}") from None
-        if not self.contains(value):
-            raise argparse.ArgumentTypeError(f"{text} is out of range; give {self.rule}")
-        return value
-
-    def outside(self) -> str:
-        """A value this domain refuses (for the test that walks every flag)."""
-        if self.low is not None:
-            return str(self.low if self.low_open else self.low - 1)
-        return str(self.high if self.high_open else self.high + 1)
-
-
-# One rule per kind of flag.
-COUNT = Domain("an integer >= 1", int, 1)  # sizes and counts of things that must exist
-COUNT_OR_NONE = Domain("an integer >= 0", int, 0)  # counts where 0 means "none" or "off" (each flag's help says)
-POSITIVE = Domain("a finite number > 0", float, 0, low_open=True)  # learning rates, budgets, timeouts, caps
-NON_NEGATIVE = Domain("a finite number >= 0", float, 0)  # coefficients and penalties (0: off), temperatures
-RATE = Domain("a number in [0, 1)", float, 0, 1, high_open=True)  # prune rates, decays, Adam betas
-FRACTION = Domain("a number in (0, 1]", float, 0, 1, low_open=True)  # fractions kept, keep-probability floors, top-p
-AT_LEAST_ONE = Domain("a finite number >= 1", float, 1)  # multipliers of a batch
-ABOVE_ONE = Domain("a finite number > 1", float, 1, low_open=True)  # the dual-clip constant
-TOP_K = Domain("-1 (every token) or an integer >= 1", int, 1, also=(-1,))
-SEED = Domain("an integer in [0, 2**63)", int, 0, 2**63 - 1)
-RATE_OR_AUTO = Domain("auto or a number in [0, 1)", float, 0, 1, high_open=True, words=("auto",))
-
-
-class FlagParser(argparse.ArgumentParser):
-    """argparse, whose errors (a value out of its domain, an unknown flag, a bad combination) end the run with one
-    line per problem, said once under torchrun, without the usage block that would bury it."""
-
-    def error(self, message: str):
-        exit_saying_once(2, f"{self.prog}: error: {message}\n(--help lists every flag)")
-
-
-def require_domains(parser: argparse.ArgumentParser) -> None:
-    """Refuse a numeric flag declared without its Domain (argparse's plain int or float, or a number as default)."""
-    for action in parser._actions:
-        numeric_default = isinstance(action.default, (int, float)) and not isinstance(action.default, bool)
-        if action.nargs == 0 or isinstance(action.type, Domain) or action.choices is not None:
-            continue
-        if action.type in (int, float) or numeric_default:
-            raise TypeError(f"{action.option_strings[0]} is numeric but declares no Domain: give it type=COUNT, "
-                            "RATE, ... (megatron_dppo.arguments), or a new Domain if none fits")
 
 
 def build_parser() -> FlagParser:
@@ -619,22 +553,6 @@ def default_eval_prompt_data(prompt_data: str, reward_type: str) -> str | None:
     from megatron_dppo.data.datasets import HELDOUT_SETS
 
     return None if prompt_data == "synthetic" else HELDOUT_SETS.get(reward_type)
-
-
-def is_rank0() -> bool:
-    """Whether this process is rank 0 of its torchrun launch (a process started without torchrun is)."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def exit_saying_once(status: int, message: str) -> None:
-    """Exit with an error every rank found alike, said once, by rank 0. torchrun stops every rank as soon as one
-    exits, so a rank that exited first could take rank 0 down before it speaks: the others wait for rank 0's exit to
-    stop them (a bounded wait, in case it cannot)."""
-    if is_rank0():
-        print(message, file=sys.stderr, flush=True)
-    else:
-        time.sleep(RANK0_ERROR_WAIT_S)
-    sys.exit(status)
 
 
 def hf_checkpoint_errors(path: str, flag: str = "--hf-checkpoint") -> list[str]:

@@ -22,12 +22,13 @@ import torch.distributed as dist
 from megatron_dppo.actor.actor import Actor, OptimConfig
 from megatron_dppo.actor.checkpoint import read_hf_config, resolve_checkpoint
 from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
-from megatron_dppo.arguments import is_embedded_default, is_rank0
+from megatron_dppo.arguments import is_embedded_default
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint, read_config
 from megatron_dppo.convert.mapping import model_shape
 from megatron_dppo.launch_plan import weight_sync_backend
 from megatron_dppo.metrics import MetricsLogger
 from megatron_dppo.platform import is_cpu
+from megatron_dppo.platform.process import is_rank0
 from megatron_dppo.rollout.launcher import local_servers
 from megatron_dppo.tasks import Task, dataset_task, synthetic_task
 from megatron_dppo.trainer import Trainer

@@ -141,7 +141,7 @@ class EmbeddedEngine(BatchScheduler, GenerateRequests, WeightUpdates):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from megatron_dppo.arguments import COUNT, SEED, Domain, FlagParser, require_domains
+    from megatron_dppo.flags import COUNT, SEED, Domain, FlagParser, require_domains
 
     parser = FlagParser(prog="megatron_dppo.rollout.engine", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,0 +1,94 @@
+"""The flag toolkit: the domains numeric flags take, and the parser whose errors are one line said once.
+
+A leaf: the trainer's flags (arguments.py) and every server's command line (the embedded engine's) build on it, and it
+imports nothing of the package but platform/process.py, nor torch.
+
+    text of a flag ─► its Domain (argparse `type`) ─► value, or `argument --flag: VALUE is out of range; give RULE`
+    every error ─► FlagParser.error ─► one line on rank 0, exit 2 on every rank
+
+Invariants:
+- every numeric flag of a parser built here declares a Domain (require_domains refuses one without);
+- a Domain's rule is the text its error gives, so the error and the range cannot disagree.
+"""
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from megatron_dppo.platform.process import exit_saying_once
+
+
+@dataclass(frozen=True)
+class Domain:
+    """The values a numeric flag takes, declared with the flag as its argparse `type`: argparse calls it on the
+    flag's text, so a value outside stops parsing with `argument --flag: VALUE is out of range; give RULE`. Every
+    numeric flag has one (build_parser refuses a flag without), so a new flag states its range where it is added."""
+
+    rule: str  # the values, as the error says them: "a number in [0, 1)"
+    number: type  # int or float (floats must be finite)
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself is excluded
+    high_open: bool = False
+    also: tuple = ()  # values taken besides the range (top-k's -1)
+    words: tuple = ()  # words taken as they are ("auto")
+
+    def contains(self, value) -> bool:
+        if value in self.also or value in self.words:
+            return True
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __call__(self, text: str):
+        if text in self.words:
+            return text
+        try:
+            value = self.number(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if self.number is int else 'a number'}; "
+                                             f"give {self.rule}") from None
+        if not self.contains(value):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; give {self.rule}")
+        return value
+
+    def outside(self) -> str:
+        """A value this domain refuses (for the test that walks every flag)."""
+        if self.low is not None:
+            return str(self.low if self.low_open else self.low - 1)
+        return str(self.high if self.high_open else self.high + 1)
+
+
+# One rule per kind of flag.
+COUNT = Domain("an integer >= 1", int, 1)  # sizes and counts of things that must exist
+COUNT_OR_NONE = Domain("an integer >= 0", int, 0)  # counts where 0 means "none" or "off" (each flag's help says)
+POSITIVE = Domain("a finite number > 0", float, 0, low_open=True)  # learning rates, budgets, timeouts, caps
+NON_NEGATIVE = Domain("a finite number >= 0", float, 0)  # coefficients and penalties (0: off), temperatures
+RATE = Domain("a number in [0, 1)", float, 0, 1, high_open=True)  # prune rates, decays, Adam betas
+FRACTION = Domain("a number in (0, 1]", float, 0, 1, low_open=True)  # fractions kept, keep-probability floors, top-p
+AT_LEAST_ONE = Domain("a finite number >= 1", float, 1)  # multipliers of a batch
+ABOVE_ONE = Domain("a finite number > 1", float, 1, low_open=True)  # the dual-clip constant
+TOP_K = Domain("-1 (every token) or an integer >= 1", int, 1, also=(-1,))
+SEED = Domain("an integer in [0, 2**63)", int, 0, 2**63 - 1)
+RATE_OR_AUTO = Domain("auto or a number in [0, 1)", float, 0, 1, high_open=True, words=("auto",))
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse, whose errors (a value out of its domain, an unknown flag, a bad combination) end the run with one
+    line per problem, said once under torchrun, without the usage block that would bury it."""
+
+    def error(self, message: str):
+        exit_saying_once(2, f"{self.prog}: error: {message}\n(--help lists every flag)")
+
+
+def require_domains(parser: argparse.ArgumentParser) -> None:
+    """Refuse a numeric flag declared without its Domain (argparse's plain int or float, or a number as default)."""
+    for action in parser._actions:
+        numeric_default = isinstance(action.default, (int, float)) and not isinstance(action.default, bool)
+        if action.nargs == 0 or isinstance(action.type, Domain) or action.choices is not None:
+            continue
+        if action.type in (int, float) or numeric_default:
+            raise TypeError(f"{action.option_strings[0]} is numeric but declares no Domain: give it type=COUNT, "
+                            "RATE, ... (megatron_dppo.flags), or a new Domain if none fits")
