@@ -198,8 +198,8 @@ def rollout_flags(parser: argparse.ArgumentParser) -> None:
 def algorithm_flags(parser: argparse.ArgumentParser) -> None:
     algo = parser.add_argument_group("algorithm (--dppo-* and the other pruners)")
     algo.add_argument("--algorithm", choices=ALGORITHMS, default="dppo")
-    # Defaults here equal algo.pruning's config dataclasses and docs/algorithms.md's table (a test holds them
-    # equal); they are written out so that parsing (and --dry-run) does not import torch.
+    # Defaults here equal the config dataclasses of algo/pruning.py and algo/dapo_filter.py and docs/algorithms.md's
+    # table (a test holds them equal); they are written out so that parsing (and --dry-run) does not import torch.
     algo.add_argument("--dppo-prompt-prune-rate", type=RATE_OR_AUTO, default="auto",
                       help="expected fraction of the drawn prompts pruned before rollout; auto: the pool's recent "
                            "zero-variance share (about as many prompts are rolled out as are expected to teach)")
