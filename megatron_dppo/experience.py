@@ -21,17 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_dppo.algo.advantages import compute_advantages
+from megatron_dppo.algo.dapo_filter import DAPOConfig, DAPOFilter, GroupDecision
 from megatron_dppo.algo.history import PromptHistory, score_prompts, zero_variance_groups
 from megatron_dppo.algo.losses import FullBatchInfo, LossConfig
-from megatron_dppo.algo.pruning import (
-    DAPOConfig,
-    DAPOFilter,
-    GroupDecision,
-    PromptDecision,
-    Pruner,
-    build_pruner,
-    full_batch_counts,
-)
+from megatron_dppo.algo.pruning import PromptDecision, Pruner, build_pruner, full_batch_counts
 from megatron_dppo.packing import TrainingSample
 from megatron_dppo.partial_rollouts import PartialConfig, PartialRollouts
 from megatron_dppo.rollout.client import SamplingParams
@@ -71,9 +64,9 @@ def run_progress(step: int, elapsed_s: float, train_iters: int | None, time_budg
     return min(max(by_steps, by_time), 1.0)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Rollouts:
-    """rank 0: one step's generation result."""
+    """rank 0: one step's generation result. Built by keyword only: a field added later cannot shift the others."""
 
     prompts: list  # [Prompt] kept by the prompt level, in order
     prompt_decision: PromptDecision
@@ -93,24 +86,27 @@ class Rollouts:
         """The groups `rows`, each with all its samples; every one stands for the batch (DAPO's dynamic sampling)."""
         group = self.rewards.shape[1]
         flat = [row * group + column for row in rows for column in range(group)]
-        return Rollouts([self.prompts[row] for row in rows], PromptDecision.keep_all(len(rows)),
-                        [self.output_ids[i] for i in flat], [self.output_logprobs[i] for i in flat],
-                        self.rewards[rows], self.seconds, self.reward_seconds, self.num_drawn, self.capacity,
-                        self.tokens_generated, dict(self.stats), [self.output_versions[i] for i in flat])
+        return Rollouts(
+            prompts=[self.prompts[row] for row in rows], prompt_decision=PromptDecision.keep_all(len(rows)),
+            output_ids=[self.output_ids[i] for i in flat], output_logprobs=[self.output_logprobs[i] for i in flat],
+            rewards=self.rewards[rows], seconds=self.seconds, reward_seconds=self.reward_seconds,
+            num_drawn=self.num_drawn, capacity=self.capacity, tokens_generated=self.tokens_generated,
+            stats=dict(self.stats), output_versions=[self.output_versions[i] for i in flat])
 
 
 def concatenate(parts: list[Rollouts]) -> Rollouts:
     """Rounds of DAPO's dynamic sampling as one Rollouts (each group standing for the batch); times and draws add."""
     first = parts[0]
-    return Rollouts([p for part in parts for p in part.prompts], PromptDecision.keep_all(sum(len(part.prompts)
-                                                                                          for part in parts)),
-                    [ids for part in parts for ids in part.output_ids],
-                    [lps for part in parts for lps in part.output_logprobs],
-                    torch.cat([part.rewards for part in parts]), sum(part.seconds for part in parts),
-                    sum(part.reward_seconds for part in parts), sum(part.num_drawn for part in parts), first.capacity,
-                    sum(part.tokens_generated for part in parts),
-                    {key: sum(part.stats.get(key, 0.0) for part in parts) for key in first.stats},
-                    [versions for part in parts for versions in part.output_versions])
+    return Rollouts(
+        prompts=[p for part in parts for p in part.prompts],
+        prompt_decision=PromptDecision.keep_all(sum(len(part.prompts) for part in parts)),
+        output_ids=[ids for part in parts for ids in part.output_ids],
+        output_logprobs=[lps for part in parts for lps in part.output_logprobs],
+        rewards=torch.cat([part.rewards for part in parts]), seconds=sum(part.seconds for part in parts),
+        reward_seconds=sum(part.reward_seconds for part in parts), num_drawn=sum(part.num_drawn for part in parts),
+        capacity=first.capacity, tokens_generated=sum(part.tokens_generated for part in parts),
+        stats={key: sum(part.stats.get(key, 0.0) for part in parts) for key in first.stats},
+        output_versions=[versions for part in parts for versions in part.output_versions])
 
 
 @dataclass
@@ -310,8 +306,10 @@ class ExperienceMaker:
         rewards = torch.tensor(self.task.score(responses, references), dtype=torch.float64).view(-1, group)
         stats = {"groups_rolled_out": float(len(prompts)),
                  "zero_variance_groups_rolled_out": float(zero_variance_groups(rewards).sum()), **(stats or {})}
-        return Rollouts(prompts, decision, output_ids, output_logprobs, rewards, seconds, time.perf_counter() - start,
-                        num_drawn, capacity, tokens_generated, stats, output_versions)
+        return Rollouts(prompts=prompts, prompt_decision=decision, output_ids=output_ids,
+                        output_logprobs=output_logprobs, rewards=rewards, seconds=seconds,
+                        reward_seconds=time.perf_counter() - start, num_drawn=num_drawn, capacity=capacity,
+                        tokens_generated=tokens_generated, stats=stats, output_versions=output_versions)
 
     def sampling_for_step(self, step: int, round_index: int = 0) -> SamplingParams:
         """Sampling parameters with a seed fixed by (seed, step, round of dynamic sampling), so a resumed run draws

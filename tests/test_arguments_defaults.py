@@ -1,7 +1,7 @@
 """The pruners' defaults say the same thing in the three places a user reads them: the command line
-(arguments.py, written out so that parsing stays torch-free), the config dataclasses (algo/pruning.py), and the
-defaults table of docs/algorithms.md. Also: GSPO's clip ranges follow the importance level, and D3S needs the
-run's length."""
+(arguments.py, written out so that parsing stays torch-free), the config dataclasses (algo/pruning.py and
+algo/dapo_filter.py), and the defaults table of docs/algorithms.md. Also: GSPO's clip ranges follow the importance
+level, and D3S needs the run's length."""
 
 import dataclasses
 import re

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from megatron_dppo.conversion import hf_to_megatron, megatron_to_hf
+from megatron_dppo.actor.conversion import hf_to_megatron, megatron_to_hf
 from megatron_dppo.convert.hf_checkpoint import INDEX_FILE, HFCheckpoint
 from tests.launch import run_torchrun
 from tools import convert_hf_to_megatron, convert_megatron_to_hf

@@ -1,7 +1,7 @@
 """Convert an HF safetensors directory into a Megatron dist checkpoint for a TP x PP layout (CPU, no GPU needed).
 
     --hf-dir (config.json + model.safetensors or shards with an index)
-        ──► megatron_dppo.conversion.hf_to_megatron ──► --out/iter_0000000 + --out/latest
+        ──► megatron_dppo.actor.conversion.hf_to_megatron ──► --out/iter_0000000 + --out/latest
 
 The result is what the trainer's --load reads (any TP/PP can load it: dist checkpoints reshard on load). It streams:
 each of the tp x pp CPU ranks holds one layer's slice of one parameter (or its embedding shard) at a time.
@@ -12,7 +12,7 @@ Example:
 import argparse
 import sys
 
-from megatron_dppo.conversion import DTYPES, hf_to_megatron, run_tool
+from megatron_dppo.actor.conversion import DTYPES, hf_to_megatron, run_tool
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """Export a Megatron dist checkpoint (saved at any TP/PP, by the trainer or the converter) to an HF directory.
 
     --megatron-dir (a save dir, following `latest`, or an iter_* dir)
-        ──► megatron_dppo.conversion.megatron_to_hf
+        ──► megatron_dppo.actor.conversion.megatron_to_hf
         ──► --out: config.json, generation_config.json, safetensors shards + index, tokenizer files
 
 Streams layer by layer on the CPU: no model is built and no process group is started.
@@ -12,7 +12,7 @@ Example:
 import argparse
 import sys
 
-from megatron_dppo.conversion import DTYPES, megatron_to_hf, run_tool
+from megatron_dppo.actor.conversion import DTYPES, megatron_to_hf, run_tool
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

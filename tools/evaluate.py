@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_dppo.arguments import hf_checkpoint_errors
+from megatron_dppo.data.checks import hf_checkpoint_errors
 from megatron_dppo.data.datasets import BENCHMARKS, PromptDataError
 from megatron_dppo.evaluation import EVALUATION_REWARDS, evaluate, load_benchmarks, markdown_table
 from megatron_dppo.rewards.math import VerifierPool

@@ -1,6 +1,7 @@
 """GRPO-family algorithms in pure PyTorch: advantages, the policy loss, pruners and the prompt history."""
 
 from megatron_dppo.algo.advantages import ESTIMATORS, compute_advantages
+from megatron_dppo.algo.dapo_filter import DAPOConfig, DAPOFilter, GroupDecision
 from megatron_dppo.algo.history import PROMPT_SCORES, PromptHistory, score_prompts
 from megatron_dppo.algo.losses import (
     AGGREGATIONS,
@@ -16,10 +17,7 @@ from megatron_dppo.algo.pruning import (
     CompletionDecision,
     CPPOConfig,
     D3SConfig,
-    DAPOConfig,
-    DAPOFilter,
     DPPOConfig,
-    GroupDecision,
     PromptDecision,
     Pruner,
     build_pruner,

@@ -6,7 +6,7 @@ per step, in the trainer (megatron_dppo/experience.py):
   rollout, rewards, advantages on the FULL groups of the kept prompts
   full_batch_counts(prompt_decision, lengths) → FullBatchInfo   the step's full batch: ONE rule, fixed before any
                                                                  filter or pruning draw
-  DAPOFilter.select_groups(rewards, capacity, step)             zero-variance groups out (optional)
+  DAPOFilter.select_groups(rewards, capacity, step)             zero-variance groups out (optional; dapo_filter.py)
   select_completions(rewards, advantages, lengths, prompt_decision, full_batch, step, progress) → CompletionDecision
   loss_normalizer(loss_config, decision.normalizer_counts)      once, before micro-batching
   select_tokens(token_advantages, token_entropy, loss_mask, sample_ids, progress)   (D3S token level only)
@@ -22,12 +22,14 @@ Registry (PRUNERS, build_pruner):
         by design, as its paper).
   d3s   keep the subset of maximal Var(A), then the top-K% tokens by |A|·H; both relaxed by a linear schedule over
         the run's progress; renormalise over the survivors (biased by design).
-The DAPO filter is not a pruner but a level every pruner can run behind: it drops groups whose rewards are all equal
-(their policy-gradient term is exactly 0) and, when over-sampling brings more varied groups than the batch holds,
-keeps a uniform random `capacity` of them with weight V / capacity, so the dropped ones carry their weight.
+The DAPO filter (dapo_filter.py) is not a pruner but a level every pruner can run behind: it drops groups whose
+rewards are all equal (their policy-gradient term is exactly 0) and, when over-sampling brings more varied groups
+than the batch holds, keeps a uniform random `capacity` of them with weight V / capacity, so the dropped ones carry
+their weight.
 
-Randomness: a draw uses a generator seeded by (seed, step, level) only, so every data-parallel rank makes the
-same decision without communication, and a resumed run repeats it without saving RNG state.
+Randomness: a draw uses a generator seeded by (seed, step, level) only (levels: prompt, completion, the DAPO
+filter's cap), so every data-parallel rank makes the same decision without communication, and a resumed run repeats
+it without saving RNG state.
 """
 
 import math
@@ -541,56 +543,6 @@ class D3SPruner(Pruner):
         selected[key.topk(num_kept).indices] = True
         num_sequences = torch.unique(sample_ids[selected]).numel()
         return selected.to(loss_mask.dtype), FullBatchInfo(float(num_sequences), float(num_kept))
-
-
-# ------------------------------------------------------------------------------------------------------ DAPO
-
-
-@dataclass
-class DAPOConfig:
-    oversample_factor: float = 1.0  # draw ceil(capacity · factor) prompts; train at most `capacity` varied groups
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.oversample_factor < 1.0:
-            raise ValueError(f"dapo oversample_factor is {self.oversample_factor}: it must be >= 1")
-
-
-@dataclass
-class GroupDecision:
-    kept: torch.Tensor  # [num_kept] int64 rows of the rewards given to select_groups, ascending
-    weights: torch.Tensor  # [num_kept] float64
-    stats: dict[str, float] = field(default_factory=dict)
-
-
-class DAPOFilter:
-    """DAPO's dynamic sampling: drop the groups whose rewards are all equal, refill by over-sampling.
-
-    A zero-variance group has advantage exactly 0, so its policy-gradient term is 0 and dropping it changes only
-    its KL / entropy terms; the normaliser stays the full batch's (full_batch_counts counts the dropped groups).
-    With over-sampling, V varied groups may exceed the `capacity` the step trains: then a uniform random subset of
-    `capacity` of them is kept, each with weight V / capacity (its inverse inclusion probability), so the expected
-    gradient still covers every varied group and a pruner in front of or behind the filter stays unbiased.
-    """
-
-    def __init__(self, config: DAPOConfig):
-        self.config = config
-
-    def prompts_to_sample(self, capacity: int) -> int:
-        return math.ceil(capacity * self.config.oversample_factor - 1e-9)
-
-    def select_groups(self, rewards: torch.Tensor, capacity: int, step: int) -> GroupDecision:
-        check_rewards(rewards)
-        varied = (rewards != rewards[:, :1]).any(dim=1).nonzero().squeeze(1)  # [V]
-        num_varied = len(varied)
-        weights = torch.ones(num_varied, dtype=torch.float64)
-        if num_varied > capacity:
-            generator = step_generator(self.config.seed, step, DAPO_LEVEL)
-            varied = varied[torch.randperm(num_varied, generator=generator)[:capacity]].sort().values
-            weights = torch.full((capacity,), num_varied / capacity, dtype=torch.float64)
-        stats = {"dapo_kept_groups_fraction": len(varied) / len(rewards) if len(rewards) else 0.0,
-                 "dapo_varied_groups": float(num_varied)}
-        return GroupDecision(varied, weights, stats)
 
 
 PRUNERS = {

@@ -44,7 +44,7 @@ def require(module: str, install: str) -> None:
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
     """A random tiny Qwen3 with our character tokenizer, and its Megatron checkpoint written by our converter."""
-    from megatron_dppo.conversion import hf_to_megatron
+    from megatron_dppo.actor.conversion import hf_to_megatron
     from megatron_dppo.data.tokenizer import CharTokenizer
 
     root = tmp_path_factory.mktemp("gpu_smoke")

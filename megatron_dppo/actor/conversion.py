@@ -17,6 +17,15 @@ Invariants:
   whose header was written first, so no shard is ever buffered whole;
 - HF → Megatron writes what Megatron's own dist_checkpointing.save writes for a real model of that TP/PP (same
   .distcp bytes, common.pt, metadata.json and .metadata plans; tested), so the trainer loads and reshards it.
+
+Public names (the rest is private to this module):
+- the tools (tools/convert_*.py): hf_to_megatron, megatron_to_hf, run_tool (their main), DTYPES (the --dtype names);
+- bench/convert_memory.py, which measures one rank and the largest unit: convert_rank (one HF → Megatron rank, as
+  hf_to_megatron spawns it), DistCheckpointReader, plan_parameters and its PlannedParameter units, tensor_bytes,
+  and ShardedSafetensorsWriter (which also writes its random HF model).
+
+It lives in actor/ because it builds the trainer's model on CPU ranks and reads and writes the actor's checkpoints
+(actor/checkpoint.py); convert/ stays a leaf that imports nothing of actor/.
 """
 
 import contextlib
@@ -224,7 +233,7 @@ class _HFChunks:
         return chunk
 
 
-def _convert_rank(rank: int, world: int, port: int, hf_dir: str, staging: str, tp: int, pp: int, dtype: str):
+def convert_rank(rank: int, world: int, port: int, hf_dir: str, staging: str, tp: int, pp: int, dtype: str):
     """One TP/PP rank: declare its stage on the meta device (shapes and sharding, no weights), then write its part of
     the checkpoint chunk by chunk, each read from its HF slices just before it is written."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
@@ -280,7 +289,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
             # Ranks fork from a server process that imported this module once (no threads, no CUDA state), so a
             # conversion does not pay megatron's import per rank.
             mp.get_context("forkserver").set_forkserver_preload([__name__])
-            mp.start_processes(_convert_rank, args=(world, free_port(), str(hf_dir), str(staging), tp, pp, dtype),
+            mp.start_processes(convert_rank, args=(world, free_port(), str(hf_dir), str(staging), tp, pp, dtype),
                                nprocs=world, start_method="forkserver")
         except mp.ProcessRaisedException as error:
             raise RuntimeError(f"converting {hf_dir} failed on a rank:\n{error}") from None
@@ -348,7 +357,7 @@ class DistCheckpointReader:
 
 
 @dataclass(frozen=True)
-class _Parameter:
+class PlannedParameter:
     """One Megatron parameter of the checkpoint: its stored key, its layer (None: not a layer) and the HF tensors
     (name, shape) it becomes."""
 
@@ -368,7 +377,7 @@ def _model_keys(reader: DistCheckpointReader, shape: ModelShape) -> list[str]:
     return keys
 
 
-def _plan_parameters(reader: DistCheckpointReader, shape: ModelShape) -> list[list[_Parameter]]:
+def plan_parameters(reader: DistCheckpointReader, shape: ModelShape) -> list[list[PlannedParameter]]:
     """Units of work in HF order: [embedding], layer 0 .. L-1, [final norm, output layer]; HF shapes from a merge of
     meta tensors, so the whole output is known before a byte is read."""
     before, layers, after = [], [[] for _ in range(shape.num_layers)], []
@@ -386,7 +395,7 @@ def _plan_parameters(reader: DistCheckpointReader, shape: ModelShape) -> list[li
                                  f"vocab_size={shape.vocab_size} in its hf_config.json: the config does not match")
             meta = torch.empty(global_shape[1:] if stacked else global_shape, device="meta")
             merged = row.layout.merge(hf_names_of(row, layer), [meta], shape)
-            parameter = _Parameter(key, layer, tuple((hf_name, tuple(t.shape)) for hf_name, t in merged))
+            parameter = PlannedParameter(key, layer, tuple((hf_name, tuple(t.shape)) for hf_name, t in merged))
             if layer is not None:
                 layers[layer].append(parameter)
             elif key.startswith("embedding."):
@@ -402,7 +411,7 @@ def _plan_parameters(reader: DistCheckpointReader, shape: ModelShape) -> list[li
     return units
 
 
-def _read_unit(reader: DistCheckpointReader, unit: list[_Parameter], shape: ModelShape) -> Iterator[tuple]:
+def _read_unit(reader: DistCheckpointReader, unit: list[PlannedParameter], shape: ModelShape) -> Iterator[tuple]:
     """(hf_name, tensor) of one unit: the layer's slice of each stacked tensor (real vocabulary rows only)."""
     requests = {}
     for p in unit:
@@ -434,7 +443,7 @@ class ShardedSafetensorsWriter:
         self.shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
         shard_bytes = 0
         for name, tensor_shape in planned:
-            size = _nbytes(tensor_shape, dtype)
+            size = tensor_bytes(tensor_shape, dtype)
             if self.shards[-1] and shard_bytes + size > max_shard_bytes:
                 self.shards.append([])
                 shard_bytes = 0
@@ -453,7 +462,7 @@ class ShardedSafetensorsWriter:
             self.file.close()
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for name, tensor_shape in self.shards[shard]:
-            size = _nbytes(tensor_shape, self.dtype)
+            size = tensor_bytes(tensor_shape, self.dtype)
             header[name] = {"dtype": SAFETENSORS_DTYPES[self.dtype], "shape": list(tensor_shape),
                             "data_offsets": [offset, offset + size]}
             offset += size
@@ -480,12 +489,13 @@ class ShardedSafetensorsWriter:
             self.file.close()
         if len(self.shards) > 1:
             weight_map = {name: self.file_names[shard] for shard, name, _ in self.order}
-            total = sum(_nbytes(tensor_shape, self.dtype) for _, _, tensor_shape in self.order)
+            total = sum(tensor_bytes(tensor_shape, self.dtype) for _, _, tensor_shape in self.order)
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
-def _nbytes(tensor_shape: tuple[int, ...], dtype: torch.dtype) -> int:
+def tensor_bytes(tensor_shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The bytes of a tensor of `tensor_shape` and `dtype`, known from its plan before it exists."""
     return int(torch.Size(tensor_shape).numel()) * dtype.itemsize
 
 
@@ -528,7 +538,7 @@ def megatron_to_hf(megatron_dir: str | Path, out: str | Path, dtype: str | None 
     except ValueError as error:
         raise ValueError(f"checkpoint {path}: hf_config.json: {error}") from None
     reader = DistCheckpointReader(path)
-    units = _plan_parameters(reader, shape)
+    units = plan_parameters(reader, shape)
     stored_dtype = reader.tensors[units[0][0].key].properties.dtype
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")

@@ -1,0 +1,108 @@
+"""The model folder and the prompt flags, checked before any process starts, and the defaults the data decides.
+
+    --hf-checkpoint DIR (tools/evaluate.py: --model-dir) ─► hf_checkpoint_errors: config.json, a tokenizer, weights
+    the prompt flags ─► prompt_data_errors: the synthetic task takes none of a user's prompt flags, a built-in set
+                        none of those naming fields ─► --reward-type against the data, a held-out set for the reward
+                     ─► each source (--prompt-data, --eval-prompt-data): resolve_source (built-in files present, local
+                        files readable by suffix; a hub name is checked when it is loaded), a split only for the hub
+    no --reward-type ─► default_reward_type (the built-in set's, math for your own prompts)
+    no --eval-prompt-data ─► default_eval_prompt_data (the reward's held-out set)
+
+Invariants:
+- each problem is one line naming the flag, the input and the fix, returned (not raised), so that the trainer's flag
+  checks (arguments.py) report every problem of a command line at once;
+- imports nothing of the trainer's flags, nor torch: arguments.py imports it, and parsing runs before every launch;
+  which flags were given comes from the trainer's parser, which holds their defaults.
+"""
+
+import argparse
+from pathlib import Path
+
+from megatron_dppo.data.datasets import DATASETS, HELDOUT_SETS, TRAINING_SETS, PromptDataError, resolve_source
+
+HF_MODEL_FILES = "config.json, tokenizer files and *.safetensors"
+# the fields (and hub split) of a user's own prompts: neither the synthetic task nor a built-in set takes them
+OWN_PROMPT_FLAGS = ("--input-key", "--label-key", "--difficulty-key", "--prompt-data-split")
+# the flags prompt_data_errors asks about whether they were given (set away from their defaults)
+PROMPT_FLAGS = (*OWN_PROMPT_FLAGS, "--apply-chat-template", "--eval-prompt-data", "--eval-prompt-data-split")
+
+
+def default_reward_type(prompt_data: str) -> str:
+    """The reward of a built-in set (synthetic for the synthetic task), math for the user's own prompts."""
+    if prompt_data == "synthetic":
+        return "synthetic"
+    name = TRAINING_SETS.get(prompt_data, prompt_data)
+    return DATASETS[name].reward_type if name in DATASETS else "math"
+
+
+def default_eval_prompt_data(prompt_data: str, reward_type: str) -> str | None:
+    """The held-out set of the reward (math500, gsm8k_test); the synthetic task has its own."""
+    return None if prompt_data == "synthetic" else HELDOUT_SETS.get(reward_type)
+
+
+def hf_checkpoint_errors(path: str, flag: str = "--hf-checkpoint") -> list[str]:
+    """--hf-checkpoint must be a local Hugging Face model folder: the trainer reads its config, tokenizer and weights,
+    and the rollout servers load it."""
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        return [f"{flag} {path}: no such directory; pass the local folder of a Hugging Face model "
+                f"({HF_MODEL_FILES}), e.g. one written by save_pretrained or `huggingface-cli download --local-dir`"]
+    missing = [what for what, present in (
+        ("config.json", (directory / "config.json").is_file()),
+        ("tokenizer (tokenizer.json or tokenizer_config.json)",
+         any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))),
+        ("*.safetensors weights", any(directory.glob("*.safetensors")))) if not present]
+    if missing:
+        return [f"{flag} {path} has no {', no '.join(missing)}: pass the folder of a complete Hugging Face "
+                f"model ({HF_MODEL_FILES})"]
+    return []
+
+
+def prompt_data_errors(args: argparse.Namespace, given: list[str]) -> list[str]:
+    """The trainer's prompt flags (`args`): which apply to which source, the reward against the data, and the sources
+    themselves unless --dry-run. `given`: those of PROMPT_FLAGS set away from their defaults."""
+    own_prompt_flags = [flag for flag in OWN_PROMPT_FLAGS if flag in given]
+    errors = []
+    if args.prompt_data == "synthetic":
+        if args.reward_type not in (None, "synthetic"):
+            errors.append(f"--reward-type {args.reward_type} does not score --prompt-data synthetic: drop it (the "
+                          "synthetic task has its own reward) or pass the prompts it scores")
+        for_prompt_files = [flag for flag in (*OWN_PROMPT_FLAGS, "--apply-chat-template", "--eval-prompt-data")
+                            if flag in given]
+        errors.extend(f"{flag} does not apply to --prompt-data synthetic (the task builds its own prompts and held-out "
+                      "set): drop it" for flag in for_prompt_files)
+        return errors
+    if TRAINING_SETS.get(args.prompt_data, args.prompt_data) in DATASETS:  # a built-in set
+        if args.reward_type == "synthetic":
+            errors.append(f"--reward-type synthetic does not score --prompt-data {args.prompt_data}: the synthetic "
+                          "reward wants '<integer>$' answers; use math or gsm8k")
+        errors.extend(f"{flag} applies to your own prompt files; the built-in set {args.prompt_data} has its own "
+                      "fields: drop it" for flag in own_prompt_flags)
+    reward_type = args.reward_type or default_reward_type(args.prompt_data)
+    eval_prompt_data = args.eval_prompt_data or default_eval_prompt_data(args.prompt_data, reward_type)
+    if eval_prompt_data is None:
+        errors.append(f"--reward-type {reward_type} has no built-in held-out set: pass --eval-prompt-data SOURCE")
+    if args.dry_run:
+        return errors
+    errors.extend(prompt_source_errors("--prompt-data", args.prompt_data, args.prompt_data_split,
+                                       "--prompt-data-split" in given, training=True))
+    if eval_prompt_data is not None:
+        chosen_by = "" if args.eval_prompt_data else (
+            f"held-out prompts (--eval-prompt-data defaults to {eval_prompt_data} for --reward-type {reward_type}; "
+            "pass your own held-out file with --eval-prompt-data): ")
+        errors.extend(prompt_source_errors("--eval-prompt-data", eval_prompt_data, args.eval_prompt_data_split,
+                                           "--eval-prompt-data-split" in given, training=False, chosen_by=chosen_by))
+    return errors
+
+
+def prompt_source_errors(flag: str, source: str, split: str, split_given: bool, training: bool,
+                         chosen_by: str = "") -> list[str]:
+    """The source of `flag` can be read, and its split is given (`flag`-split) only for a hub data set, the one kind
+    read by split. `chosen_by` says how a source the user did not give was chosen, before the error naming it."""
+    try:
+        resolved = resolve_source(source, flag, training=training)
+    except PromptDataError as error:
+        return [f"{chosen_by}{error}"]
+    if resolved.kind != "hub" and split_given:
+        return [f"{flag}-split {split} applies to Hugging Face data sets; {source} is read whole: drop it"]
+    return []
