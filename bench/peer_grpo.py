@@ -653,7 +653,8 @@ def main(argv: list[str] | None = None) -> None:
         run_trl_worker(Path(options.trl_worker), options.socket_fd)
         return
     import bench.time_to_accuracy as tta
-    from tools.plot_metrics import load_run, plot_runs
+    from megatron_dppo.metrics import load_run
+    from tools.plot_metrics import plot_runs
 
     settings = time_to_accuracy_settings(options)
     started, load_at_start = time.perf_counter(), load_average()

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.time_to_accuracy import fit_step_cost, launch_unless_finished, markdown  # noqa: E402
-from tools.plot_metrics import load_run  # noqa: E402
+from megatron_dppo.metrics import load_run  # noqa: E402
 
 # name -> trainer flags on top of GRPO without the DAPO filter: three response-length regimes
 RUNS = {

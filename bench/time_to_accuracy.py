@@ -54,7 +54,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import prompt_prediction  # noqa: E402
-from tools.plot_metrics import Run, load_run, plot_runs, smoothed  # noqa: E402
+from megatron_dppo.metrics import Run, load_run, smoothed  # noqa: E402
+from tools.plot_metrics import plot_runs  # noqa: E402
 
 METHODS = {
     "grpo": ["--algorithm", "grpo"],

@@ -16,8 +16,8 @@ import pytest
 from megatron_dppo.algo.losses import AGGREGATIONS
 from megatron_dppo.arguments import parse_args
 from megatron_dppo.data.tokenizer import CharTokenizer
+from megatron_dppo.metrics import load_run
 from megatron_dppo.tasks import Prompt, Task
-from tools.plot_metrics import load_run
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tools.plot_metrics import Run
+from megatron_dppo.metrics import Run
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "time_to_accuracy.py"
 spec = importlib.util.spec_from_file_location("time_to_accuracy", BENCH)
@@ -103,7 +103,7 @@ def test_flops_follow_the_documented_formula():
 
 
 def test_cost_columns_accumulate_over_steps_and_read_at_the_time_to_target(tmp_path):
-    from tools.plot_metrics import load_run
+    from megatron_dppo.metrics import load_run
 
     run = load_run(write_run(tmp_path / "run", [0.3, 0.35, 0.4, 0.45], seconds_step=2.0))
     costed = bench.with_costs(run, bench.ModelSize(1000, 2, 8), old_logprob_pass=False)
