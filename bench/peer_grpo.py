@@ -406,10 +406,10 @@ def load_task(args, hf_dir: Path):
 def run_peer(settings, seed: int, warm_start: Path, hf_dir: Path, ours_dir: Path, peer_python: Path,
              threads: int) -> Path:
     """The TRL run of one seed, unless finished with the same config; its directory."""
-    import bench.time_to_accuracy as tta
+    from bench.accuracy_runs import rl_flags
 
     run_dir = settings.out_dir / "runs" / PEER_METHOD / f"seed_{seed}"
-    args = parse_run_flags(tta.rl_flags(settings, "grpo", seed, warm_start))
+    args = parse_run_flags(rl_flags(settings, "grpo", seed, warm_start))
     task, tokenizer = load_task(args, hf_dir)
     steps = math.ceil(settings.budget_s / MIN_STEP_SECONDS)
     draws = [task.next_prompts(args.rollout_batch_size) for _ in range(steps)]  # the trainer's draws, in order
@@ -552,7 +552,7 @@ def step_costs(records: list[dict]) -> dict:
 
 def step_cost_table(ours: dict, peer: dict) -> tuple[str, dict]:
     """Markdown rows of median step costs and the ratios the issue names (ours / TRL's; > 1: ours is slower)."""
-    from bench.time_to_accuracy import markdown
+    from bench.markdown_table import markdown
 
     def ms(value):
         return "-" if math.isnan(value) else f"{1000 * value:.0f}"
@@ -608,7 +608,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def time_to_accuracy_settings(options: argparse.Namespace):
     """time_to_accuracy's Settings for our GRPO runs: only the options given here override its defaults."""
-    import bench.time_to_accuracy as tta
+    from bench.accuracy_runs import parse_args
 
     argv = ["--out-dir", options.out_dir, "--methods", "grpo", "--no-control", "--math-budget-s", "0",
             "--processes", str(options.processes)]
@@ -620,12 +620,12 @@ def time_to_accuracy_settings(options: argparse.Namespace):
         argv += ["--seeds", *map(str, options.seeds)]
     else:
         argv += ["--seeds", "1"]
-    return tta.parse_args(argv)
+    return parse_args(argv)
 
 
 def generation_table(generation: dict, args, threads: int) -> tuple[str, dict]:
     """Rows of the generation benchmark and the engine / `generate` tokens/s ratios."""
-    from bench.time_to_accuracy import markdown
+    from bench.markdown_table import markdown
 
     hf_key, engine_key, same_threads_key = f"hf_generate_{threads}_threads", "engine_as_trainer", "engine_same_threads"
     options = generation["trainer_engine_options"]
@@ -652,33 +652,35 @@ def main(argv: list[str] | None = None) -> None:
     if options.trl_worker is not None:
         run_trl_worker(Path(options.trl_worker), options.socket_fd)
         return
-    import bench.time_to_accuracy as tta
+    from bench.accuracy_runs import prepare_warm_start, rl_flags, run_rl
+    from bench.markdown_table import markdown
+    from bench.run_costs import model_size, with_costs
     from megatron_dppo.metrics import load_run
     from tools.plot_metrics import plot_runs
 
     settings = time_to_accuracy_settings(options)
     started, load_at_start = time.perf_counter(), load_average()
-    warm_start, _ = tta.prepare_warm_start(settings, measure_rate=False)
+    warm_start, _ = prepare_warm_start(settings, measure_rate=False)
     hf_dir = export_warm_start(warm_start, settings.out_dir / "peer")
-    size = tta.model_size(hf_dir)
+    size = model_size(hf_dir)
     runs = {"grpo": [], PEER_METHOD: []}
     for seed in settings.seeds:
-        ours_dir = tta.run_rl(settings, "grpo", seed, warm_start)
+        ours_dir = run_rl(settings, "grpo", seed, warm_start)
         peer_dir = run_peer(settings, seed, warm_start, hf_dir, ours_dir, Path(options.peer_python), options.threads)
         # seconds_steps: RL time without evaluations, the results page's x axis
-        runs["grpo"].append(tta.with_costs(load_run(ours_dir, "ours (GRPO)"), size, old_logprob_pass=False))
-        runs[PEER_METHOD].append(tta.with_costs(load_run(peer_dir, "TRL peer"), size, old_logprob_pass=False))
+        runs["grpo"].append(with_costs(load_run(ours_dir, "ours (GRPO)"), size, old_logprob_pass=False))
+        runs[PEER_METHOD].append(with_costs(load_run(peer_dir, "TRL peer"), size, old_logprob_pass=False))
         print(f"finished seed {seed} ({time.perf_counter() - started:.0f} s so far)", flush=True)
-    args = parse_run_flags(tta.rl_flags(settings, "grpo", settings.seeds[0], warm_start))
+    args = parse_run_flags(rl_flags(settings, "grpo", settings.seeds[0], warm_start))
     generation = generation_benchmark(args, hf_dir, options.threads, options.generate_repeats, options.processes)
 
-    mapping = tta.markdown(["our setting", "value", "TRL GRPOConfig", "note"],
+    mapping = markdown(["our setting", "value", "TRL GRPOConfig", "note"],
                            [[s.ours, s.value, ", ".join(f"{k}={v}" for k, v in s.trl.items()) or "-", s.note]
                             for s in trl_settings(args)])
     records = {method: [r for run in group for r in run.records] for method, group in runs.items()}
     costs_table, ratios = step_cost_table(step_costs(records["grpo"]), step_costs(records[PEER_METHOD]))
     generation_rows, generation_ratios = generation_table(generation, args, options.threads)
-    accuracy = tta.markdown(
+    accuracy = markdown(
         ["run (seed)", "steps", "RL step time (s)", "held-out before", "held-out after"],
         accuracy_rows({f"{run.label} ({seed})": (run, run.records[-1]["seconds_steps"])
                        for method in runs for seed, run in zip(settings.seeds, runs[method])}))

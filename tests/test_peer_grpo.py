@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from bench import accuracy_curves, accuracy_runs, run_costs
 from megatron_dppo.algo.losses import AGGREGATIONS
 from megatron_dppo.arguments import parse_args
 from megatron_dppo.data.tokenizer import CharTokenizer
 from megatron_dppo.metrics import load_run
 from megatron_dppo.tasks import Prompt, Task
+from tools.plot_metrics import plot_runs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,14 +32,13 @@ def load_bench(name: str):
 
 
 peer = load_bench("peer_grpo")
-tta = load_bench("time_to_accuracy")
 
 
 def grpo_args(tmp_path, *extra: str):
     """Our parsed flags of time_to_accuracy's GRPO run (seed 3), with `extra` flags appended."""
-    settings = tta.parse_args(["--out-dir", str(tmp_path), "--methods", "grpo", "--seeds", "3", "--no-control",
-                               "--math-budget-s", "0"])
-    return parse_args([*tta.rl_flags(settings, "grpo", 3, tmp_path / "warm_start"), *extra])
+    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--methods", "grpo", "--seeds", "3",
+                                         "--no-control", "--math-budget-s", "0"])
+    return parse_args([*accuracy_runs.rl_flags(settings, "grpo", 3, tmp_path / "warm_start"), *extra])
 
 
 def test_trl_config_mirrors_the_time_to_accuracy_grpo_run(tmp_path):
@@ -60,9 +61,9 @@ def test_trl_config_mirrors_the_time_to_accuracy_grpo_run(tmp_path):
         "seed": 3, "max_steps": 40, "use_cpu": True, "logging_steps": 1,
     }
     assert {key: config[key] for key in expected} == expected
-    rl_flags = tta.RL_FLAGS  # the benchmark's GRPO settings (its --tune-grpo best)
+    rl_flags = accuracy_runs.RL_FLAGS  # the benchmark's GRPO settings (its --tune-grpo best)
     assert (args.rollout_batch_size, args.n_samples_per_prompt, args.lr) == tuple(
-        kind(tta.flag_value(rl_flags, flag)) for kind, flag in (
+        kind(accuracy_runs.flag_value(rl_flags, flag)) for kind, flag in (
             (int, "--rollout-batch-size"), (int, "--n-samples-per-prompt"), (float, "--lr")))
 
 
@@ -135,14 +136,15 @@ def test_peer_step_record_counts_as_our_trainer_does(tmp_path):
 
 def test_peer_metrics_are_read_by_plot_metrics_and_time_to_accuracy(tmp_path):
     run = load_run(peer_records(tmp_path), "TRL peer")
-    costed = tta.with_costs(run, tta.ModelSize(parameters=1000, layers=2, hidden=16), old_logprob_pass=False)
+    size = run_costs.ModelSize(parameters=1000, layers=2, hidden=16)
+    costed = run_costs.with_costs(run, size, old_logprob_pass=False)
     assert [r["seconds_steps"] for r in costed.records] == pytest.approx([0.5, 0.9])
     assert [r["tokens_generated_total"] for r in costed.records] == [30, 94]
     # warm start at 0, the step-2 evaluation, the final one at the last step's time
-    assert tta.accuracy_points(costed, "seconds_steps") == [(0.0, 0.25), (0.9, 0.4), (0.9, 0.5)]
-    phases = tta.phase_breakdown([costed])
+    assert accuracy_curves.accuracy_points(costed, "seconds_steps") == [(0.0, 0.25), (0.9, 0.4), (0.9, 0.5)]
+    phases = run_costs.phase_breakdown([costed])
     assert phases["seconds_step"] == pytest.approx(0.45) and phases["seconds_rollout"] == pytest.approx(0.2)
-    assert tta.plot_runs([costed], tmp_path / "figures", ("heldout_accuracy",), ("seconds_steps",))
+    assert plot_runs([costed], tmp_path / "figures", ("heldout_accuracy",), ("seconds_steps",))
 
 
 def test_step_cost_ratios_are_ours_over_trls():
