@@ -1,7 +1,7 @@
-"""The pure parts of bench/peer_grpo.py, without TRL: the hyper-parameter mapping, the metrics layout the readers
-take, the reward service over a socket pair, the step-cost ratios and the interleaved generation timing."""
+"""The pure parts of bench/peer_grpo.py and bench/peer_grpo_trl.py, without TRL: the hyper-parameter mapping, the
+metrics layout the readers take, the reward service over a socket pair, the step-cost ratios and the interleaved
+generation timing."""
 
-import importlib.util
 import json
 import os
 import socket
@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from bench import accuracy_curves, accuracy_runs, run_costs
+from bench import peer_grpo as peer
+from bench import peer_grpo_trl as trl_side
 from megatron_dppo.algo.losses import AGGREGATIONS
 from megatron_dppo.arguments import parse_args
 from megatron_dppo.data.tokenizer import CharTokenizer
@@ -22,16 +24,6 @@ from megatron_dppo.tasks import Prompt, Task
 from tools.plot_metrics import plot_runs
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-peer = load_bench("peer_grpo")
 
 
 def grpo_args(tmp_path, *extra: str):
@@ -102,9 +94,9 @@ def test_settings_trl_cannot_mirror_are_refused_naming_the_flag(tmp_path, flags,
 
 
 def test_completion_up_to_eos_keeps_the_stop_token_and_drops_padding():
-    assert peer.completion_up_to_eos([5, 6, 2, 0, 0], {2}, 0) == [5, 6, 2]
-    assert peer.completion_up_to_eos([5, 6, 7, 0, 0], {2}, 0) == [5, 6, 7]  # truncated: no stop token
-    assert peer.completion_up_to_eos([2, 9], {2}, 0) == [2]
+    assert trl_side.completion_up_to_eos([5, 6, 2, 0, 0], {2}, 0) == [5, 6, 2]
+    assert trl_side.completion_up_to_eos([5, 6, 7, 0, 0], {2}, 0) == [5, 6, 7]  # truncated: no stop token
+    assert trl_side.completion_up_to_eos([2, 9], {2}, 0) == [2]
 
 
 def peer_records(tmp_path: Path) -> Path:
@@ -112,9 +104,9 @@ def peer_records(tmp_path: Path) -> Path:
     run_dir = tmp_path / "runs" / "trl-peer" / "seed_1"
     run_dir.mkdir(parents=True)
     phases = {"seconds_rollout": 0.2, "seconds_reward": 0.01, "seconds_experience": 0.25}
-    first = peer.peer_step_record(1, 0.5, 0.5, phases, rewards=[1, 0, 0, 0, 1, 1, 1, 1],
+    first = trl_side.peer_step_record(1, 0.5, 0.5, phases, rewards=[1, 0, 0, 0, 1, 1, 1, 1],
                                   completion_lengths=[3, 4, 5, 6, 3, 3, 3, 3], prompt_lengths=[10] * 8, group=4)
-    second = peer.peer_step_record(2, 1.1, 0.4, phases, rewards=[0] * 8, completion_lengths=[8] * 8,
+    second = trl_side.peer_step_record(2, 1.1, 0.4, phases, rewards=[0] * 8, completion_lengths=[8] * 8,
                                    prompt_lengths=[12] * 8, group=4)
     second["heldout_accuracy"] = 0.4
     (run_dir / "metrics.jsonl").write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
@@ -131,7 +123,7 @@ def test_peer_step_record_counts_as_our_trainer_does(tmp_path):
     assert record["seconds_update"] == pytest.approx(0.5 - 0.25)  # the step after its experience
     assert record["tokens_per_second_rollout"] == pytest.approx(30 / 0.2)
     with pytest.raises(ValueError, match="full groups of 4"):
-        peer.peer_step_record(1, 1, 1, {}, [1.0] * 6, [1] * 6, [1] * 6, group=4)
+        trl_side.peer_step_record(1, 1, 1, {}, [1.0] * 6, [1] * 6, [1] * 6, group=4)
 
 
 def test_peer_metrics_are_read_by_plot_metrics_and_time_to_accuracy(tmp_path):
@@ -189,12 +181,12 @@ def test_peer_rewards_are_our_task_score_on_our_decoding_over_the_socket_pair():
     completions = [tokenizer.encode("12$"), tokenizer.encode("30$"), tokenizer.encode("7")]
     parent_end, child_end = socket.socketpair()
     child = subprocess.Popen(
-        [sys.executable, "-c", "import importlib.util, json, sys\n"
+        [sys.executable, "-c", "import importlib.util, json, sys\n"  # the peer's file alone, as TRL's python runs it
          "from multiprocessing.connection import Connection\n"
-         f"spec = importlib.util.spec_from_file_location('peer_grpo', {str(REPO / 'bench' / 'peer_grpo.py')!r})\n"
-         "peer = importlib.util.module_from_spec(spec); spec.loader.exec_module(peer)\n"
-         f"print(json.dumps(peer.remote_scores(Connection({child_end.fileno()}), [0, -1, 1], {completions})))"],
-        pass_fds=[child_end.fileno()], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+         f"spec = importlib.util.spec_from_file_location('trl_side', {str(REPO / 'bench' / 'peer_grpo_trl.py')!r})\n"
+         "trl_side = importlib.util.module_from_spec(spec); spec.loader.exec_module(trl_side)\n"
+         f"print(json.dumps(trl_side.remote_scores(Connection({child_end.fileno()}), [0, -1, 1], {completions})))"],
+        pass_fds=[child_end.fileno()], stdout=subprocess.PIPE, text=True)
     child_end.close()
     connection = Connection(parent_end.detach())
     served = []
