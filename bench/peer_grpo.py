@@ -1,6 +1,6 @@
 """The peer baseline: Hugging Face TRL's GRPOTrainer against our GRPO, same warm start, prompts, reward, held-out set.
 
-    1. warm start: bench/time_to_accuracy.py's (cached) ─► tools/convert_megatron_to_hf.py ─► HF directory
+    1. warm start: bench/time_to_accuracy.py's (cached) ─► megatron_dppo.conversion.megatron_to_hf ─► HF dir
     2. ours: examples/pretrain_dppo.py --algorithm grpo with time_to_accuracy's flags, budget and evaluations
     3. peer: those flags mapped onto TRL's GRPOConfig (the mapping is printed), run by TRL 1.16 in its own environment
        (tools/setup_peer_env.sh) by bench/peer_grpo_trl.py: one process, 2 threads, in-process `generate`. Its
@@ -192,13 +192,11 @@ def serve_scores(connection: Connection, score, process: subprocess.Popen, deadl
 # ------------------------------------------------------------------------------------------------ orchestration
 def export_warm_start(warm_start: Path, out_dir: Path) -> Path:
     """The warm start as an HF directory (tokenizer from its embedded init), once per warm start."""
-    from tools.convert_megatron_to_hf import main as convert
+    from megatron_dppo.conversion import megatron_to_hf
 
     hf_dir = out_dir / f"{warm_start.parent.name}_hf"  # embedded_<cache key>: a new warm start gets a new export
     if not (hf_dir / "config.json").is_file():
-        if convert(["--megatron-dir", str(warm_start), "--out", str(hf_dir), "--tokenizer-dir",
-                    str(warm_start.parent / "init")]) != 0:
-            raise RuntimeError(f"exporting {warm_start} to {hf_dir} failed (the converter's error is above)")
+        megatron_to_hf(warm_start, hf_dir, tokenizer_dir=warm_start.parent / "init")
     return hf_dir
 
 
