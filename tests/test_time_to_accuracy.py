@@ -402,3 +402,32 @@ def test_a_recorded_run_is_restored_on_a_fresh_checkout_and_refused_from_another
     assert launched == [first, third, control]
     assert training_run.finished(sitting(tmp_path / "fifth", 0.31, control=True))  # restored from the records
     assert launched == [first, third, control]
+
+
+def test_main_starts_every_run_before_it_makes_the_report(tmp_path, monkeypatch, capsys):
+    """RL runs, the supervised control and the MATH runs are all started first; the report is made after them."""
+    from bench import time_to_accuracy
+
+    events = []
+
+    def fake_launch(flags, run_dir, processes):  # a finished run: the warm start builds in 100 s, loads in 40 s
+        events.append(str(run_dir.relative_to(tmp_path)))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "command.txt").write_text(" ".join(training_run.command_for(flags, run_dir, processes)[1:]) + "\n")
+        (run_dir / "summary.json").write_text(json.dumps({"seconds": 40.0 if run_dir.name == "cached" else 100.0}))
+        return 1.0
+
+    def fake_report(settings, sft_steps_per_second, control, math_model, started):
+        events.append("report")
+        return "the report", "dppo_speedup_vs_grpo: nan"
+
+    monkeypatch.setattr(training_run, "launch", fake_launch)
+    monkeypatch.setattr(accuracy_runs, "prepare_math_model", lambda out_dir: out_dir / "math_model")
+    monkeypatch.setattr(time_to_accuracy, "results_report", fake_report)
+    (tmp_path / "cache" / "warm" / "embedded_x" / "warm_start").mkdir(parents=True)
+    time_to_accuracy.main(["--out-dir", str(tmp_path), "--methods", "grpo", "dppo", "--seeds", "1", "2",
+                           "--budget-s", "30", "--math-budget-s", "5"])
+    assert events == ["warm_start/build", "warm_start/cached", "runs/grpo/seed_1", "runs/dppo/seed_1",
+                      "runs/grpo/seed_2", "runs/dppo/seed_2", "runs/sft-control/seed_1", "math/grpo/seed_1",
+                      "math/dppo/seed_1", "report"]
+    assert capsys.readouterr().out.endswith("the report\ndppo_speedup_vs_grpo: nan\n")
