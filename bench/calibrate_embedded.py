@@ -33,7 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.time_to_accuracy import launch_unless_finished, markdown  # noqa: E402
+from bench.markdown_table import markdown  # noqa: E402
+from bench.training_run import launch_unless_finished  # noqa: E402
 from megatron_dppo.arguments import parse_args as parse_training_args  # noqa: E402
 
 

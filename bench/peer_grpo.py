@@ -1,11 +1,12 @@
 """The peer baseline: Hugging Face TRL's GRPOTrainer against our GRPO, same warm start, prompts, reward, held-out set.
 
-    1. warm start: bench/time_to_accuracy.py's (cached) ─► tools/convert_megatron_to_hf.py ─► HF directory
+    1. warm start: bench/time_to_accuracy.py's (cached) ─► megatron_dppo.conversion.megatron_to_hf ─► HF dir
     2. ours: examples/pretrain_dppo.py --algorithm grpo with time_to_accuracy's flags, budget and evaluations
     3. peer: those flags mapped onto TRL's GRPOConfig (the mapping is printed), run by TRL 1.16 in its own environment
-       (tools/setup_peer_env.sh): one process, 2 threads, in-process `generate`. Its prompts are the draws of our
-       run's task in our order; its rewards and held-out scores are our task.score, computed in this process and
-       sent over a socket pair; greedy held-out accuracy every --eval-interval steps, wall-time budget as ours
+       (tools/setup_peer_env.sh) by bench/peer_grpo_trl.py: one process, 2 threads, in-process `generate`. Its
+       prompts are the draws of our run's task in our order; its rewards and held-out scores are our task.score,
+       computed in this process and sent over a socket pair; greedy held-out accuracy every --eval-interval steps,
+       wall-time budget as ours
        ─► <out>/runs/trl-peer/seed_<n>/metrics.jsonl + summary.json, the layout our trainer writes
     4. generation alone, on one step's 16 prompts x 8 samples: in-process HF `generate` as TRL calls it, against the
        embedded engine as the trainer starts it (and with the same threads as `generate`)
@@ -35,21 +36,25 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import accuracy_runs, peer_grpo_trl  # noqa: E402
+from bench.markdown_table import markdown  # noqa: E402
+from bench.peer_grpo_trl import TRL_VERSION, completion_up_to_eos  # noqa: E402
+from bench.run_costs import model_size, with_costs  # noqa: E402
+from megatron_dppo.arguments import parse_args as parse_training_args  # noqa: E402
+from megatron_dppo.metrics import load_run  # noqa: E402
+from tools.plot_metrics import plot_runs  # noqa: E402
+
 PEER_METHOD = "trl-peer"
-TRL_VERSION = "1.16.0"
 THREADS = 2  # the peer as a user would run it on this 2-core machine: one process, both cores
 # The peer reads a precomputed stream of prompts: enough for the budget at this many seconds per step at the fastest.
 MIN_STEP_SECONDS = 0.02
-# Both sides evaluate the same weights greedily; batch padding may flip a few argmaxes, never more than this many.
-WARM_START_MISMATCH_PROBLEMS = 3
-GENERATE_BATCH = 128  # held-out prompts per greedy `generate` call in the peer
 # Our loss aggregations in TRL's names (algo/losses.py and TRL's GRPOConfig.loss_type: the same normalisers).
 LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"}
 # Our advantage estimators in TRL's scale_rewards: (r - mean) / (std + eps), or r - mean. Both use the unbiased std.
@@ -158,44 +163,6 @@ def trl_generation_kwargs(max_new_tokens: int, temperature: float, top_p: float,
             "disable_compile": True}
 
 
-# ------------------------------------------------------------------------------------------------ metrics layout
-def completion_up_to_eos(token_ids: list[int], eos_ids: set[int], pad_token_id: int) -> list[int]:
-    """A generated row cut after its first eos (kept, as the engine keeps its stop token), else its padding."""
-    for index, token in enumerate(token_ids):
-        if token in eos_ids:
-            return token_ids[:index + 1]
-    while token_ids and token_ids[-1] == pad_token_id:
-        token_ids = token_ids[:-1]
-    return token_ids
-
-
-def peer_step_record(step: int, seconds_wall: float, seconds_step: float, phases: dict, rewards: list[float],
-                     completion_lengths: list[int], prompt_lengths: list[int], group: int) -> dict:
-    """One TRL step in our trainer's metrics.jsonl layout (experience.step_statistics and Trainer.update's names).
-
-    phases: seconds_rollout (generate), seconds_reward, seconds_experience (TRL's whole experience making);
-    update is what the step spends after the experience is made. TRL trains every sample: kept fractions are 1."""
-    if not rewards or len(rewards) != len(completion_lengths) or len(rewards) % group:
-        raise ValueError(f"a step needs one reward and one length per completion, in full groups of {group}: got "
-                         f"{len(rewards)} rewards and {len(completion_lengths)} lengths")
-    groups = [rewards[start:start + group] for start in range(0, len(rewards), group)]
-    generated = sum(completion_lengths)
-    return {
-        "step": step, "seconds_wall": seconds_wall, "seconds_step": seconds_step,
-        "seconds_rollout": phases["seconds_rollout"], "seconds_reward": phases["seconds_reward"],
-        "seconds_update": max(seconds_step - phases["seconds_experience"], 0.0),
-        "tokens_generated": generated,
-        "tokens_per_second_rollout": generated / max(phases["seconds_rollout"], 1e-9),
-        "response_length_mean": generated / len(completion_lengths),
-        "tokens_trained": generated + sum(prompt_lengths),
-        "reward_mean": statistics.fmean(rewards),
-        "accuracy": sum(reward == 1 for reward in rewards) / len(rewards),
-        "zero_variance_group_fraction": sum(len(set(g)) == 1 for g in groups) / len(groups),
-        "kept_fraction": 1.0, "kept_fraction_prompts": 1.0, "kept_fraction_completions": 1.0,
-        "sequences_trained": len(rewards),
-    }
-
-
 # ------------------------------------------------------------------------------------------------ reward service
 def score_completions(task, tokenizer, prompts_by_id: dict, prompt_ids: list[int],
                       completion_ids: list[list[int]]) -> list[float]:
@@ -222,177 +189,15 @@ def serve_scores(connection: Connection, score, process: subprocess.Popen, deadl
             raise RuntimeError("the TRL peer ran past its deadline (budget + start-up + evaluations); it was killed")
 
 
-def remote_scores(connection: Connection, prompt_ids: list[int], completion_ids: list[list[int]]) -> list[float]:
-    connection.send((list(prompt_ids), [list(ids) for ids in completion_ids]))
-    return connection.recv()
-
-
-# ------------------------------------------------------------------------------------------------ the peer (TRL env)
-@dataclass
-class StepRecorder:
-    """What the timed trainer and the reward function saw during the current step."""
-
-    phases: dict = field(default_factory=lambda: dict.fromkeys(
-        ("seconds_rollout", "seconds_reward", "seconds_experience"), 0.0))
-    rewards: list = field(default_factory=list)
-    completion_lengths: list = field(default_factory=list)
-    prompt_lengths: list = field(default_factory=list)
-
-    def add(self, phase: str, seconds: float) -> None:
-        self.phases[phase] += seconds
-
-    def drain(self) -> dict:
-        """This step's observations; the recorder starts the next step empty."""
-        taken = vars(self).copy()
-        self.__init__()
-        return taken
-
-
-def greedy_accuracy(model, heldout: list[dict], max_new_tokens: int, eos_ids: list[int], pad_token_id: int,
-                    connection: Connection) -> float:
-    """Our evaluation (Trainer.evaluate) with in-process `generate`: greedy, our stop token, task.score."""
-    import torch
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_ids,
-                              pad_token_id=pad_token_id, disable_compile=True)
-    was_training = model.training
-    model.eval()
-    completions = []
-    for start in range(0, len(heldout), GENERATE_BATCH):
-        rows = [p["input_ids"] for p in heldout[start:start + GENERATE_BATCH]]
-        width = max(map(len, rows))
-        input_ids = torch.tensor([[pad_token_id] * (width - len(r)) + r for r in rows])  # [B, width], left-padded
-        attention_mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(r) for r in rows])[:, None])
-        with torch.no_grad():
-            output = model.generate(input_ids=input_ids, attention_mask=attention_mask.long(),
-                                    generation_config=config)
-        completions += [completion_up_to_eos(row[width:].tolist(), set(eos_ids), pad_token_id) for row in output]
-    model.train(was_training)
-    scores = remote_scores(connection, [p["prompt_id"] for p in heldout], completions)
-    return statistics.fmean(scores)
-
-
-def run_trl_worker(config_path: Path, socket_fd: int) -> None:
-    """The peer's training run; runs in TRL's environment and imports nothing of this project."""
-    config = json.loads(config_path.read_text())
-    import torch
-
-    torch.set_num_threads(config["threads"])
-    import trl
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    if trl.__version__ != TRL_VERSION:
-        raise SystemExit(f"the peer environment has trl {trl.__version__}, not {TRL_VERSION}: run "
-                         "tools/setup_peer_env.sh")
-    started = time.perf_counter()
-    connection = Connection(socket_fd)
-    run_dir = Path(config["run_dir"])
-    tokenizer = AutoTokenizer.from_pretrained(config["model_dir"])
-    pool = {int(key): prompt for key, prompt in config["pool"].items()}
-    mismatched = [key for key, prompt in pool.items()
-                  if tokenizer(text=[prompt["text"]])["input_ids"][0] != prompt["input_ids"]]
-    if mismatched:
-        raise SystemExit(f"TRL's tokenization of {len(mismatched)} prompts (first: prompt id {mismatched[0]}) differs "
-                         "from our task's input_ids: the exported tokenizer is not the one the task encodes with")
-    stream = config["stream"]
-    dataset = Dataset.from_dict({"prompt": [pool[i]["text"] for i in stream], "prompt_id": stream})
-    recorder = StepRecorder()
-
-    def task_score(prompts, completions, completion_ids, prompt_id, **_):
-        scores = remote_scores(connection, prompt_id, completion_ids)
-        recorder.rewards += scores
-        return scores
-
-    class TimedGRPOTrainer(GRPOTrainer):
-        """GRPOTrainer with timers around its own phases; what it computes is unchanged."""
-
-        def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-            start = time.perf_counter()
-            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
-            recorder.add("seconds_rollout", time.perf_counter() - start)
-            recorder.completion_lengths += [len(ids) for ids in completion_ids]
-            recorder.prompt_lengths += [len(ids) for ids in prompt_ids]
-            return completion_ids, logprobs
-
-        def _calculate_rewards(self, *args, **kwargs):
-            start = time.perf_counter()
-            rewards = super()._calculate_rewards(*args, **kwargs)
-            recorder.add("seconds_reward", time.perf_counter() - start)
-            return rewards
-
-        def _generate_and_score_completions(self, *args, **kwargs):
-            start = time.perf_counter()
-            output = super()._generate_and_score_completions(*args, **kwargs)
-            recorder.add("seconds_experience", time.perf_counter() - start)
-            return output
-
-    evaluation = dict(heldout=config["heldout"], max_new_tokens=config["trl"]["max_completion_length"],
-                      eos_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, connection=connection)
-    metrics_file = run_dir / "metrics.jsonl"
-    metrics_file.write_text("")
-
-    class BudgetAndEvaluation(TrainerCallback):
-        """Per step: our record, greedy held-out accuracy every eval_interval steps, stop once past the budget."""
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.rl_start = self.last = time.perf_counter()
-
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            now = time.perf_counter()
-            seen = recorder.drain()
-            record = peer_step_record(state.global_step, now - self.rl_start, now - self.last, seen["phases"],
-                                      seen["rewards"], seen["completion_lengths"], seen["prompt_lengths"],
-                                      config["trl"]["num_generations"])
-            if config["eval_interval"] and state.global_step % config["eval_interval"] == 0:
-                record["heldout_accuracy"] = greedy_accuracy(model, **evaluation)
-            with open(metrics_file, "a") as log:
-                log.write(json.dumps(record) + "\n")
-            if time.perf_counter() - self.rl_start > config["budget_s"]:
-                control.should_training_stop = True
-            self.last = time.perf_counter()
-
-    timer = BudgetAndEvaluation()
-    trainer = TimedGRPOTrainer(model=config["model_dir"], reward_funcs=task_score, args=GRPOConfig(**config["trl"]),
-                               train_dataset=dataset, processing_class=tokenizer, callbacks=[timer])
-    (run_dir / "trl_args.json").write_text(trainer.args.to_json_string())  # every field TRL ran with
-    before = greedy_accuracy(trainer.model, **evaluation)
-    expected = config["expected_accuracy_before"]
-    if expected is not None and abs(before - expected) * len(config["heldout"]) > WARM_START_MISMATCH_PROBLEMS:
-        raise SystemExit(f"the exported warm start scores {before:.4f} held-out accuracy in TRL's environment, ours "
-                         f"{expected:.4f}: the export or the evaluation differs; the comparison would be void")
-    trainer.train()
-    seconds_rl = time.perf_counter() - timer.rl_start
-    steps = trainer.state.global_step
-    if seconds_rl <= config["budget_s"] and steps >= config["trl"]["max_steps"]:
-        raise SystemExit(f"the peer used up its {steps}-step prompt stream before the budget: lower "
-                         "MIN_STEP_SECONDS in bench/peer_grpo.py")
-    after = greedy_accuracy(trainer.model, **evaluation)
-    summary = {"heldout_accuracy_before": round(before, 4), "heldout_accuracy_after": round(after, 4), "steps": steps,
-               "seconds": round(time.perf_counter() - started, 1), "seconds_rl": seconds_rl}
-    (run_dir / "summary.json").write_text(json.dumps(summary))
-    print(json.dumps(summary), flush=True)
-
-
 # ------------------------------------------------------------------------------------------------ orchestration
 def export_warm_start(warm_start: Path, out_dir: Path) -> Path:
     """The warm start as an HF directory (tokenizer from its embedded init), once per warm start."""
-    from tools.convert_megatron_to_hf import main as convert
+    from megatron_dppo.conversion import megatron_to_hf
 
     hf_dir = out_dir / f"{warm_start.parent.name}_hf"  # embedded_<cache key>: a new warm start gets a new export
     if not (hf_dir / "config.json").is_file():
-        if convert(["--megatron-dir", str(warm_start), "--out", str(hf_dir), "--tokenizer-dir",
-                    str(warm_start.parent / "init")]) != 0:
-            raise RuntimeError(f"exporting {warm_start} to {hf_dir} failed (the converter's error is above)")
+        megatron_to_hf(warm_start, hf_dir, tokenizer_dir=warm_start.parent / "init")
     return hf_dir
-
-
-def parse_run_flags(flags: list[str]):
-    from megatron_dppo.arguments import parse_args
-
-    return parse_args(flags)
 
 
 def load_task(args, hf_dir: Path):
@@ -406,10 +211,8 @@ def load_task(args, hf_dir: Path):
 def run_peer(settings, seed: int, warm_start: Path, hf_dir: Path, ours_dir: Path, peer_python: Path,
              threads: int) -> Path:
     """The TRL run of one seed, unless finished with the same config; its directory."""
-    import bench.time_to_accuracy as tta
-
     run_dir = settings.out_dir / "runs" / PEER_METHOD / f"seed_{seed}"
-    args = parse_run_flags(tta.rl_flags(settings, "grpo", seed, warm_start))
+    args = parse_training_args(accuracy_runs.rl_flags(settings, "grpo", seed, warm_start))
     task, tokenizer = load_task(args, hf_dir)
     steps = math.ceil(settings.budget_s / MIN_STEP_SECONDS)
     draws = [task.next_prompts(args.rollout_batch_size) for _ in range(steps)]  # the trainer's draws, in order
@@ -433,7 +236,7 @@ def run_peer(settings, seed: int, warm_start: Path, hf_dir: Path, ours_dir: Path
     config_file.write_text(json.dumps(config))
     ours_end, peers_end = socket.socketpair()
     with open(run_dir / "stdout.log", "w") as log:
-        process = subprocess.Popen([str(peer_python), __file__, "--trl-worker", str(config_file), "--socket-fd",
+        process = subprocess.Popen([str(peer_python), peer_grpo_trl.__file__, str(config_file), "--socket-fd",
                                     str(peers_end.fileno())], pass_fds=[peers_end.fileno()], stdout=log,
                                    stderr=subprocess.STDOUT, cwd=REPO)
     peers_end.close()
@@ -552,8 +355,6 @@ def step_costs(records: list[dict]) -> dict:
 
 def step_cost_table(ours: dict, peer: dict) -> tuple[str, dict]:
     """Markdown rows of median step costs and the ratios the issue names (ours / TRL's; > 1: ours is slower)."""
-    from bench.time_to_accuracy import markdown
-
     def ms(value):
         return "-" if math.isnan(value) else f"{1000 * value:.0f}"
 
@@ -594,22 +395,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="python of TRL's environment (tools/setup_peer_env.sh)")
     parser.add_argument("--threads", type=int, default=THREADS, help="torch threads of the peer and of `generate`")
     parser.add_argument("--generate-repeats", type=int, default=5, help="timed repeats of the generation benchmark")
-    parser.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--socket-fd", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.trl_worker is None:
-        if not Path(args.peer_python).is_file():
-            parser.error(f"--peer-python {args.peer_python} does not exist: run `bash tools/setup_peer_env.sh` "
-                         "(or pass the python of an environment it built)")
-        if args.threads < 1 or args.generate_repeats < 1:
-            parser.error(f"--threads {args.threads} and --generate-repeats {args.generate_repeats} must be >= 1")
+    if not Path(args.peer_python).is_file():
+        parser.error(f"--peer-python {args.peer_python} does not exist: run `bash tools/setup_peer_env.sh` "
+                     "(or pass the python of an environment it built)")
+    if args.threads < 1 or args.generate_repeats < 1:
+        parser.error(f"--threads {args.threads} and --generate-repeats {args.generate_repeats} must be >= 1")
     return args
 
 
 def time_to_accuracy_settings(options: argparse.Namespace):
     """time_to_accuracy's Settings for our GRPO runs: only the options given here override its defaults."""
-    import bench.time_to_accuracy as tta
-
     argv = ["--out-dir", options.out_dir, "--methods", "grpo", "--no-control", "--math-budget-s", "0",
             "--processes", str(options.processes)]
     for flag, value in (("--budget-s", options.budget_s), ("--warm-start-steps", options.warm_start_steps),
@@ -620,13 +416,11 @@ def time_to_accuracy_settings(options: argparse.Namespace):
         argv += ["--seeds", *map(str, options.seeds)]
     else:
         argv += ["--seeds", "1"]
-    return tta.parse_args(argv)
+    return accuracy_runs.parse_args(argv)
 
 
 def generation_table(generation: dict, args, threads: int) -> tuple[str, dict]:
     """Rows of the generation benchmark and the engine / `generate` tokens/s ratios."""
-    from bench.time_to_accuracy import markdown
-
     hf_key, engine_key, same_threads_key = f"hf_generate_{threads}_threads", "engine_as_trainer", "engine_same_threads"
     options = generation["trainer_engine_options"]
     names = {hf_key: f"in-process HF generate, {threads} thread(s) (TRL's path)",
@@ -649,35 +443,29 @@ def load_average() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
-    if options.trl_worker is not None:
-        run_trl_worker(Path(options.trl_worker), options.socket_fd)
-        return
-    import bench.time_to_accuracy as tta
-    from tools.plot_metrics import load_run, plot_runs
-
     settings = time_to_accuracy_settings(options)
     started, load_at_start = time.perf_counter(), load_average()
-    warm_start, _ = tta.prepare_warm_start(settings, measure_rate=False)
+    warm_start, _ = accuracy_runs.prepare_warm_start(settings, measure_rate=False)
     hf_dir = export_warm_start(warm_start, settings.out_dir / "peer")
-    size = tta.model_size(hf_dir)
+    size = model_size(hf_dir)
     runs = {"grpo": [], PEER_METHOD: []}
     for seed in settings.seeds:
-        ours_dir = tta.run_rl(settings, "grpo", seed, warm_start)
+        ours_dir = accuracy_runs.run_rl(settings, "grpo", seed, warm_start)
         peer_dir = run_peer(settings, seed, warm_start, hf_dir, ours_dir, Path(options.peer_python), options.threads)
         # seconds_steps: RL time without evaluations, the results page's x axis
-        runs["grpo"].append(tta.with_costs(load_run(ours_dir, "ours (GRPO)"), size, old_logprob_pass=False))
-        runs[PEER_METHOD].append(tta.with_costs(load_run(peer_dir, "TRL peer"), size, old_logprob_pass=False))
+        runs["grpo"].append(with_costs(load_run(ours_dir, "ours (GRPO)"), size, old_logprob_pass=False))
+        runs[PEER_METHOD].append(with_costs(load_run(peer_dir, "TRL peer"), size, old_logprob_pass=False))
         print(f"finished seed {seed} ({time.perf_counter() - started:.0f} s so far)", flush=True)
-    args = parse_run_flags(tta.rl_flags(settings, "grpo", settings.seeds[0], warm_start))
+    args = parse_training_args(accuracy_runs.rl_flags(settings, "grpo", settings.seeds[0], warm_start))
     generation = generation_benchmark(args, hf_dir, options.threads, options.generate_repeats, options.processes)
 
-    mapping = tta.markdown(["our setting", "value", "TRL GRPOConfig", "note"],
+    mapping = markdown(["our setting", "value", "TRL GRPOConfig", "note"],
                            [[s.ours, s.value, ", ".join(f"{k}={v}" for k, v in s.trl.items()) or "-", s.note]
                             for s in trl_settings(args)])
     records = {method: [r for run in group for r in run.records] for method, group in runs.items()}
     costs_table, ratios = step_cost_table(step_costs(records["grpo"]), step_costs(records[PEER_METHOD]))
     generation_rows, generation_ratios = generation_table(generation, args, options.threads)
-    accuracy = tta.markdown(
+    accuracy = markdown(
         ["run (seed)", "steps", "RL step time (s)", "held-out before", "held-out after"],
         accuracy_rows({f"{run.label} ({seed})": (run, run.records[-1]["seconds_steps"])
                        for method in runs for seed, run in zip(settings.seeds, runs[method])}))

@@ -6,7 +6,7 @@ partial rollouts do to it on the worked task.
     every generated token is also trained): the cached warm start (the default task's worked responses, 14 to ~160
     tokens), and an untrained model (--warm-start-steps 0: random tokens until the end token or
     --rollout-max-response-len) at two response limits, on the answer-only task's prompts
-    ─► every step after the first --skip-steps of each run ─► least squares (bench/time_to_accuracy.fit_step_cost)
+    ─► every step after the first --skip-steps of each run ─► least squares (bench/run_costs.fit_step_cost)
     ─► a table of the runs' median phases, the fit, `name: value` lines
 
     partial rollouts: GRPO and DPPO (the embedded default, DAPO filter on) from the same warm start, each with
@@ -30,8 +30,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.time_to_accuracy import fit_step_cost, launch_unless_finished, markdown  # noqa: E402
-from tools.plot_metrics import load_run  # noqa: E402
+from bench.markdown_table import markdown  # noqa: E402
+from bench.run_costs import fit_step_cost  # noqa: E402
+from bench.training_run import launch_unless_finished  # noqa: E402
+from megatron_dppo.metrics import load_run  # noqa: E402
 
 # name -> trainer flags on top of GRPO without the DAPO filter: three response-length regimes
 RUNS = {

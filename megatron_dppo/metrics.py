@@ -1,6 +1,10 @@
-"""Per-step metrics: one JSON line per step (metrics.jsonl), TensorBoard events, and a progress bar (rank 0 only).
+"""Per-step metrics: one JSON line per step (metrics.jsonl), TensorBoard events, and a progress bar (rank 0 only);
+and the reader of that file (load_run ─► Run), which `tools/plot_metrics.py` and the benchmarks use.
 
-The JSONL file is the record `tools/plot_metrics.py` and the benchmarks read. Beside it, prompt_outcomes.jsonl has
+    MetricsLogger.log(step, metrics) ─► <log dir>/metrics.jsonl (+ prompt_outcomes.jsonl, tensorboard/)
+    load_run(<log dir>) ─► Run(label, records in step order, summary.json) ─► Run.series(metric, x) ─► (xs, ys)
+
+The JSONL file is the record of a run. Beside it, prompt_outcomes.jsonl has
 one line per rolled-out group (the step's "prompt_outcomes": what the prompt level predicted before rollout and what
 the group turned out to be), from which bench/prompt_prediction.py measures how well history predicts. On resume
 from the checkpoint of step s, both files keep steps 1..s only (later lines came from work the checkpoint does not
@@ -9,6 +13,7 @@ hold), so a resumed run's files read as if the run had never stopped.
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 OUTCOMES_FILE = "prompt_outcomes.jsonl"
@@ -67,3 +72,69 @@ class MetricsLogger:
         if self.enabled:
             self.progress.close()
             self.writer.close()
+
+
+# ------------------------------------------------------------------------------------------------ reading
+@dataclass
+class Run:
+    label: str
+    records: list[dict]  # one per step, in step order
+    summary: dict = field(default_factory=dict)
+
+    def series(self, metric: str, x_axis: str) -> tuple[list[float], list[float]]:
+        """(x, y) of every record holding both. Held-out accuracy also gets the summary's evaluations: the one
+        before RL at x = 0 and the one after RL at the last record's x."""
+        points = [(float(r[x_axis]), float(r[metric])) for r in self.records
+                  if isinstance(r.get(x_axis), (int, float)) and isinstance(r.get(metric), (int, float))]
+        if metric == "heldout_accuracy" and self.summary:
+            if "heldout_accuracy_before" in self.summary:
+                points.insert(0, (0.0, float(self.summary["heldout_accuracy_before"])))
+            end = self.records[-1].get(x_axis) if self.records else None
+            if "heldout_accuracy_after" in self.summary and isinstance(end, (int, float)):
+                points.append((float(end), float(self.summary["heldout_accuracy_after"])))
+        points = [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)]
+        return [x for x, _ in points], [y for _, y in points]
+
+
+def load_run(path: str | Path, label: str | None = None) -> Run:
+    """A run directory (holding metrics.jsonl) or a metrics.jsonl file; summary.json beside it is optional."""
+    path = Path(path)
+    metrics_file = path / "metrics.jsonl" if path.is_dir() else path
+    if not metrics_file.is_file():
+        raise FileNotFoundError(f"no metrics file at {metrics_file}: pass a run directory written by the trainer's "
+                                "--log-dir (it holds metrics.jsonl) or the metrics.jsonl file itself")
+    records = []
+    for number, line in enumerate(metrics_file.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{metrics_file}, line {number} is not JSON ({error.msg}): the file is garbled or was "
+                             "cut mid-write; delete that line or re-run the training") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{metrics_file}, line {number} is not a step record (a JSON object with an integer "
+                             "'step'): pass a metrics.jsonl written by the trainer")
+        records.append(record)
+    if not records:
+        raise ValueError(f"{metrics_file} holds no step records: the run logged no step yet; read it once it has")
+    summary_file = metrics_file.parent / "summary.json"
+    summary = {}
+    if summary_file.is_file():
+        try:
+            summary = json.loads(summary_file.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{summary_file} is not JSON ({error.msg}): delete it or re-run the training") from None
+    records.sort(key=lambda record: record["step"])
+    return Run(label or metrics_file.parent.name, records, summary)
+
+
+def smoothed(values: list[float], window: int) -> list[float]:
+    """Trailing mean over `window` points (the first points average what exists so far)."""
+    out, total = [], 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        out.append(total / min(index + 1, window))
+    return out

@@ -1,7 +1,7 @@
-"""The pure parts of bench/peer_grpo.py, without TRL: the hyper-parameter mapping, the metrics layout the readers
-take, the reward service over a socket pair, the step-cost ratios and the interleaved generation timing."""
+"""The pure parts of bench/peer_grpo.py and bench/peer_grpo_trl.py, without TRL: the hyper-parameter mapping, the
+metrics layout the readers take, the reward service over a socket pair, the step-cost ratios and the interleaved
+generation timing."""
 
-import importlib.util
 import json
 import os
 import socket
@@ -13,31 +13,24 @@ from pathlib import Path
 
 import pytest
 
+from bench import accuracy_curves, accuracy_runs, run_costs
+from bench import peer_grpo as peer
+from bench import peer_grpo_trl as trl_side
 from megatron_dppo.algo.losses import AGGREGATIONS
 from megatron_dppo.arguments import parse_args
 from megatron_dppo.data.tokenizer import CharTokenizer
+from megatron_dppo.metrics import load_run
 from megatron_dppo.tasks import Prompt, Task
-from tools.plot_metrics import load_run
+from tools.plot_metrics import plot_runs
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-peer = load_bench("peer_grpo")
-tta = load_bench("time_to_accuracy")
-
-
 def grpo_args(tmp_path, *extra: str):
     """Our parsed flags of time_to_accuracy's GRPO run (seed 3), with `extra` flags appended."""
-    settings = tta.parse_args(["--out-dir", str(tmp_path), "--methods", "grpo", "--seeds", "3", "--no-control",
-                               "--math-budget-s", "0"])
-    return parse_args([*tta.rl_flags(settings, "grpo", 3, tmp_path / "warm_start"), *extra])
+    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--methods", "grpo", "--seeds", "3",
+                                         "--no-control", "--math-budget-s", "0"])
+    return parse_args([*accuracy_runs.rl_flags(settings, "grpo", 3, tmp_path / "warm_start"), *extra])
 
 
 def test_trl_config_mirrors_the_time_to_accuracy_grpo_run(tmp_path):
@@ -60,9 +53,9 @@ def test_trl_config_mirrors_the_time_to_accuracy_grpo_run(tmp_path):
         "seed": 3, "max_steps": 40, "use_cpu": True, "logging_steps": 1,
     }
     assert {key: config[key] for key in expected} == expected
-    rl_flags = tta.RL_FLAGS  # the benchmark's GRPO settings (its --tune-grpo best)
+    rl_flags = accuracy_runs.RL_FLAGS  # the benchmark's GRPO settings (its --tune-grpo best)
     assert (args.rollout_batch_size, args.n_samples_per_prompt, args.lr) == tuple(
-        kind(tta.flag_value(rl_flags, flag)) for kind, flag in (
+        kind(accuracy_runs.flag_value(rl_flags, flag)) for kind, flag in (
             (int, "--rollout-batch-size"), (int, "--n-samples-per-prompt"), (float, "--lr")))
 
 
@@ -101,9 +94,9 @@ def test_settings_trl_cannot_mirror_are_refused_naming_the_flag(tmp_path, flags,
 
 
 def test_completion_up_to_eos_keeps_the_stop_token_and_drops_padding():
-    assert peer.completion_up_to_eos([5, 6, 2, 0, 0], {2}, 0) == [5, 6, 2]
-    assert peer.completion_up_to_eos([5, 6, 7, 0, 0], {2}, 0) == [5, 6, 7]  # truncated: no stop token
-    assert peer.completion_up_to_eos([2, 9], {2}, 0) == [2]
+    assert trl_side.completion_up_to_eos([5, 6, 2, 0, 0], {2}, 0) == [5, 6, 2]
+    assert trl_side.completion_up_to_eos([5, 6, 7, 0, 0], {2}, 0) == [5, 6, 7]  # truncated: no stop token
+    assert trl_side.completion_up_to_eos([2, 9], {2}, 0) == [2]
 
 
 def peer_records(tmp_path: Path) -> Path:
@@ -111,9 +104,9 @@ def peer_records(tmp_path: Path) -> Path:
     run_dir = tmp_path / "runs" / "trl-peer" / "seed_1"
     run_dir.mkdir(parents=True)
     phases = {"seconds_rollout": 0.2, "seconds_reward": 0.01, "seconds_experience": 0.25}
-    first = peer.peer_step_record(1, 0.5, 0.5, phases, rewards=[1, 0, 0, 0, 1, 1, 1, 1],
+    first = trl_side.peer_step_record(1, 0.5, 0.5, phases, rewards=[1, 0, 0, 0, 1, 1, 1, 1],
                                   completion_lengths=[3, 4, 5, 6, 3, 3, 3, 3], prompt_lengths=[10] * 8, group=4)
-    second = peer.peer_step_record(2, 1.1, 0.4, phases, rewards=[0] * 8, completion_lengths=[8] * 8,
+    second = trl_side.peer_step_record(2, 1.1, 0.4, phases, rewards=[0] * 8, completion_lengths=[8] * 8,
                                    prompt_lengths=[12] * 8, group=4)
     second["heldout_accuracy"] = 0.4
     (run_dir / "metrics.jsonl").write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
@@ -130,19 +123,20 @@ def test_peer_step_record_counts_as_our_trainer_does(tmp_path):
     assert record["seconds_update"] == pytest.approx(0.5 - 0.25)  # the step after its experience
     assert record["tokens_per_second_rollout"] == pytest.approx(30 / 0.2)
     with pytest.raises(ValueError, match="full groups of 4"):
-        peer.peer_step_record(1, 1, 1, {}, [1.0] * 6, [1] * 6, [1] * 6, group=4)
+        trl_side.peer_step_record(1, 1, 1, {}, [1.0] * 6, [1] * 6, [1] * 6, group=4)
 
 
 def test_peer_metrics_are_read_by_plot_metrics_and_time_to_accuracy(tmp_path):
     run = load_run(peer_records(tmp_path), "TRL peer")
-    costed = tta.with_costs(run, tta.ModelSize(parameters=1000, layers=2, hidden=16), old_logprob_pass=False)
+    size = run_costs.ModelSize(parameters=1000, layers=2, hidden=16)
+    costed = run_costs.with_costs(run, size, old_logprob_pass=False)
     assert [r["seconds_steps"] for r in costed.records] == pytest.approx([0.5, 0.9])
     assert [r["tokens_generated_total"] for r in costed.records] == [30, 94]
     # warm start at 0, the step-2 evaluation, the final one at the last step's time
-    assert tta.accuracy_points(costed, "seconds_steps") == [(0.0, 0.25), (0.9, 0.4), (0.9, 0.5)]
-    phases = tta.phase_breakdown([costed])
+    assert accuracy_curves.accuracy_points(costed, "seconds_steps") == [(0.0, 0.25), (0.9, 0.4), (0.9, 0.5)]
+    phases = run_costs.phase_breakdown([costed])
     assert phases["seconds_step"] == pytest.approx(0.45) and phases["seconds_rollout"] == pytest.approx(0.2)
-    assert tta.plot_runs([costed], tmp_path / "figures", ("heldout_accuracy",), ("seconds_steps",))
+    assert plot_runs([costed], tmp_path / "figures", ("heldout_accuracy",), ("seconds_steps",))
 
 
 def test_step_cost_ratios_are_ours_over_trls():
@@ -187,12 +181,12 @@ def test_peer_rewards_are_our_task_score_on_our_decoding_over_the_socket_pair():
     completions = [tokenizer.encode("12$"), tokenizer.encode("30$"), tokenizer.encode("7")]
     parent_end, child_end = socket.socketpair()
     child = subprocess.Popen(
-        [sys.executable, "-c", "import importlib.util, json, sys\n"
+        [sys.executable, "-c", "import importlib.util, json, sys\n"  # the peer's file alone, as TRL's python runs it
          "from multiprocessing.connection import Connection\n"
-         f"spec = importlib.util.spec_from_file_location('peer_grpo', {str(REPO / 'bench' / 'peer_grpo.py')!r})\n"
-         "peer = importlib.util.module_from_spec(spec); spec.loader.exec_module(peer)\n"
-         f"print(json.dumps(peer.remote_scores(Connection({child_end.fileno()}), [0, -1, 1], {completions})))"],
-        pass_fds=[child_end.fileno()], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+         f"spec = importlib.util.spec_from_file_location('trl_side', {str(REPO / 'bench' / 'peer_grpo_trl.py')!r})\n"
+         "trl_side = importlib.util.module_from_spec(spec); spec.loader.exec_module(trl_side)\n"
+         f"print(json.dumps(trl_side.remote_scores(Connection({child_end.fileno()}), [0, -1, 1], {completions})))"],
+        pass_fds=[child_end.fileno()], stdout=subprocess.PIPE, text=True)
     child_end.close()
     connection = Connection(parent_end.detach())
     served = []

@@ -1,6 +1,6 @@
-"""The analysis of bench/time_to_accuracy.py on synthetic metric files (no training is run)."""
+"""The time-to-accuracy bench (bench/time_to_accuracy.py and the modules it runs and reports with) on synthetic
+metric files (no training is run)."""
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -9,12 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tools.plot_metrics import Run
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "time_to_accuracy.py"
-spec = importlib.util.spec_from_file_location("time_to_accuracy", BENCH)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from bench import accuracy_curves, accuracy_runs, results_page, run_costs, training_run
+from megatron_dppo.metrics import Run, load_run
 
 
 def write_run(directory: Path, accuracies: list[float], seconds_step: float, before: float = 0.2,
@@ -42,17 +38,17 @@ def curve(points):
 
 
 def test_final_accuracy_is_the_mean_of_the_last_three_evaluations():
-    assert bench.final_accuracy(curve([(0, 0.1), (1, 0.3), (2, 0.4), (3, 0.5)])) == pytest.approx(0.4)
-    assert bench.final_accuracy(curve([(0, 0.1), (1, 0.3)])) == pytest.approx(0.2)
+    assert accuracy_curves.final_accuracy(curve([(0, 0.1), (1, 0.3), (2, 0.4), (3, 0.5)])) == pytest.approx(0.4)
+    assert accuracy_curves.final_accuracy(curve([(0, 0.1), (1, 0.3)])) == pytest.approx(0.2)
 
 
 def test_time_to_reach_needs_the_trailing_mean_not_one_lucky_evaluation():
     points = curve([(0, 0.2), (10, 0.5), (20, 0.3), (30, 0.35), (40, 0.46), (50, 0.47)])
     # the spike at 10 s averages (0.2 + 0.5) / 2 = 0.35 < 0.4 with the start; the first trailing mean of three
     # evaluations at or above 0.4 is (0.35 + 0.46 + 0.47) / 3 at 50 s
-    assert bench.time_to_reach(points, 0.4) == 50.0
-    assert bench.time_to_reach(points, 0.2) == 0.0
-    assert bench.time_to_reach(points, 0.9) is None
+    assert accuracy_curves.time_to_reach(points, 0.4) == 50.0
+    assert accuracy_curves.time_to_reach(points, 0.2) == 0.0
+    assert accuracy_curves.time_to_reach(points, 0.9) is None
 
 
 def test_speedup_is_baseline_time_over_method_time_per_seed():
@@ -61,7 +57,7 @@ def test_speedup_is_baseline_time_over_method_time_per_seed():
     fast = {1: curve([(0, 0.2), (10, 0.6), (20, 0.6), (30, 0.6)]),
             2: curve([(0, 0.2), (20, 0.5), (40, 0.5), (60, 0.5)])}
     slow = {1: curve([(0, 0.2), (100, 0.25), (200, 0.3)])}
-    results = bench.compare_to_baseline({"grpo": grpo, "fast": fast, "slow": slow})
+    results = accuracy_curves.compare_to_baseline({"grpo": grpo, "fast": fast, "slow": slow})
     assert results["grpo"]["target"] == pytest.approx(0.4)
     # GRPO seed 1 reaches a trailing mean of 0.4 at 200 s, seed 2 at 180 s; fast at 10 s and 40 s
     assert results["grpo"]["times"] == {1: 200.0, 2: 180.0}
@@ -76,7 +72,7 @@ def test_speedup_is_baseline_time_over_method_time_per_seed():
 def test_baseline_seed_that_never_reaches_the_target_counts_its_whole_budget():
     grpo = {1: curve([(0, 0.2), (100, 0.6), (200, 0.6), (300, 0.6)]), 2: curve([(0, 0.2), (100, 0.2), (250, 0.2)])}
     method = {1: curve([(0, 0.2), (50, 0.5), (100, 0.5)]), 2: curve([(0, 0.2), (50, 0.5), (100, 0.5)])}
-    results = bench.compare_to_baseline({"grpo": grpo, "m": method})
+    results = accuracy_curves.compare_to_baseline({"grpo": grpo, "m": method})
     assert results["grpo"]["target"] == pytest.approx(0.4)
     # GRPO seed 1 reaches 0.4 at 100 s; seed 2 never does, so its 250 s budget stands in; the method reaches
     # 0.4 at 100 s on both seeds
@@ -85,42 +81,40 @@ def test_baseline_seed_that_never_reaches_the_target_counts_its_whole_budget():
 
 def test_missing_baseline_is_a_clear_error():
     with pytest.raises(ValueError, match="no grpo runs to compare against"):
-        bench.compare_to_baseline({"cppo": {1: curve([(0, 0.2)])}})
+        accuracy_curves.compare_to_baseline({"cppo": {1: curve([(0, 0.2)])}})
 
 
 def test_flops_follow_the_documented_formula():
-    size = bench.ModelSize(parameters=1000, layers=2, hidden=8)
+    size = run_costs.ModelSize(parameters=1000, layers=2, hidden=8)
     record = {"tokens_trained": 60, "tokens_generated": 40, "kept_fraction": 0.25, "kept_fraction_prompts": 0.5,
               "response_length_mean": 4.0}
-    train, rollout = bench.step_flops(record, size, old_logprob_pass=False)
+    train, rollout = run_costs.step_flops(record, size, old_logprob_pass=False)
     # 40 tokens / 4 per response = 10 rollouts of the half of the drawn prompts the prompt level kept, so 20
     # drawn x G; a quarter of those kept = 5 sequences of 60 / 5 = 12 tokens
     forward = 2 * 1000 + 4 * 2 * 8 * 12 / 2
     assert train == pytest.approx(60 * 3 * forward)
     assert rollout == pytest.approx(40 * (2 * 1000 + 4 * 2 * 8 * 2))
-    train_with_pass, _ = bench.step_flops(record, size, old_logprob_pass=True)
+    train_with_pass, _ = run_costs.step_flops(record, size, old_logprob_pass=True)
     assert train_with_pass == pytest.approx(60 * 4 * forward)
 
 
 def test_cost_columns_accumulate_over_steps_and_read_at_the_time_to_target(tmp_path):
-    from tools.plot_metrics import load_run
-
     run = load_run(write_run(tmp_path / "run", [0.3, 0.35, 0.4, 0.45], seconds_step=2.0))
-    costed = bench.with_costs(run, bench.ModelSize(1000, 2, 8), old_logprob_pass=False)
+    costed = run_costs.with_costs(run, run_costs.ModelSize(1000, 2, 8), old_logprob_pass=False)
     assert [r["seconds_steps"] for r in costed.records] == [2.0, 4.0, 6.0]
     assert [r["tokens_generated_total"] for r in costed.records] == [100, 200, 300]
     assert costed.records[-1]["flops_total"] == pytest.approx(3 * costed.records[0]["flops_total"])
-    assert bench.value_at(costed, "tokens_trained_total", "seconds_steps", 3.0) == 300
-    assert bench.value_at(costed, "tokens_trained_total", "seconds_steps", 0.0) == 0.0
-    assert bench.value_at(costed, "tokens_trained_total", "seconds_steps", None) is None
-    assert bench.accuracy_points(costed, "seconds_steps") == [(0.0, 0.2), (2.0, 0.3), (4.0, 0.35), (6.0, 0.4),
-                                                              (6.0, 0.45)]
+    assert run_costs.value_at(costed, "tokens_trained_total", "seconds_steps", 3.0) == 300
+    assert run_costs.value_at(costed, "tokens_trained_total", "seconds_steps", 0.0) == 0.0
+    assert run_costs.value_at(costed, "tokens_trained_total", "seconds_steps", None) is None
+    assert accuracy_curves.accuracy_points(costed, "seconds_steps") == [(0.0, 0.2), (2.0, 0.3), (4.0, 0.35),
+                                                                        (6.0, 0.4), (6.0, 0.45)]
 
 
 def test_phase_breakdown_puts_the_unaccounted_time_in_other():
     records = [{"step": 1, "seconds_step": 1.0, "seconds_rollout": 0.3, "seconds_update": 0.5},
                {"step": 2, "seconds_step": 3.0, "seconds_rollout": 0.7, "seconds_update": 1.5, "seconds_sync": 0.2}]
-    phases = bench.phase_breakdown([Run("m", records)])
+    phases = run_costs.phase_breakdown([Run("m", records)])
     assert phases["seconds_step"] == pytest.approx(2.0)
     assert phases["seconds_rollout"] == pytest.approx(0.5) and phases["seconds_update"] == pytest.approx(1.0)
     assert phases["other"] == pytest.approx(2.0 - 0.5 - 1.0 - 0.1)
@@ -131,15 +125,16 @@ def test_tables_from_metric_files_on_disk(tmp_path):
     model_dir.mkdir()
     save_file({"embed": torch.zeros(10, 8), "layer": torch.zeros(8, 8)}, str(model_dir / "model.safetensors"))
     (model_dir / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 8}))
-    size = bench.model_size(model_dir)
+    size = run_costs.model_size(model_dir)
     assert (size.parameters, size.layers, size.hidden) == (144, 2, 8)
     for seed in (1, 2):
         write_run(tmp_path / "runs" / "grpo" / f"seed_{seed}", [0.25, 0.3, 0.35, 0.4, 0.4, 0.4], 1.0)
         write_run(tmp_path / "runs" / "dppo-proportional" / f"seed_{seed}", [0.4, 0.4, 0.42, 0.42], 0.5,
                   tokens=(100, 60))
-    groups = bench.load_groups(tmp_path / "runs", dict.fromkeys(["grpo", "dppo-proportional", "cppo"], [1, 2, 3]), size)
+    groups = run_costs.load_groups(tmp_path / "runs", dict.fromkeys(["grpo", "dppo-proportional", "cppo"], [1, 2, 3]),
+                                   size)
     assert sorted(groups) == ["dppo-proportional", "grpo"] and sorted(groups["grpo"]) == [1, 2]
-    table, results = bench.accuracy_table(groups)
+    table, results = results_page.accuracy_table(groups)
     # GRPO's target is 0.4, reached (trailing mean of 3) at 5 s. DPPO's trailing mean is 1/3 at 1.0 s and 1.22/3 at
     # 1.5 s: it crosses 0.4 at 1.0 + 0.5 x (0.4 - 1/3) / (1.22/3 - 1/3) s (interpolated); per seed, at the 1.5 s
     # evaluation (no interpolation), 3.33x
@@ -149,14 +144,14 @@ def test_tables_from_metric_files_on_disk(tmp_path):
     assert results["dppo-proportional"]["interval"] == pytest.approx((5 / crossing,) * 2)  # identical seeds
     dppo_row = next(line for line in table.splitlines() if line.startswith("| dppo-proportional"))
     assert f"**{5 / crossing:.2f}x**" in dppo_row and "3.33x [3.33, 3.33] (2/2)" in dppo_row
-    assert "| ms/step |" in bench.phase_table({m: list(r.values()) for m, r in groups.items()})
+    assert "| ms/step |" in results_page.phase_table({m: list(r.values()) for m, r in groups.items()})
     # the speed-up splits into fewer steps (GRPO 5 steps to target, DPPO 3) x shorter steps
-    parts = bench.speedup_decomposition(groups, results)
+    parts = run_costs.speedup_decomposition(groups, results)
     assert parts["dppo-proportional"]["steps"] == 3
     assert parts["dppo-proportional"]["step_ratio"] == pytest.approx(5 / 3)
     assert parts["dppo-proportional"]["step_ratio"] * parts["dppo-proportional"]["step_time_ratio"] == \
         pytest.approx(5 / crossing)
-    assert "| dppo-proportional | 3 | 1.67x" in bench.decomposition_table(groups, results)
+    assert "| dppo-proportional | 3 | 1.67x" in results_page.decomposition_table(groups, results)
 
 
 def test_seed_mean_curve_averages_seeds_per_evaluation_then_takes_the_trailing_mean():
@@ -168,7 +163,7 @@ def test_seed_mean_curve_averages_seeds_per_evaluation_then_takes_the_trailing_m
     seed_2 = Run("m", [{"seconds_steps": 3.0, "heldout_accuracy": 0.1}, {"seconds_steps": 4.0,
                                                                        "heldout_accuracy": 0.3}],
                  {"heldout_accuracy_before": 0.1, "heldout_accuracy_after": 0.3})
-    (curve_,) = bench.seed_mean_runs({"m": {1: seed_1, 2: seed_2}})
+    (curve_,) = accuracy_curves.seed_mean_runs({"m": {1: seed_1, 2: seed_2}})
     assert curve_.label == "m"
     xs, ys = curve_.series("heldout_accuracy", "seconds_steps")
     assert xs == [0.0, 2.0, 3.0, 3.0]
@@ -178,45 +173,46 @@ def test_seed_mean_curve_averages_seeds_per_evaluation_then_takes_the_trailing_m
 def test_step_cost_fit_recovers_a_linear_cost_model():
     records = [{"tokens_generated": g, "tokens_trained": t, "seconds_step": 0.1 + 0.001 * g + 0.002 * t}
                for g, t in ((100, 50), (200, 80), (150, 200), (300, 10), (50, 120))]
-    fit = bench.fit_step_cost([Run("a", records[:3]), Run("b", records[3:])])
+    fit = run_costs.fit_step_cost([Run("a", records[:3]), Run("b", records[3:])])
     assert fit["fixed"] == pytest.approx(0.1) and fit["per_generated"] == pytest.approx(0.001)
     assert fit["per_trained"] == pytest.approx(0.002) and fit["r_squared"] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="cannot fit"):
-        bench.fit_step_cost([Run("a", records[:2])])
+        run_costs.fit_step_cost([Run("a", records[:2])])
 
 
 def test_write_page_replaces_only_its_own_generated_block(tmp_path):
     page = tmp_path / "results.md"
-    bench.write_page(page, "quick", "first")
+    results_page.write_page(page, "quick", "first")
     page.write_text(page.read_text() + "\nHand-written analysis.\n")
-    bench.write_page(page, "full", "full tables")
-    bench.write_page(page, "quick", "second")
+    results_page.write_page(page, "full", "full tables")
+    results_page.write_page(page, "quick", "second")
     text = page.read_text()
     assert "second" in text and "first" not in text and "full tables" in text
     assert "Hand-written analysis." in text
     page.write_text("<!-- BEGIN GENERATED quick by bench/time_to_accuracy.py -->\nno end marker\n")
     with pytest.raises(ValueError, match="restore the end marker"):
-        bench.write_page(page, "quick", "x")
+        results_page.write_page(page, "quick", "x")
 
 
 def test_bad_command_line_values_are_rejected_with_the_flag_name(capsys):
     with pytest.raises(SystemExit):
-        bench.parse_args(["--budget-s", "0"])
+        accuracy_runs.parse_args(["--budget-s", "0"])
     assert "--budget-s 0.0 must be > 0" in capsys.readouterr().err
-    settings = bench.parse_args(["--quick", "--methods", "cppo"])
+    settings = accuracy_runs.parse_args(["--quick", "--methods", "cppo"])
     assert settings.methods == ["grpo", "cppo"] and settings.seeds == [1] and settings.budget_s == 25.0
 
 
 def test_bench_runs_the_worked_task_by_default_and_the_answer_task_by_flag():
-    worked, answer = bench.parse_args([]), bench.parse_args(["--synthetic-task", "answer"])
+    worked, answer = accuracy_runs.parse_args([]), accuracy_runs.parse_args(["--synthetic-task", "answer"])
     assert (worked.task, answer.task) == ("worked", "answer")
-    assert worked.warm_start_steps == bench.TASK_SETTINGS["worked"]["warm_start_steps"]
+    assert worked.warm_start_steps == accuracy_runs.TASK_SETTINGS["worked"]["warm_start_steps"]
     assert worked.out_dir != answer.out_dir  # one warm start per output directory
-    assert bench.page_block("worked", False) == "full" and bench.page_block("answer", True) == "quick-answer"
+    assert accuracy_runs.page_block("worked", False) == "full"
+    assert accuracy_runs.page_block("answer", True) == "quick-answer"
     for task in ("worked", "answer"):
-        flags = bench.task_flags(task)
+        flags = accuracy_runs.task_flags(task)
         assert flags[flags.index("--synthetic-task") + 1] == task
-        limit = bench.TASK_SETTINGS[task]["rollout_max_response_len"]
+        limit = accuracy_runs.TASK_SETTINGS[task]["rollout_max_response_len"]
         assert flags[flags.index("--rollout-max-response-len") + 1] == str(limit)
 
 
@@ -232,12 +228,12 @@ def test_supervised_control_trains_on_the_warm_starts_data_for_the_rl_budgets_st
                                                           "heldout_accuracy_before": 0.1}))
         return run_dir
 
-    monkeypatch.setattr(bench, "launch_unless_finished", record)
-    settings = bench.parse_args(["--out-dir", str(tmp_path), "--warm-start-steps", "120", "--budget-s", "50"])
+    monkeypatch.setattr(accuracy_runs, "launch_unless_finished", record)
+    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--warm-start-steps", "120", "--budget-s", "50"])
     (tmp_path / "cache" / "warm" / "embedded_x" / "warm_start").mkdir(parents=True)
-    _, steps_per_second = bench.prepare_warm_start(settings)
+    _, steps_per_second = accuracy_runs.prepare_warm_start(settings)
     assert steps_per_second == pytest.approx(120 / 60)
-    _, extra_steps = bench.run_control(settings, steps_per_second)
+    _, extra_steps = accuracy_runs.run_control(settings, steps_per_second)
     assert extra_steps == 100  # 50 s of RL budget at 2 supervised steps/s
     warm, control = launched[0], launched[-1]
 
@@ -262,9 +258,9 @@ def test_supervised_control_trains_on_the_warm_starts_data_for_the_rl_budgets_st
 def test_crossing_time_interpolates_the_trailing_mean_between_evaluations():
     points = curve([(0, 0.2), (10, 0.2), (20, 0.2), (30, 0.5), (40, 0.5)])
     # trailing means: 0.2, 0.2, 0.2, 0.3 at 30 s, 0.4 at 40 s: 0.35 is crossed halfway between 30 and 40 s
-    assert bench.crossing_time(points, 0.35) == pytest.approx(35.0)
-    assert bench.crossing_time(points, 0.2) == 0.0
-    assert bench.crossing_time(points, 0.9) is None
+    assert accuracy_curves.crossing_time(points, 0.35) == pytest.approx(35.0)
+    assert accuracy_curves.crossing_time(points, 0.2) == 0.0
+    assert accuracy_curves.crossing_time(points, 0.9) is None
 
 
 def test_mean_curve_bootstrap_interval_holds_the_speedup_and_widens_with_seed_spread():
@@ -272,7 +268,7 @@ def test_mean_curve_bootstrap_interval_holds_the_speedup_and_widens_with_seed_sp
     same = {seed: curve([(0, 0.2), (50, 0.3), (100, 0.4), (150, 0.4), (200, 0.4)]) for seed in range(5)}
     spread = {seed: curve([(0, 0.2), (50 + 20 * seed, 0.3), (100 + 40 * seed, 0.4), (150 + 60 * seed, 0.4),
                            (200 + 80 * seed, 0.4)]) for seed in range(5)}
-    results = bench.compare_mean_curves({"grpo": grpo, "same": same, "spread": spread}, resamples=500)
+    results = accuracy_curves.compare_mean_curves({"grpo": grpo, "same": same, "spread": spread}, resamples=500)
     assert results["grpo"]["speedup"] == pytest.approx(1.0)
     assert results["same"]["speedup"] == pytest.approx(2.0)
     assert results["same"]["interval"] == pytest.approx((2.0, 2.0))  # identical seeds: nothing to resample
@@ -302,8 +298,8 @@ def write_outcomes(directory: Path, steps: int, per_step: int, pruned: int, zero
 def test_prompt_level_table_counts_epochs_pruned_share_and_prediction_quality(tmp_path):
     run_dir = write_run(tmp_path / "runs" / "dppo" / "seed_1", [0.3] * 11, 1.0)
     write_outcomes(run_dir, steps=10, per_step=4, pruned=4, zero_every=2)
-    groups = {"dppo": {1: bench.load_run(run_dir, "dppo")}}
-    table = bench.prompt_level_table(tmp_path / "runs", groups, pool=16)
+    groups = {"dppo": {1: load_run(run_dir, "dppo")}}
+    table = results_page.prompt_level_table(tmp_path / "runs", groups, pool=16)
     row = next(line for line in table.splitlines() if line.startswith("| dppo"))
     # 10 steps x 8 drawn over a pool of 16: 5 epochs drawn, 2.5 rolled out; the first epoch ends at step 2; half the
     # drawn prompts pruned; half the rolled-out groups zero-variance, each predicted right: precision and recall 1
@@ -311,22 +307,22 @@ def test_prompt_level_table_counts_epochs_pruned_share_and_prediction_quality(tm
 
 
 def test_grpo_tuning_changes_one_setting_at_a_time_from_the_common_flags():
-    settings = bench.grpo_settings()
+    settings = accuracy_runs.grpo_settings()
     assert settings[0] == ("RL_FLAGS", [])
     for label, extra in settings[1:]:
         flag, value = extra
-        assert flag in bench.GRPO_GRID and value != bench.flag_value(bench.RL_FLAGS, flag)
+        assert flag in accuracy_runs.GRPO_GRID and value != accuracy_runs.flag_value(accuracy_runs.RL_FLAGS, flag)
         assert label == f"{flag} {value}"
-    assert len(settings) == 1 + sum(len(values) - 1 for values in bench.GRPO_GRID.values())
+    assert len(settings) == 1 + sum(len(values) - 1 for values in accuracy_runs.GRPO_GRID.values())
 
 
 def test_the_benchs_own_task_settings_are_ones_the_trainer_takes():
     from megatron_dppo.arguments import EMBEDDED_TASK_DEFAULTS, parse_args
 
-    for task, settings in bench.TASK_SETTINGS.items():
+    for task, settings in accuracy_runs.TASK_SETTINGS.items():
         assert set(settings) == set(EMBEDDED_TASK_DEFAULTS[task])
-        args = parse_args([*bench.task_flags(task), *bench.warm_start_flags(task), "--warm-start-steps",
-                           str(settings["warm_start_steps"])])
+        args = parse_args([*accuracy_runs.task_flags(task), *accuracy_runs.warm_start_flags(task),
+                           "--warm-start-steps", str(settings["warm_start_steps"])])
         assert (args.rollout_max_response_len, args.warm_start_problems) == (settings["rollout_max_response_len"],
                                                                               settings["warm_start_problems"])
 
@@ -334,12 +330,12 @@ def test_the_benchs_own_task_settings_are_ones_the_trainer_takes():
 def test_a_pause_file_holds_the_benchmark_before_its_next_run_until_it_is_removed(tmp_path, monkeypatch):
     import threading
 
-    monkeypatch.setattr(bench, "PAUSE_POLL_S", 0.01)
-    pause = tmp_path / "bench" / bench.PAUSE_FILE
+    monkeypatch.setattr(training_run, "PAUSE_POLL_S", 0.01)
+    pause = tmp_path / "bench" / training_run.PAUSE_FILE
     pause.parent.mkdir()
     pause.touch()
     run_dir = tmp_path / "bench" / "runs" / "grpo" / "seed_1"
-    holding = threading.Thread(target=bench.hold_while_paused, args=(run_dir,))
+    holding = threading.Thread(target=training_run.hold_while_paused, args=(run_dir,))
     holding.start()
     holding.join(0.2)
     assert holding.is_alive()  # held while the file is there
@@ -353,7 +349,7 @@ def test_step_cost_fit_recovers_a_per_iteration_cost_when_runs_log_decode_iterat
                 "tokens_generated": gen, "tokens_trained": tr}
                for it, gen, tr in ((170, 6000, 1400), (80, 5000, 900), (120, 7000, 2000), (60, 3000, 500),
                                    (176, 6500, 300))]
-    fit = bench.fit_step_cost([Run("a", records)])
+    fit = run_costs.fit_step_cost([Run("a", records)])
     assert fit["fixed"] == pytest.approx(0.05) and fit["per_iteration"] == pytest.approx(0.003)
     assert fit["per_generated"] == pytest.approx(0.0001) and fit["per_trained"] == pytest.approx(0.0002)
 
@@ -369,23 +365,25 @@ def test_a_recorded_run_is_restored_on_a_fresh_checkout_and_refused_from_another
         launched.append(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)  # as the real launch does
         write_run(run_dir, [0.3, 0.4, 0.5], 1.0, before=0.25)
-        (run_dir / "command.txt").write_text(" ".join(bench.command_for(flags, run_dir, processes)[1:]) + "\n")
+        (run_dir / "command.txt").write_text(" ".join(training_run.command_for(flags, run_dir, processes)[1:]) + "\n")
         return 1.0
 
-    monkeypatch.setattr(bench, "launch", fake_launch)
+    monkeypatch.setattr(training_run, "launch", fake_launch)
     records = tmp_path / "records"
 
     def sitting(out_dir: Path, warm_accuracy: float, budget: str = "150", control: bool = False):
-        settings = bench.parse_args(["--out-dir", str(out_dir)])
+        settings = accuracy_runs.parse_args(["--out-dir", str(out_dir)])
         settings.records_dir = records
         (out_dir / "warm_start" / "build").mkdir(parents=True, exist_ok=True)
         (out_dir / "warm_start" / "build" / "summary.json").write_text(
             json.dumps({"heldout_accuracy_before": warm_accuracy}))
         if control:  # a warm start of its own: its accuracy at the start is its own, not the shared warm start's
-            return bench.launch_recorded(settings, ["--warm-start-steps", budget],
-                                         out_dir / "runs" / bench.CONTROL / "seed_1", from_warm_start=False)
-        flags = [*bench.rl_flags(settings, "grpo", 1, out_dir / "cache" / "warm" / "x"), "--budget-marker", budget]
-        return bench.launch_recorded(settings, flags, out_dir / "runs" / "grpo" / "seed_1")
+            return accuracy_runs.launch_recorded(settings, ["--warm-start-steps", budget],
+                                                 out_dir / "runs" / accuracy_runs.CONTROL / "seed_1",
+                                                 from_warm_start=False)
+        warm_start = out_dir / "cache" / "warm" / "x"
+        flags = [*accuracy_runs.rl_flags(settings, "grpo", 1, warm_start), "--budget-marker", budget]
+        return accuracy_runs.launch_recorded(settings, flags, out_dir / "runs" / "grpo" / "seed_1")
 
     first = sitting(tmp_path / "first", 0.25)
     assert launched == [first] and (records / "runs" / "grpo" / "seed_1" / "metrics.jsonl.gz").is_file()
@@ -394,7 +392,7 @@ def test_a_recorded_run_is_restored_on_a_fresh_checkout_and_refused_from_another
     second = sitting(tmp_path / "second", 0.25)  # a fresh machine: restored, not run
     assert launched == [first]
     assert (second / "metrics.jsonl").read_text() == (first / "metrics.jsonl").read_text()
-    assert bench.finished(second)
+    assert training_run.finished(second)
 
     third = sitting(tmp_path / "third", 0.25, budget="99")  # another command: run, the record kept as it was
     assert launched == [first, third]
@@ -402,5 +400,34 @@ def test_a_recorded_run_is_restored_on_a_fresh_checkout_and_refused_from_another
         sitting(tmp_path / "fourth", 0.31)
     control = sitting(tmp_path / "first", 0.25, control=True)
     assert launched == [first, third, control]
-    assert bench.finished(sitting(tmp_path / "fifth", 0.31, control=True))  # restored from the records
+    assert training_run.finished(sitting(tmp_path / "fifth", 0.31, control=True))  # restored from the records
     assert launched == [first, third, control]
+
+
+def test_main_starts_every_run_before_it_makes_the_report(tmp_path, monkeypatch, capsys):
+    """RL runs, the supervised control and the MATH runs are all started first; the report is made after them."""
+    from bench import time_to_accuracy
+
+    events = []
+
+    def fake_launch(flags, run_dir, processes):  # a finished run: the warm start builds in 100 s, loads in 40 s
+        events.append(str(run_dir.relative_to(tmp_path)))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "command.txt").write_text(" ".join(training_run.command_for(flags, run_dir, processes)[1:]) + "\n")
+        (run_dir / "summary.json").write_text(json.dumps({"seconds": 40.0 if run_dir.name == "cached" else 100.0}))
+        return 1.0
+
+    def fake_report(settings, sft_steps_per_second, control, math_model, started):
+        events.append("report")
+        return "the report", "dppo_speedup_vs_grpo: nan"
+
+    monkeypatch.setattr(training_run, "launch", fake_launch)
+    monkeypatch.setattr(accuracy_runs, "prepare_math_model", lambda out_dir: out_dir / "math_model")
+    monkeypatch.setattr(time_to_accuracy, "results_report", fake_report)
+    (tmp_path / "cache" / "warm" / "embedded_x" / "warm_start").mkdir(parents=True)
+    time_to_accuracy.main(["--out-dir", str(tmp_path), "--methods", "grpo", "dppo", "--seeds", "1", "2",
+                           "--budget-s", "30", "--math-budget-s", "5"])
+    assert events == ["warm_start/build", "warm_start/cached", "runs/grpo/seed_1", "runs/dppo/seed_1",
+                      "runs/grpo/seed_2", "runs/dppo/seed_2", "runs/sft-control/seed_1", "math/grpo/seed_1",
+                      "math/dppo/seed_1", "report"]
+    assert capsys.readouterr().out.endswith("the report\ndppo_speedup_vs_grpo: nan\n")

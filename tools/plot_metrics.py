@@ -13,82 +13,16 @@ Example:
 """
 
 import argparse
-import json
-import math
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from megatron_dppo.metrics import Run, load_run, smoothed
 
 DEFAULT_METRICS = ("reward_mean", "heldout_accuracy")
 DEFAULT_X_AXES = ("seconds_wall", "step")
 AXIS_TITLES = {"seconds_wall": "wall time of RL (s)", "step": "RL step",
                "seconds_steps": "wall time of RL steps, evaluations excluded (s)", "reward_mean": "mean reward",
                "heldout_accuracy": "held-out accuracy (greedy)"}
-
-
-@dataclass
-class Run:
-    label: str
-    records: list[dict]  # one per step, in step order
-    summary: dict = field(default_factory=dict)
-
-    def series(self, metric: str, x_axis: str) -> tuple[list[float], list[float]]:
-        """(x, y) of every record holding both. Held-out accuracy also gets the summary's evaluations: the one
-        before RL at x = 0 and the one after RL at the last record's x."""
-        points = [(float(r[x_axis]), float(r[metric])) for r in self.records
-                  if isinstance(r.get(x_axis), (int, float)) and isinstance(r.get(metric), (int, float))]
-        if metric == "heldout_accuracy" and self.summary:
-            if "heldout_accuracy_before" in self.summary:
-                points.insert(0, (0.0, float(self.summary["heldout_accuracy_before"])))
-            end = self.records[-1].get(x_axis) if self.records else None
-            if "heldout_accuracy_after" in self.summary and isinstance(end, (int, float)):
-                points.append((float(end), float(self.summary["heldout_accuracy_after"])))
-        points = [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)]
-        return [x for x, _ in points], [y for _, y in points]
-
-
-def load_run(path: str | Path, label: str | None = None) -> Run:
-    """A run directory (holding metrics.jsonl) or a metrics.jsonl file; summary.json beside it is optional."""
-    path = Path(path)
-    metrics_file = path / "metrics.jsonl" if path.is_dir() else path
-    if not metrics_file.is_file():
-        raise FileNotFoundError(f"no metrics file at {metrics_file}: pass a run directory written by the trainer's "
-                                "--log-dir (it holds metrics.jsonl) or the metrics.jsonl file itself")
-    records = []
-    for number, line in enumerate(metrics_file.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{metrics_file}, line {number} is not JSON ({error.msg}): the file is garbled or was "
-                             "cut mid-write; delete that line or re-run the training") from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise ValueError(f"{metrics_file}, line {number} is not a step record (a JSON object with an integer "
-                             "'step'): pass a metrics.jsonl written by the trainer")
-        records.append(record)
-    if not records:
-        raise ValueError(f"{metrics_file} holds no step records: the run logged no step yet; plot it once it has")
-    summary_file = metrics_file.parent / "summary.json"
-    summary = {}
-    if summary_file.is_file():
-        try:
-            summary = json.loads(summary_file.read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{summary_file} is not JSON ({error.msg}): delete it or re-run the training") from None
-    records.sort(key=lambda record: record["step"])
-    return Run(label or metrics_file.parent.name, records, summary)
-
-
-def smoothed(values: list[float], window: int) -> list[float]:
-    """Trailing mean over `window` points (the first points average what exists so far)."""
-    out, total = [], 0.0
-    for index, value in enumerate(values):
-        total += value
-        if index >= window:
-            total -= values[index - window]
-        out.append(total / min(index + 1, window))
-    return out
 
 
 def plot_runs(runs: list[Run], output_dir: str | Path, metrics: tuple[str, ...] | None = None,

@@ -1,0 +1,378 @@
+"""The time-to-accuracy bench's methods, settings and runs (bench/time_to_accuracy.py runs them, then reports).
+
+    settings (parse_args) ─► warm start (prepare_warm_start: built, then cached, to time its supervised steps)
+                         ─► RL runs (run_rl: every method x seed from that checkpoint, same flags and budget)
+                         ─► supervised control (run_control) ─► MATH cost runs (run_math_methods, optional)
+    --tune-grpo: GRPO's grid (run_grpo_tuning) instead of the methods
+
+RL runs and the control go through launch_recorded: the full benchmark's finished runs are also kept, compressed,
+in RECORDS_DIR, and a later sitting on any machine restores a run recorded with the same command from the same warm
+start instead of running it again. bench/peer_grpo.py runs our GRPO side through these very functions.
+"""
+
+import argparse
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.training_run import REPO, command_for, finished, launch_unless_finished
+from megatron_dppo.metrics import OUTCOMES_FILE
+
+METHODS = {
+    "grpo": ["--algorithm", "grpo"],
+    # what many users run: rounds of prompts until the batch holds B groups with varied rewards, trained as the batch
+    "dapo-dynamic-sampling": ["--algorithm", "grpo", "--dapo-dynamic-sampling"],
+    # DPPO's defaults (docs/algorithms.md): the predictive prompt level, refill, 1/p weights, the completion level
+    "dppo": ["--algorithm", "dppo"],
+    "dppo-deterministic": ["--algorithm", "dppo", "--dppo-mode", "deterministic"],  # the paper's Algorithm 1
+    # the same prompt level without the 1/p correction: the shortcut history-skipping methods (GRESO) take
+    "dppo-uncorrected": ["--algorithm", "dppo", "--no-dppo-importance-weights"],
+    "cppo": ["--algorithm", "cppo", "--cppo-refill"],  # with its paper's refill: batch / (1 - P) prompts drawn
+    "d3s": ["--algorithm", "d3s"],
+}
+# Run by default with --variant-seeds (fewer than the methods' seeds): DPPO's unbiased alternatives to its defaults,
+# so that the page shows which is best, and rollouts that do not wait for the longest response (partial rollouts,
+# one step off-policy), with GRPO and DPPO
+VARIANTS = {
+    "dppo-no-refill": ["--algorithm", "dppo", "--no-dppo-refill"],
+    "dppo-no-completion-level": ["--algorithm", "dppo", "--dppo-completion-prune-rate", "0"],
+    "grpo-partial": ["--algorithm", "grpo", "--partial-rollout"],
+    "dppo-partial": ["--algorithm", "dppo", "--partial-rollout"],
+    "grpo-async": ["--algorithm", "grpo", "--async"],
+    "dppo-async": ["--algorithm", "dppo", "--async"],
+}
+ABLATIONS = {"dppo-p-min-0.1": ["--algorithm", "dppo", "--dppo-prompt-p-min", "0.1"]}  # not run unless --methods
+ALL_METHODS = {**METHODS, **VARIANTS, **ABLATIONS}
+HEADLINE_METHOD = "dppo"
+CONTROL = "sft-control"
+# Every method runs with these flags, so the page records them (the embedded defaults may change under us).
+# The paper's regime: a pool of 256 training problems comes back every 32 GRPO steps (batch 8), so within the
+# budget every prompt is visited about 13 times and DPPO's prompt level has a history to act on, as over the 15
+# epochs of the paper's run (research notes: every method that wins before rollout revisits its prompts 10-60 times).
+# --dapo-filter (drop zero-variance groups, exact) is the embedded default, kept for every method: GRPO is the
+# strong baseline that already skips them. The MATH runs go without it: there each pruner meets them itself.
+# --lr and --rollout-batch-size are GRPO's own best (--tune-grpo, docs/results.md): the grid was run from a batch of
+# 16, whose neighbours scored within 0.005 of each other (lr 2e-4 lower), and the batch of 8 scored best.
+RL_FLAGS = ["--lr", "1e-4", "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
+            "--rollout-temperature", "1.0", "--max-tokens-per-gpu", "4096",
+            "--loss-agg-mode", "token-mean", "--eps-clip", "0.2", "--eps-clip-high", "0.28", "--kl-coef", "0",
+            "--ppo-epochs", "1", "--data-train-size", "256", "--dapo-filter"]
+MATH_FLAGS = ["--prompt-data", "math", "--reward-type", "math", "--lr", "1e-4", "--rollout-batch-size", "8",
+              "--n-samples-per-prompt", "8", "--rollout-max-response-len", "32", "--rollout-temperature", "1.0",
+              "--max-tokens-per-gpu", "8192", "--eval-size", "16", "--skip-bad-rows"]
+MATH_MODEL = dict(architecture="qwen2", hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=4,
+                  ffn_hidden_size=512, tie_word_embeddings=True, max_position_embeddings=4096)
+# The response limit and warm start of every run, by task: the embedded defaults of the time this benchmark was set
+# up, written out, so that a later change of the embedded default does not silently start its runs over (a run is
+# read back only if its command is unchanged)
+TASK_SETTINGS = {
+    "worked": dict(rollout_max_response_len=176, warm_start_steps=450, warm_start_lr=3e-3, warm_start_batch_size=64,
+                   warm_start_problems=500, warm_start_cells=None),
+    "answer": dict(rollout_max_response_len=8, warm_start_steps=900, warm_start_lr=3e-3, warm_start_batch_size=128,
+                   warm_start_problems=0, warm_start_cells=None),
+}
+# GRPO's own tuning (--tune-grpo): each setting changed alone from RL_FLAGS, every method then shares the best
+GRPO_GRID = {"--lr": ["5e-5", "1e-4", "2e-4"], "--rollout-batch-size": ["8", "16", "32"]}
+
+
+def pool_size() -> int:
+    """The training pool of every run (RL_FLAGS' --data-train-size)."""
+    return int(RL_FLAGS[RL_FLAGS.index("--data-train-size") + 1])
+
+
+def task_flags(task: str) -> list[str]:
+    """The synthetic task and its response limit, for every run of the bench."""
+    return ["--synthetic-task", task, "--rollout-max-response-len",
+            str(TASK_SETTINGS[task]["rollout_max_response_len"])]
+
+
+def warm_start_flags(task: str) -> list[str]:
+    """The warm-start settings of `task`, written out: the warm start and the supervised control both use them, so
+    the control trains on exactly the warm start's data (the same pool, cells and seed)."""
+    defaults = TASK_SETTINGS[task]
+    cells = defaults["warm_start_cells"]
+    return ["--warm-start-lr", str(defaults["warm_start_lr"]), "--warm-start-batch-size",
+            str(defaults["warm_start_batch_size"]), "--warm-start-problems", str(defaults["warm_start_problems"]),
+            *(["--warm-start-cells", *cells] if cells else [])]
+
+
+@dataclass
+class Settings:
+    out_dir: Path
+    methods: list[str]
+    seeds: list[int]
+    variant_seeds: list[int]
+    budget_s: float
+    task: str
+    warm_start_steps: int
+    eval_interval: int
+    eval_size: int
+    control: bool
+    math_budget_s: float
+    processes: int
+    quick: bool
+    page: Path | None
+    figures_dir: Path
+    tune_grpo: bool = False
+    analyse_only: bool = False  # --analyse-only: the page from the finished runs, none started
+    records_dir: Path | None = None  # RECORDS_DIR at the full benchmark's settings; None: --no-records, --quick, ...
+
+
+def page_block(task: str, quick: bool) -> str:
+    """The name of a run's generated block on the page (and of its figures folder): quick / full, per task."""
+    return ("quick" if quick else "full") + ("" if task == "worked" else f"-{task}")
+
+
+# ------------------------------------------------------------------------------------------------ runs
+def prepare_warm_start(settings: Settings, measure_rate: bool = True) -> tuple[Path, float | None]:
+    """The shared warm-start checkpoint and the measured supervised steps per second of building it (None without
+    measure_rate: bench/peer_grpo.py needs the checkpoint only)."""
+    root, cache = settings.out_dir / "warm_start", settings.out_dir / "cache" / "warm"
+    flags = ["--seed", str(settings.seeds[0]), "--cache-dir", str(cache), "--warm-start-steps",
+             str(settings.warm_start_steps), *warm_start_flags(settings.task), "--train-iters", "0", "--eval-size",
+             str(settings.eval_size), *RL_FLAGS, *task_flags(settings.task)]
+    # Both runs time themselves the same way (the trainer's summary "seconds"); the difference is the supervised part.
+    timing = {"steps": settings.warm_start_steps}
+    for name in ("build", "cached") if measure_rate else ("build",):
+        run_dir = launch_unless_finished(flags, root / name, settings.processes)
+        timing[f"seconds_{name}"] = json.loads((run_dir / "summary.json").read_text())["seconds"]
+    found = sorted(cache.glob("embedded_*/warm_start"))
+    if len(found) != 1:
+        raise RuntimeError(f"expected one warm start under {cache}, found {len(found)} (a changed warm-start "
+                           f"setting or cache key): delete {cache} and {root} and run again")
+    if not measure_rate:
+        return found[0], None
+    seconds = timing["seconds_build"] - timing["seconds_cached"]
+    if seconds <= 0:
+        raise RuntimeError(f"the warm start built faster than it loaded from cache ({timing}): the machine was too "
+                           f"noisy to time it, or the build found a cache; delete {root} and {cache} and run again")
+    return found[0], timing["steps"] / seconds
+
+
+def seeds_of(settings: Settings, method: str) -> list[int]:
+    """The RL seeds a method runs with: every seed for METHODS and ABLATIONS, --variant-seeds among them for
+    VARIANTS."""
+    return [seed for seed in settings.seeds if method not in VARIANTS or seed in settings.variant_seeds]
+
+
+def rl_flags(settings: Settings, method: str, seed: int, warm_start: Path) -> list[str]:
+    """The trainer flags of one RL run (bench/peer_grpo.py gives the TRL peer these very settings)."""
+    # --load pins the start to the shared warm start and --seed stays the warm start's, so every run shares one
+    # embedded init (the rollout engine's starting file, overwritten by the first weight sync); --rl-seed varies the
+    # RL randomness only.
+    return [*RL_FLAGS, *task_flags(settings.task), *ALL_METHODS[method], "--seed", str(settings.seeds[0]),
+            "--rl-seed", str(seed), "--load", str(warm_start),
+            "--cache-dir", str(settings.out_dir / "cache" / "init"), "--warm-start-steps", "0",
+            "--time-budget-s", str(settings.budget_s), "--eval-interval", str(settings.eval_interval),
+            "--eval-size", str(settings.eval_size)]
+
+
+def run_rl(settings: Settings, method: str, seed: int, warm_start: Path) -> Path:
+    return launch_recorded(settings, rl_flags(settings, method, seed, warm_start),
+                           settings.out_dir / "runs" / method / f"seed_{seed}")
+
+
+def run_control(settings: Settings, steps_per_second: float) -> tuple[Path, int]:
+    """More supervised steps in place of RL: the warm start lengthened by the RL budget's worth of steps, on the same
+    warm-start data (same flags and seed, so the same problems in the same order, then more epochs of them)."""
+    extra_steps = round(settings.budget_s * steps_per_second)
+    run_dir = launch_recorded(
+        settings,
+        ["--seed", str(settings.seeds[0]), "--cache-dir", str(settings.out_dir / "cache" / "control"),
+         "--warm-start-steps", str(settings.warm_start_steps + extra_steps), *warm_start_flags(settings.task),
+         "--train-iters", "0", "--eval-size", str(settings.eval_size), *RL_FLAGS, *task_flags(settings.task)],
+        settings.out_dir / "runs" / CONTROL / f"seed_{settings.seeds[0]}", from_warm_start=False)
+    return run_dir, extra_steps
+
+
+def flag_value(flags: list[str], name: str) -> str:
+    """The last value given to `name` in a flag list (argparse keeps the last)."""
+    return flags[len(flags) - 1 - flags[::-1].index(name) + 1]
+
+
+def grpo_settings() -> list[tuple[str, list[str]]]:
+    """(label, extra flags) of the GRPO tuning runs: RL_FLAGS' own setting, then one setting changed at a time."""
+    settings = [("RL_FLAGS", [])]
+    for flag, values in GRPO_GRID.items():
+        settings += [(f"{flag} {value}", [flag, value]) for value in values if value != flag_value(RL_FLAGS, flag)]
+    return settings
+
+
+def run_grpo_tuning(settings: Settings, warm_start: Path) -> dict[str, list[Path]]:
+    """GRPO at each of grpo_settings() over the seeds: label -> its run directories, seed by seed."""
+    run_dirs = {}
+    for label, extra in grpo_settings():
+        run_dirs[label] = [launch_unless_finished(
+            [*rl_flags(settings, "grpo", seed, warm_start), *extra],
+            settings.out_dir / "tuning" / label.replace(" ", "_").lstrip("-") / f"seed_{seed}", settings.processes)
+            for seed in settings.seeds]
+    return run_dirs
+
+
+def prepare_math_model(out_dir: Path) -> Path:
+    """A tiny random Qwen2-style model whose tokenizer is the character tokenizer for text."""
+    from megatron_dppo.convert.tiny import save_random_hf_model, tiny_hf_config
+    from megatron_dppo.data.tokenizer import CharTokenizer
+
+    model_dir = out_dir / "math_model"
+    if not (model_dir / "config.json").is_file():
+        tokenizer = CharTokenizer.for_text()
+        config = tiny_hf_config(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_token_id,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                **MATH_MODEL)
+        save_random_hf_model(config, model_dir, seed=0)
+        tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
+def run_math_methods(settings: Settings) -> Path:
+    """Every method on MATH train prompts from a tiny random model, seed settings.seeds[0], --math-budget-s each;
+    returns the model's directory."""
+    model_dir = prepare_math_model(settings.out_dir)
+    seed = settings.seeds[0]
+    for method in settings.methods:
+        launch_unless_finished(
+            [*MATH_FLAGS, *ALL_METHODS[method], "--hf-checkpoint", str(model_dir), "--seed", str(seed),
+             "--time-budget-s", str(settings.math_budget_s)], settings.out_dir / "math" / method / f"seed_{seed}",
+            settings.processes)
+    return model_dir
+
+
+# ------------------------------------------------------------------------------------------------ records
+# Finished RL runs and the control are also kept, compressed, in the repository (RECORDS_DIR), so that the full table
+# is finished over several sittings on fresh machines: a run recorded there with the same command (paths of the repo
+# and of --out-dir aside) and from the same warm start (its held-out accuracy at the start, 1024 greedy answers) is
+# restored into --out-dir instead of run again. The warm start itself is rebuilt (deterministic on the CPU build).
+RECORDS_DIR = REPO / "bench" / "records" / "time_to_accuracy"
+RECORD_FILES = ("summary.json", "metrics.jsonl", OUTCOMES_FILE)  # stored gzipped, + command.txt
+
+
+def portable_command(command: str, out_dir: Path) -> str:
+    """A run's command line (command.txt) with this checkout's and this --out-dir's paths named by placeholders."""
+    return command.strip().replace(str(REPO), "$REPO").replace(str(out_dir), "$OUT")
+
+
+def warm_start_accuracy(settings: Settings) -> float:
+    return json.loads((settings.out_dir / "warm_start" / "build" / "summary.json").read_text())[
+        "heldout_accuracy_before"]
+
+
+def save_record(settings: Settings, run_dir: Path, record_dir: Path) -> None:
+    """Copy a finished run's command (portable) and files (gzipped, without timestamps) to record_dir."""
+    record_dir.mkdir(parents=True, exist_ok=True)
+    (record_dir / "command.txt").write_text(
+        portable_command((run_dir / "command.txt").read_text(), settings.out_dir) + "\n")
+    for name in RECORD_FILES:
+        if (run_dir / name).is_file():
+            with open(record_dir / f"{name}.gz", "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out:
+                out.write((run_dir / name).read_bytes())
+
+
+def restore_record(settings: Settings, record_dir: Path, run_dir: Path, flags: list[str],
+                   from_warm_start: bool = True) -> bool:
+    """Restore record_dir into run_dir if it holds this very run: same command and, for a run that starts from the
+    warm start (from_warm_start: RL runs; the control is a warm start of its own), the same warm start."""
+    if not (record_dir / "command.txt").is_file() or not (record_dir / "summary.json.gz").is_file():
+        return False
+    command = " ".join(command_for(flags, run_dir, settings.processes)[1:])
+    if portable_command(command, settings.out_dir) != (record_dir / "command.txt").read_text().strip():
+        print(f"not restoring {record_dir}: it was run with another command (see its command.txt)", flush=True)
+        return False
+    recorded = json.loads(gzip.decompress((record_dir / "summary.json.gz").read_bytes()))["heldout_accuracy_before"]
+    expected = warm_start_accuracy(settings)
+    if from_warm_start and abs(recorded - expected) > 1e-9:
+        raise RuntimeError(
+            f"{record_dir} starts from another warm start (held-out accuracy {recorded} against this one's "
+            f"{expected}): a changed warm-start setting, torch build or machine. Delete {RECORDS_DIR} to run every "
+            "method again from this warm start, or pass --no-records")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "command.txt").write_text(command + "\n")
+    for name in RECORD_FILES:
+        if (record_dir / f"{name}.gz").is_file():
+            (run_dir / name).write_bytes(gzip.decompress((record_dir / f"{name}.gz").read_bytes()))
+    print(f"restored {run_dir} from {record_dir}", flush=True)
+    return True
+
+
+def launch_recorded(settings: Settings, flags: list[str], run_dir: Path, from_warm_start: bool = True) -> Path:
+    """launch_unless_finished, reading the run back from settings.records_dir when it was recorded there, and
+    recording it there when it finishes; with --analyse-only, the reading back only (the run may stay unfinished)."""
+    record_dir = settings.records_dir / run_dir.relative_to(settings.out_dir) if settings.records_dir else None
+    if record_dir and not finished(run_dir, flags, settings.processes):
+        restore_record(settings, record_dir, run_dir, flags, from_warm_start)
+    if settings.analyse_only:
+        return run_dir
+    launch_unless_finished(flags, run_dir, settings.processes)
+    if record_dir and not (record_dir / "summary.json.gz").is_file():
+        save_record(settings, run_dir, record_dir)
+    return run_dir
+
+
+# ------------------------------------------------------------------------------------------------ command line
+def parse_args(argv: list[str] | None, description: str = "") -> Settings:
+    """The settings of a bench/time_to_accuracy.py command line (`description`: its --help text)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke check: 1 seed, 25 s budget, 200-step warm start, 128 evaluation problems")
+    parser.add_argument("--methods", nargs="+", choices=list(ALL_METHODS), default=[*METHODS, *VARIANTS])
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="RL seeds (default 1 2 3 4 5; quick: 1)")
+    parser.add_argument("--variant-seeds", nargs="+", type=int, default=[1, 2, 3],
+                        help="the seeds (among --seeds) the VARIANTS run with (default 1 2 3)")
+    parser.add_argument("--budget-s", type=float, default=None, help="RL wall time per run (default 150; quick 25)")
+    parser.add_argument("--synthetic-task", choices=list(TASK_SETTINGS), default="worked",
+                        help="worked (the embedded default) or the older answer-only task")
+    parser.add_argument("--warm-start-steps", type=int, default=None,
+                        help="default: the task's embedded default; quick 200")
+    parser.add_argument("--eval-interval", type=int, default=None,
+                        help="steps between evaluations (default 40: about 40 s of RL at a batch of 8; quick 25)")
+    parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 1024; quick 128)")
+    parser.add_argument("--no-control", action="store_true", help="skip the supervised control")
+    parser.add_argument("--math-budget-s", type=float, default=None,
+                        help="RL seconds per MATH run (default 0: skipped); 60 gives the cost table on MATH prompts")
+    parser.add_argument("--processes", type=int, default=2, help="torchrun --nproc-per-node")
+    parser.add_argument("--out-dir", default=None, help="runs and caches (default runs/time_to_accuracy[_quick])")
+    parser.add_argument("--write-page", default=None, help="rewrite the generated block of this markdown page")
+    parser.add_argument("--figures-dir", default=None, help="default: <page dir>/figures, else <out-dir>/figures")
+    parser.add_argument("--tune-grpo", action="store_true",
+                        help="instead of the methods: GRPO over GRPO_GRID (one setting changed at a time from "
+                             "RL_FLAGS), scored by its mean held-out accuracy over the budget; writes the grpo-tuning "
+                             "block")
+    parser.add_argument("--no-records", action="store_true",
+                        help=f"neither restore nor record runs in {RECORDS_DIR.relative_to(REPO)} (the full "
+                             "benchmark's finished runs, kept in the repository so that later sittings resume them)")
+    parser.add_argument("--analyse-only", action="store_true",
+                        help="start no run: the tables and the page from the runs already finished (and those the "
+                             "records hold), each method with the seeds it has")
+    args = parser.parse_args(argv)
+    quick = args.quick
+
+    def pick(value, full, smoke):
+        return value if value is not None else (smoke if quick else full)
+
+    task = args.synthetic_task
+    suffix = ("" if task == "worked" else f"_{task}") + ("_quick" if quick else "")
+    out_dir = Path(args.out_dir or f"runs/time_to_accuracy{suffix}")
+    page = Path(args.write_page) if args.write_page else None
+    settings = Settings(
+        out_dir=out_dir, methods=["grpo", *[m for m in args.methods if m != "grpo"]],
+        seeds=pick(args.seeds, [1, 2, 3, 4, 5], [1]), variant_seeds=args.variant_seeds,
+        budget_s=pick(args.budget_s, 150.0, 25.0), task=task,
+        warm_start_steps=pick(args.warm_start_steps, TASK_SETTINGS[task]["warm_start_steps"], 200),
+        eval_interval=pick(args.eval_interval, 40, 25),
+        eval_size=pick(args.eval_size, 1024, 128), control=not args.no_control,
+        math_budget_s=pick(args.math_budget_s, 0.0, 0.0), processes=args.processes, quick=quick, page=page,
+        figures_dir=Path(args.figures_dir) if args.figures_dir else (
+            (page.parent if page else out_dir) / "figures" / page_block(task, quick)), tune_grpo=args.tune_grpo,
+        analyse_only=args.analyse_only,
+        # the records hold the full benchmark's runs only: its default settings and --methods/--seeds among them
+        records_dir=None if args.no_records or quick or task != "worked" or any(
+            value is not None for value in (args.budget_s, args.warm_start_steps, args.eval_interval, args.eval_size))
+        else RECORDS_DIR)
+    for name, value in (("--budget-s", settings.budget_s), ("--warm-start-steps", settings.warm_start_steps),
+                        ("--eval-interval", settings.eval_interval), ("--eval-size", settings.eval_size)):
+        if value <= 0:
+            parser.error(f"{name} {value} must be > 0")
+    if settings.math_budget_s < 0:
+        parser.error(f"--math-budget-s {settings.math_budget_s} must be >= 0 (0 skips the MATH table)")
+    return settings
