@@ -1,6 +1,6 @@
 """The peer baseline: Hugging Face TRL's GRPOTrainer against our GRPO, same warm start, prompts, reward, held-out set.
 
-    1. warm start: bench/time_to_accuracy.py's (cached) ─► megatron_dppo.conversion.megatron_to_hf ─► HF dir
+    1. warm start: bench/time_to_accuracy.py's (cached) ─► megatron_dppo.actor.conversion.megatron_to_hf ─► HF dir
     2. ours: examples/pretrain_dppo.py --algorithm grpo with time_to_accuracy's flags, budget and evaluations
     3. peer: those flags mapped onto TRL's GRPOConfig (the mapping is printed), run by TRL 1.16 in its own environment
        (tools/setup_peer_env.sh) by bench/peer_grpo_trl.py: one process, 2 threads, in-process `generate`. Its
@@ -10,7 +10,7 @@
        ─► <out>/runs/trl-peer/seed_<n>/metrics.jsonl + summary.json, the layout our trainer writes
     4. generation alone, on one step's 16 prompts x 8 samples: in-process HF `generate` as TRL calls it, against the
        embedded engine as the trainer starts it (and with the same threads as `generate`)
-    5. tables (medians over steps and repeats), curves (tools/plot_metrics.py), `name: value` lines
+    5. tables (medians over steps and repeats), curves (megatron_dppo/metrics.py plot_runs), `name: value` lines
 
 The bench times what each trainer times: a step of ours is the trainer's seconds_step (rollout, reward, update,
 weight sync); a step of TRL's runs from the end of one optimizer step to the end of the next (generation, reward,
@@ -48,8 +48,7 @@ from bench.markdown_table import markdown  # noqa: E402
 from bench.peer_grpo_trl import TRL_VERSION, completion_up_to_eos  # noqa: E402
 from bench.run_costs import model_size, with_costs  # noqa: E402
 from megatron_dppo.arguments import parse_args as parse_training_args  # noqa: E402
-from megatron_dppo.metrics import load_run  # noqa: E402
-from tools.plot_metrics import plot_runs  # noqa: E402
+from megatron_dppo.metrics import load_run, plot_runs  # noqa: E402
 
 PEER_METHOD = "trl-peer"
 THREADS = 2  # the peer as a user would run it on this 2-core machine: one process, both cores
@@ -192,7 +191,7 @@ def serve_scores(connection: Connection, score, process: subprocess.Popen, deadl
 # ------------------------------------------------------------------------------------------------ orchestration
 def export_warm_start(warm_start: Path, out_dir: Path) -> Path:
     """The warm start as an HF directory (tokenizer from its embedded init), once per warm start."""
-    from megatron_dppo.conversion import megatron_to_hf
+    from megatron_dppo.actor.conversion import megatron_to_hf
 
     hf_dir = out_dir / f"{warm_start.parent.name}_hf"  # embedded_<cache key>: a new warm start gets a new export
     if not (hf_dir / "config.json").is_file():

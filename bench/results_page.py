@@ -3,7 +3,8 @@ runs bench/accuracy_runs.py finished (none is started here).
 
     finished runs ─► load_groups (run_costs) ─► time to GRPO's final accuracy (accuracy_curves), the prompt level at
     work, where the time goes, fewer steps x shorter steps, the Qwen3-4B projection, the control, figures
-    (tools/plot_metrics.py), the MATH cost table ─► results_report ─► write_page (between the block's markers)
+    (megatron_dppo.metrics.plot_runs), the MATH cost table ─► results_report ─► write_page (between the block's
+    markers)
 """
 
 import json
@@ -48,8 +49,7 @@ from bench.run_costs import (
     with_costs,
 )
 from bench.training_run import finished
-from megatron_dppo.metrics import Run, load_run
-from tools.plot_metrics import plot_runs
+from megatron_dppo.metrics import Run, load_run, plot_runs
 
 
 def results_report(settings: Settings, sft_steps_per_second: float, control: tuple[Path, int] | None,

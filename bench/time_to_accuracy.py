@@ -10,7 +10,7 @@ alternatives, the paper's deterministic variant, the uncorrected shortcut), CPPO
        randomness (training pool, its order, sampling, pruning draws), never the start
     3. control: a longer supervised warm start that spends the RL budget on more supervised steps instead, on the
        same warm-start data
-    4. analysis ─► tables, figures (tools/plot_metrics.py), the generated part of docs/results.md:
+    4. analysis ─► tables, figures (megatron_dppo/metrics.py plot_runs), the generated part of docs/results.md:
        time, tokens and FLOPs to GRPO's final accuracy with a bootstrap interval; the prompt level at work (epochs,
        pruned share, zero-variance share, how well history predicted); where the time goes; the step-cost fit;
        fewer steps x shorter steps; the Qwen3-4B projection

@@ -5,9 +5,8 @@ import json
 
 import pytest
 
-from megatron_dppo.metrics import Run, load_run
+from megatron_dppo.metrics import Run, load_run, plot_runs
 from tools import plot_metrics
-from tools.plot_metrics import plot_runs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
