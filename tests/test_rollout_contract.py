@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from megatron_dppo.rollout.client import SamplingParams, seeded_batch_payload
-from megatron_dppo.rollout.weight_sync import WeightSyncer, pack_bucket
+from megatron_dppo.rollout.weight_sync import WeightSyncer
+from megatron_dppo.weight_update_protocol import pack_bucket
 
 INSTALL_HINT = "install it with: pip install --no-deps sglang==0.5.23 (part of the test extra)"
 

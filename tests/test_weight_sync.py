@@ -26,15 +26,17 @@ from megatron_dppo.rollout.launcher import launch_embedded_engine, python_env
 from megatron_dppo.rollout.weight_sync import (
     AUTO_FORMAT,
     DEFAULT_FIRST_BUCKET_BYTES,
-    FLATTENED_BUCKET,
     PACK_BELOW_BYTES,
-    RAMP,
     StagingBuffers,
     WeightSyncer,
+    prefetch_buckets,
+)
+from megatron_dppo.weight_update_protocol import (
+    FLATTENED_BUCKET,
+    RAMP,
     group_into_buckets,
     init_weight_update_group,
     pack_bucket,
-    prefetch_buckets,
     tensor_bucket,
     unpack_bucket,
 )

@@ -18,7 +18,7 @@ import torch
 
 from megatron_dppo.platform import collectives
 from megatron_dppo.rollout.engine_requests import RequestError
-from megatron_dppo.rollout.weight_sync import (
+from megatron_dppo.weight_update_protocol import (
     destroy_weight_update_group,
     init_weight_update_group,
     tensor_nbytes,

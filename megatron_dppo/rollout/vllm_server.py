@@ -11,7 +11,7 @@ The trainer calls the extension through POST /collective_rpc (rollout/vllm.py), 
      worker's rank in the        layers back to checkpoint     buffer, unpacked by name,      layer's post-load step,
      trainer's gloo/NCCL group)  format, loaders deferred)     model.load_weights)            records the version)
 
-This module imports torch, vLLM, weight_sync's torch-only bucket helpers and platform.collectives; nothing of
+This module imports torch, vLLM, weight_update_protocol's bucket helpers and platform.collectives; nothing of
 Megatron, and the trainer's process never imports it.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 
 from megatron_dppo.platform import collectives
-from megatron_dppo.rollout.weight_sync import init_weight_update_group, tensor_nbytes, unpack_bucket
+from megatron_dppo.weight_update_protocol import init_weight_update_group, tensor_nbytes, unpack_bucket
 
 EXTENSION = f"{__name__}.WeightSyncExtension"
 
@@ -67,8 +67,8 @@ class WeightSyncExtension:
         return {}
 
     def dppo_receive_bucket(self, request: str) -> dict:
-        """Receive one flat bucket (weight_sync.pack_bucket's layout) broadcast by group rank 0 and load it by HF
-        name through the model's own load_weights (which fuses q/k/v, gate/up and skips tied heads)."""
+        """Receive one flat bucket (weight_update_protocol.pack_bucket's layout) broadcast by group rank 0 and load
+        it by HF name through the model's own load_weights (which fuses q/k/v, gate/up and skips tied heads)."""
         import torch
 
         fields = json.loads(request)
