@@ -8,7 +8,7 @@
             ─► broadcast_from_trainer ─► server: a buffer of tensor_nbytes summed ─► unpack_bucket: views by name
 
 The trainer's side (pause, flush, begin/end session, prefetching, version check) is rollout/weight_sync.py; the
-servers' are rollout/engine_weights.py and rollout/vllm_server.py.
+servers' are servers/embedded/weights.py and servers/vllm_extension.py.
 
 Invariants:
 - the group is created as SGLang creates its side, so the same code talks to SGLang (NCCL), the embedded engine

@@ -50,8 +50,8 @@ def test_the_check_refuses_a_host_tensor_on_an_nccl_group_and_a_device_tensor_on
 
 
 def test_embedded_engine_refuses_an_nccl_weight_group_before_joining():
-    from megatron_dppo.rollout.engine import EmbeddedEngine
-    from megatron_dppo.rollout.engine_requests import RequestError
+    from megatron_dppo.servers.embedded.engine import EmbeddedEngine
+    from megatron_dppo.servers.embedded.request_parser import RequestError
 
     engine = EmbeddedEngine.__new__(EmbeddedEngine)  # join_group reads only the engine's groups
     engine.groups = {}

@@ -92,7 +92,7 @@ def test_routes_used_by_client_syncer_and_engine_exist_in_sglang_http_server():
     missing = [route for route in ROUTES_USED if route not in server_routes]
     assert not missing, f"routes not served by SGLang 0.5.23: {missing}"
 
-    from megatron_dppo.rollout.engine_routes import build_app
+    from megatron_dppo.servers.embedded.routes import build_app
 
     class NoEngine:  # build_app only stores the engine; routes are registered without touching it
         pass
@@ -232,9 +232,9 @@ def test_sglang_refuses_updates_outside_begin_end_before_receiving_and_the_embed
     HTTP 400 before receiving a byte, and refuses a second begin and an end without begin. The embedded engine
     refuses the same calls with the same messages, also before receiving (no group exists here: it would fail
     differently if it tried), and loads after a begin."""
-    from megatron_dppo.rollout.engine import EmbeddedEngine
-    from megatron_dppo.rollout.engine_requests import RequestError
-    from megatron_dppo.rollout.engine_weights import NO_SESSION_OPEN, SESSION_ALREADY_OPEN, UPDATE_OUTSIDE_SESSION
+    from megatron_dppo.servers.embedded.engine import EmbeddedEngine
+    from megatron_dppo.servers.embedded.request_parser import RequestError
+    from megatron_dppo.servers.embedded.weights import NO_SESSION_OPEN, SESSION_ALREADY_OPEN, UPDATE_OUTSIDE_SESSION
     from tests.test_rollout_engine import save_tiny_model
 
     updater = sglang_dir() / "srt/managers/scheduler_components/weight_updater.py"
@@ -272,8 +272,8 @@ def test_sglang_uses_sampling_seed_only_under_deterministic_inference_and_so_doe
     """SGLang builds its per-row seeds only when --enable-deterministic-inference is on, and then seeds every row
     (42 when the request gives none); otherwise sampling_seed is ignored. The embedded engine follows the same rule
     with its flag of the same name."""
-    from megatron_dppo.rollout.engine import EmbeddedEngine
-    from megatron_dppo.rollout.engine_requests import DEFAULT_SAMPLING_SEED, SequenceParams
+    from megatron_dppo.servers.embedded.engine import EmbeddedEngine
+    from megatron_dppo.servers.embedded.request_parser import DEFAULT_SAMPLING_SEED, SequenceParams
     from tests.test_rollout_engine import save_tiny_model
 
     source = (sglang_dir() / "srt/sampling/sampling_batch_info.py").read_text()

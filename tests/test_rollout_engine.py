@@ -13,7 +13,7 @@ from megatron_dppo.rollout.client import (
     control_request,
 )
 from megatron_dppo.rollout.launcher import launch_embedded_engine
-from megatron_dppo.rollout.sampling import sample_next_tokens
+from megatron_dppo.servers.embedded.sampling import sample_next_tokens
 
 API_KEY = "test-key"
 
@@ -218,9 +218,9 @@ def test_sampler_top_k_one_is_greedy_and_top_p_keeps_the_smallest_sufficient_pre
 def test_workers_split_a_large_batch_and_sample_what_one_worker_samples(tmp_path):
     """Two workers decode the two halves of a batch; every sample equals the one-worker sample of the same seed
     (same tokens; log-probs within 1e-5: a half batch is a smaller matmul, which may round differently)."""
-    from megatron_dppo.rollout.engine import EmbeddedEngine
-    from megatron_dppo.rollout.engine_requests import Sequence, SequenceParams
-    from megatron_dppo.rollout.engine_scheduler import MIN_ROWS_PER_WORKER
+    from megatron_dppo.servers.embedded.engine import EmbeddedEngine
+    from megatron_dppo.servers.embedded.request_parser import Sequence, SequenceParams
+    from megatron_dppo.servers.embedded.scheduler import MIN_ROWS_PER_WORKER
 
     model_dir = save_tiny_model(tmp_path / "model")
     one = EmbeddedEngine(model_dir, deterministic_inference=True)

@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from megatron_dppo.rollout.engine import EmbeddedEngine
-from megatron_dppo.rollout.engine_requests import RequestError
 from megatron_dppo.rollout.launcher import launch_embedded_engine
+from megatron_dppo.servers.embedded.engine import EmbeddedEngine
+from megatron_dppo.servers.embedded.request_parser import RequestError
 from tests.test_rollout_engine import save_tiny_model
 
 KV_BUDGET, MAX_N = 4096, 8  # the engines here: --max-total-tokens 4096 --max-n 8 (vocab 96, context 256)

@@ -1,8 +1,8 @@
 """Weights broadcast by the trainer-side syncer land in the engine by HF name, bit for bit, in buckets.
 
 The fast-path tests run the engine (EmbeddedEngine + its aiohttp app, exactly what `python -m
-megatron_dppo.rollout.engine` serves) inside the test process, so they can read its parameters, and drive a separate
-sender process step by step over stdin (one process per test: importing transformers costs seconds).
+megatron_dppo.servers.embedded` serves) inside the test process, so they can read its parameters, and drive a
+separate sender process step by step over stdin (one process per test: importing transformers costs seconds).
 """
 
 import asyncio
@@ -19,9 +19,6 @@ import torch
 
 from megatron_dppo.platform.network import free_port
 from megatron_dppo.rollout.client import RolloutClient, RolloutServerError, SamplingParams, control_request
-from megatron_dppo.rollout.engine import EmbeddedEngine
-from megatron_dppo.rollout.engine_routes import build_app
-from megatron_dppo.rollout.engine_weights import UPDATE_OUTSIDE_SESSION
 from megatron_dppo.rollout.launcher import launch_embedded_engine, python_env
 from megatron_dppo.rollout.weight_sync import (
     AUTO_FORMAT,
@@ -31,6 +28,9 @@ from megatron_dppo.rollout.weight_sync import (
     WeightSyncer,
     prefetch_buckets,
 )
+from megatron_dppo.servers.embedded.engine import EmbeddedEngine
+from megatron_dppo.servers.embedded.routes import build_app
+from megatron_dppo.servers.embedded.weights import UPDATE_OUTSIDE_SESSION
 from megatron_dppo.weight_update_protocol import (
     FLATTENED_BUCKET,
     RAMP,
@@ -380,7 +380,7 @@ def test_bfloat16_engine_receives_fp32_and_holds_exactly_the_bfloat16_conversion
 def test_malformed_update_metadata_leaves_the_group_with_a_clear_error_instead_of_hanging(tmp_path):
     """Names, dtypes and shapes that disagree (or an unknown dtype) leave the broadcast's size unknowable: the engine
     must answer a clear error and leave the group (so the trainer re-initialises it), never wait or load garbage."""
-    from megatron_dppo.rollout.engine_requests import RequestError
+    from megatron_dppo.servers.embedded.request_parser import RequestError
 
     engine = EmbeddedEngine(save_tiny_model(tmp_path / "model"))
     engine.begin_weight_update({})  # inside a session, as the syncer sends every update

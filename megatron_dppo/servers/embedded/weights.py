@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from megatron_dppo.platform import collectives
-from megatron_dppo.rollout.engine_requests import RequestError
+from megatron_dppo.servers.embedded.request_parser import RequestError
 from megatron_dppo.weight_update_protocol import (
     destroy_weight_update_group,
     init_weight_update_group,

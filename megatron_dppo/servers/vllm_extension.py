@@ -2,7 +2,7 @@
 
     python -m vllm.entrypoints.openai.api_server <vLLM server flags>   (behind the launcher's tether)
     ─► vLLM's OpenAI-compatible server, which mixes WeightSyncExtension into its workers
-       (`--worker-extension-cls megatron_dppo.rollout.vllm_server.WeightSyncExtension`)
+       (`--worker-extension-cls megatron_dppo.servers.vllm_extension.WeightSyncExtension`)
 
 The trainer calls the extension through POST /collective_rpc (rollout/vllm.py), one JSON string argument per call:
 
@@ -12,7 +12,7 @@ The trainer calls the extension through POST /collective_rpc (rollout/vllm.py), 
      trainer's gloo/NCCL group)  format, loaders deferred)     model.load_weights)            records the version)
 
 This module imports torch, vLLM, weight_update_protocol's bucket helpers and platform.collectives; nothing of
-Megatron, and the trainer's process never imports it.
+Megatron or of the client side (rollout/), and the trainer's process never imports it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import json
 
 from megatron_dppo.platform import collectives
 from megatron_dppo.weight_update_protocol import init_weight_update_group, tensor_nbytes, unpack_bucket
-
-EXTENSION = f"{__name__}.WeightSyncExtension"
 
 
 class WeightSyncExtension:

@@ -103,7 +103,7 @@ class Sequence:
     input_logprobs: list[float | None] | None = None
     finish_reason: dict | None = None
     done: asyncio.Future | None = None
-    seed: int | None = None  # its sampling seed under --enable-deterministic-inference (rollout/sampling.py)
+    seed: int | None = None  # its sampling seed under --enable-deterministic-inference (sampling.py)
 
     def token_budget(self, max_positions: int | None) -> int:
         """How many tokens it may still generate: up to max_new_tokens, and within the model's positions."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from megatron_dppo.rollout.engine_requests import RequestError
+from megatron_dppo.servers.embedded.request_parser import RequestError
 
 
 def build_app(engine, api_key: str | None = None):

@@ -1,14 +1,14 @@
 """Embedded rollout server for CPU: SGLang's HTTP endpoints served from an HF transformers model.
 
 requests ──► queue ──► batch loop (until a quiet millisecond, at most `batch_window_s`) ──► split over the decode
-             workers ──► each: prefill, then one position per step from its KV cache (rollout/decoder.py), every row
-             sampled at once (rollout/sampling.py)
+             workers ──► each: prefill, then one position per step from its KV cache (decoder.py), every row
+             sampled at once (sampling.py)
 weights  ──► /init_weights_update_group (once) ──► per sync: /begin_weight_update ──► /update_weights_from_distributed
              per bucket (receive, load by HF name) ──► /end_weight_update
 
 One class, EmbeddedEngine (here: the model, its settings and main), composed of its responsibilities, each in its
-own file: engine_requests.py (parse and answer /generate), engine_scheduler.py (queue, batch loop, decode workers,
-pause and continue), engine_weights.py (the weight-update session and loading), engine_routes.py (the HTTP routes);
+own file: request_parser.py (parse and answer /generate), scheduler.py (queue, batch loop, decode workers,
+pause and continue), weights.py (the weight-update session and loading), routes.py (the HTTP routes);
 prefix_cache.py keeps the K/V of chunks that stopped at their token budget, so a request continuing one prefills
 only what follows it.
 
@@ -45,7 +45,7 @@ Invariants:
   its seed and position only: the same request gives the same samples, and another batching changes a sample only
   through the rounding of its logits.
 
-Run: python -m megatron_dppo.rollout.engine --model-dir DIR [--host 127.0.0.1] [--port P] [--api-key K]
+Run: python -m megatron_dppo.servers.embedded --model-dir DIR [--host 127.0.0.1] [--port P] [--api-key K]
      [--workers W] [--threads T] [--max-total-tokens KV_BUDGET] [--max-n N] [--disable-radix-cache]
 """
 
@@ -62,12 +62,12 @@ from pathlib import Path
 
 import torch
 
-from megatron_dppo.rollout.decoder import KVCacheDecoder
-from megatron_dppo.rollout.engine_requests import DEFAULT_MAX_N, GenerateRequests, Sequence
-from megatron_dppo.rollout.engine_routes import build_app
-from megatron_dppo.rollout.engine_scheduler import MIN_ROWS_PER_WORKER, BatchScheduler
-from megatron_dppo.rollout.engine_weights import WeightUpdates
-from megatron_dppo.rollout.prefix_cache import PrefixCache
+from megatron_dppo.servers.embedded.decoder import KVCacheDecoder
+from megatron_dppo.servers.embedded.prefix_cache import PrefixCache
+from megatron_dppo.servers.embedded.request_parser import DEFAULT_MAX_N, GenerateRequests, Sequence
+from megatron_dppo.servers.embedded.routes import build_app
+from megatron_dppo.servers.embedded.scheduler import MIN_ROWS_PER_WORKER, BatchScheduler
+from megatron_dppo.servers.embedded.weights import WeightUpdates
 
 DEFAULT_KV_CACHE_BYTES = 2**30  # the KV budget's default size: see --max-total-tokens
 
@@ -143,7 +143,7 @@ class EmbeddedEngine(BatchScheduler, GenerateRequests, WeightUpdates):
 def main(argv: list[str] | None = None) -> None:
     from megatron_dppo.flags import COUNT, SEED, Domain, FlagParser, require_domains
 
-    parser = FlagParser(prog="megatron_dppo.rollout.engine", description=__doc__,
+    parser = FlagParser(prog="megatron_dppo.servers.embedded", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", required=True, help="saved HF model directory (config.json + weights)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -184,7 +184,3 @@ def main(argv: list[str] | None = None) -> None:
     web.run_app(build_app(engine, args.api_key), host=args.host, port=args.port, print=None,
                 handle_signals=True, shutdown_timeout=1.0)
     print(f"embedded engine stopped after {time.perf_counter() - start:.1f} s", flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
 """The embedded engine's scheduler: a queue of sequences, batched and decoded on worker threads.
 
     requests ──► queue ──► batch loop (until a quiet millisecond, at most `batch_window_s`) ──► split over the decode
-                 workers ──► each: prefill, then one position per step from its KV cache (rollout/decoder.py), every
-                 row sampled at once (rollout/sampling.py)
+                 workers ──► each: prefill, then one position per step from its KV cache (decoder.py), every
+                 row sampled at once (sampling.py)
 
 pause(abort) ends running sequences with finish_reason "abort"; pause(retract) puts them back in the queue with their
 tokens, resumed on continue. A batch is split over the workers as a function of the batch alone, and a seeded
@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from megatron_dppo.rollout.engine_requests import RequestError, Sequence
-from megatron_dppo.rollout.sampling import sample_next_tokens, sample_uniforms, seed_words
+from megatron_dppo.servers.embedded.request_parser import RequestError, Sequence
+from megatron_dppo.servers.embedded.sampling import sample_next_tokens, sample_uniforms, seed_words
 
 # Below this many sequences per worker, splitting a batch costs more (smaller matmuls, a second prefill of shared
 # prompts) than a second core gives back.
@@ -120,7 +120,7 @@ class BatchScheduler:
 
     def _row_settings(self, batch: list[Sequence], contexts: list[list[int]], max_budget: int):
         """Per row of `batch`: temperature [B], top_p [B], top_k [B], the uniform of each token it may generate
-        [B, max_budget] (rollout/sampling.py), and its stop ids [B, S] (-1 pads)."""
+        [B, max_budget] (sampling.py), and its stop ids [B, S] (-1 pads)."""
         temperature = torch.tensor([seq.params.temperature for seq in batch], dtype=torch.float32)
         top_p = torch.tensor([seq.params.top_p for seq in batch], dtype=torch.float32)
         top_k = torch.tensor([seq.params.top_k for seq in batch], dtype=torch.long)
