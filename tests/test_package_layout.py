@@ -1,6 +1,6 @@
 """The package's sides stay apart: the servers (megatron_dppo/servers/) never import the client side
-(megatron_dppo/rollout/), which names them only by the module paths it launches, and the weight-update wire protocol
-both sides speak is a leaf."""
+(megatron_dppo/rollout/), which names them only by the module paths it launches; the weight-update wire protocol
+both sides speak is a leaf; and the embedded engine's parts meet only at public members."""
 
 import ast
 import importlib
@@ -51,3 +51,15 @@ def test_the_module_paths_the_client_launches_are_the_servers():
     module, _, name = WORKER_EXTENSION.rpartition(".")
     extension = getattr(importlib.import_module(module), name)  # imports no vLLM until a method runs
     assert {"dppo_join_weight_group", "dppo_receive_bucket", "dppo_end_weight_update"} <= set(vars(extension))
+
+
+def test_the_embedded_engines_parts_meet_only_at_public_members():
+    """The engine is built by composition (request parser, scheduler, batch generator, weight updates, routes): no
+    part reads or writes another's private members, only its own through self."""
+    private = []
+    for path in sorted((PACKAGE / "servers" / "embedded").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and ast.unparse(node.value) not in ("self", "cls")):
+                private.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert private == []

@@ -58,7 +58,7 @@ def chunked(engine, prompts, seeds) -> tuple[list[list[int]], list[list[float]]]
     outputs, logprobs = [[] for _ in prompts], [[] for _ in prompts]
     for _ in range(CHUNKS):
         batch = sequences(prompts, outputs, CHUNK, seeds)
-        engine.decode(batch)
+        engine.scheduler.decode(batch)
         for index, seq in enumerate(batch):
             outputs[index] += seq.output_ids
             logprobs[index] += seq.output_logprobs
@@ -67,7 +67,7 @@ def chunked(engine, prompts, seeds) -> tuple[list[list[int]], list[list[float]]]
 
 def straight(engine, prompts, seeds) -> tuple[list[list[int]], list[list[float]]]:
     batch = sequences(prompts, [[] for _ in prompts], CHUNK * CHUNKS, seeds)
-    engine.decode(batch)
+    engine.scheduler.decode(batch)
     return [seq.output_ids for seq in batch], [seq.output_logprobs for seq in batch]
 
 
@@ -101,12 +101,12 @@ def continue_after_new_weights(model_dir, new_dir, keep_stale_cache: bool) -> li
     if keep_stale_cache:  # what the engine would do without invalidation: the test's counterfactual
         engine.prefix_cache.clear = lambda: None
     first = sequences(PROMPTS, [[] for _ in PROMPTS], CHUNK, [None] * len(PROMPTS))
-    engine.decode(first)
+    engine.scheduler.decode(first)
     assert engine.prefix_cache.tokens > 0
-    engine.load_from_disk({"model_path": new_dir})  # the weight route's load
+    engine.weights.load_from_disk({"model_path": new_dir})  # the weight route's load
     assert (engine.prefix_cache.tokens == 0) != keep_stale_cache
     continued = sequences(PROMPTS, [seq.output_ids for seq in first], CHUNK, [None] * len(PROMPTS))
-    engine.decode(continued)
+    engine.scheduler.decode(continued)
     return continued
 
 

@@ -255,17 +255,17 @@ def test_sglang_refuses_updates_outside_begin_end_before_receiving_and_the_embed
     body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "g",
             "load_format": "flattened_bucket"}
     with pytest.raises(RequestError, match=f"^{re.escape(UPDATE_OUTSIDE_SESSION)}$"):
-        engine.update_from_distributed(body)
+        engine.weights.update_from_distributed(body)
     with pytest.raises(RequestError, match=f"^{re.escape(NO_SESSION_OPEN)}$"):
-        engine.end_weight_update({})
-    engine.begin_weight_update({"selector": "all"})
+        engine.weights.end_weight_update({})
+    engine.weights.begin_weight_update({"selector": "all"})
     with pytest.raises(RequestError, match=f"^{re.escape(SESSION_ALREADY_OPEN)}$"):
-        engine.begin_weight_update({})
+        engine.weights.begin_weight_update({})
     with pytest.raises(RequestError, match="weight update group 'g' does not exist"):
-        engine.update_from_distributed(body)  # inside the session the update goes on to the group
-    engine.end_weight_update({})
+        engine.weights.update_from_distributed(body)  # inside the session the update goes on to the group
+    engine.weights.end_weight_update({})
     with pytest.raises(RequestError, match=f"^{re.escape(UPDATE_OUTSIDE_SESSION)}$"):
-        engine.update_from_distributed(body)
+        engine.weights.update_from_distributed(body)
 
 
 def test_sglang_uses_sampling_seed_only_under_deterministic_inference_and_so_does_the_embedded_engine(tmp_path):
@@ -291,6 +291,7 @@ def test_sglang_uses_sampling_seed_only_under_deterministic_inference_and_so_doe
     model_dir = save_tiny_model(tmp_path / "model")
     seeded, _ = SequenceParams.from_sglang({"sampling_seed": 7})
     unseeded, _ = SequenceParams.from_sglang({})
-    plain, deterministic = EmbeddedEngine(model_dir), EmbeddedEngine(model_dir, deterministic_inference=True)
-    assert plain._sampling_seed(seeded) is None and plain._sampling_seed(unseeded) is None
-    assert deterministic._sampling_seed(seeded) == 7 and deterministic._sampling_seed(unseeded) == 42
+    plain = EmbeddedEngine(model_dir).request_parser
+    deterministic = EmbeddedEngine(model_dir, deterministic_inference=True).request_parser
+    assert plain.sampling_seed(seeded) is None and plain.sampling_seed(unseeded) is None
+    assert deterministic.sampling_seed(seeded) == 7 and deterministic.sampling_seed(unseeded) == 42

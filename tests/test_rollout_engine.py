@@ -226,14 +226,15 @@ def test_workers_split_a_large_batch_and_sample_what_one_worker_samples(tmp_path
     one = EmbeddedEngine(model_dir, deterministic_inference=True)
     two = EmbeddedEngine(model_dir, deterministic_inference=True, workers=2)
     parts = []
-    decode_part = two.generate_batch
-    two.generate_batch = lambda part: (parts.append(len(part)), decode_part(part))
+    generator = two.scheduler.batch_generator
+    decode_part = generator.generate
+    generator.generate = lambda part, interrupt: (parts.append(len(part)), decode_part(part, interrupt))
 
     def samples(engine):
         batch = [Sequence(rid=str(i), prompt_ids=[1 + i % 5, 2, 3], params=SequenceParams(max_new_tokens=12),
                           return_logprob=True, logprob_start_len=-1, seed=1000 + i)
                  for i in range(2 * MIN_ROWS_PER_WORKER + 1)]
-        engine.decode(batch)
+        engine.scheduler.decode(batch)
         return batch
 
     alone, split = samples(one), samples(two)
