@@ -26,13 +26,8 @@ import torch
 
 from megatron_dppo.platform.network import free_port
 from megatron_dppo.rollout.launcher import launch_embedded_engine, python_env
-from megatron_dppo.rollout.weight_sync import (
-    AUTO_FORMAT,
-    FLATTENED_BUCKET,
-    WeightSyncer,
-    broadcast_from_trainer,
-    init_weight_update_group,
-)
+from megatron_dppo.rollout.weight_sync import AUTO_FORMAT, WeightSyncer
+from megatron_dppo.weight_update_protocol import FLATTENED_BUCKET, broadcast_from_trainer, init_weight_update_group
 
 # The syncer's formats, the trainer's for the embedded engine first (run.start_rollout): the bench's headline.
 FORMATS = {"weight sync, auto (the trainer's)": AUTO_FORMAT, "weight sync, per tensor": None,
@@ -41,7 +36,7 @@ RAW = "raw broadcast (one flat buffer)"
 
 RAW_RECEIVER = """
 import sys, torch
-from megatron_dppo.rollout.weight_sync import init_weight_update_group
+from megatron_dppo.weight_update_protocol import init_weight_update_group
 port, nbytes, repeats = map(int, sys.argv[1:4])
 group = init_weight_update_group("gloo", "127.0.0.1", port, 1, 2, "raw_bench", 300)
 buffer = torch.empty(nbytes, dtype=torch.uint8)

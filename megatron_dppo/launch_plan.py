@@ -20,7 +20,7 @@ Invariants:
   (rollout/launcher.py: local_servers, server_gpus), so the plan shows what a run starts: GPUs after the trainer's,
   or the trainer's own with --rollout-colocate;
 - weight-sync group: trainer rank 0 is group rank 0, server i joins at 1 + (GPUs of servers before it),
-  world size = 1 + all server GPUs (megatron_dppo.rollout.weight_sync.WeightSyncer.init_group).
+  world size = 1 + all server GPUs (weight_update_protocol.sync_rank_offsets, as WeightSyncer.init_group forms it).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from megatron_dppo.arguments import is_embedded_default
+from megatron_dppo.weight_update_protocol import sync_rank_offsets
 
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"
 DEFAULT_ROLLOUT_PORT = 30000
@@ -82,13 +83,6 @@ class RolloutServer:
 def server_sync_ranks(gpus: tuple[int, ...]) -> int:
     """A server joins the weight-sync group with one rank per GPU (the embedded CPU engine with one)."""
     return max(len(gpus), 1)
-
-
-def sync_rank_offsets(engine_ranks: list[int]) -> tuple[list[int], int]:
-    """(first rank of each server, world size) of the weight-sync group: the trainer is rank 0, then each server's
-    ranks in order. WeightSyncer.init_group forms the group this way; the plan prints it."""
-    offsets = [1 + sum(engine_ranks[:i]) for i in range(len(engine_ranks))]
-    return offsets, 1 + sum(engine_ranks)
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,8 @@ def start_rollout(args, model_dir: Path):
     from megatron_dppo.rollout.client import RolloutClient, SGLangGenerateAPI, control_request
     from megatron_dppo.rollout.launcher import ServerPool, external_servers, launch_embedded_engine, start_local_servers
     from megatron_dppo.rollout.vllm import VLLMCompletionsAPI, VLLMControl
-    from megatron_dppo.rollout.weight_sync import AUTO_FORMAT, FLATTENED_BUCKET, WeightSyncer
+    from megatron_dppo.rollout.weight_sync import AUTO_FORMAT, WeightSyncer
+    from megatron_dppo.weight_update_protocol import FLATTENED_BUCKET
 
     # Servers started here are deterministic (SGLang's --enable-deterministic-inference, which the embedded engine
     # mirrors): only then does the trainer's per-sample sampling_seed act, which exact resume relies on.

@@ -50,12 +50,12 @@ def test_the_check_refuses_a_host_tensor_on_an_nccl_group_and_a_device_tensor_on
 
 
 def test_embedded_engine_refuses_an_nccl_weight_group_before_joining():
-    from megatron_dppo.rollout.engine import EmbeddedEngine
-    from megatron_dppo.rollout.engine_requests import RequestError
+    from megatron_dppo.servers.embedded.prefix_cache import PrefixCache
+    from megatron_dppo.servers.embedded.request_parser import RequestError
+    from megatron_dppo.servers.embedded.weights import WeightUpdates
 
-    engine = EmbeddedEngine.__new__(EmbeddedEngine)  # join_group reads only the engine's groups
-    engine.groups = {}
+    weights = WeightUpdates(model=None, prefix_cache=PrefixCache(0))  # joining reads no model
     with pytest.raises(RequestError, match="holds its model in host memory, which only a gloo group carries"):
-        engine.join_group({"backend": "nccl", "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+        weights.join_group({"backend": "nccl", "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
                            "world_size": 2, "group_name": "g"})
-    assert engine.groups == {}
+    assert weights.groups == {}

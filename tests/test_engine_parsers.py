@@ -111,7 +111,7 @@ def test_vllm_server_commands_parse_with_vllms_own_parser_which_refuses_an_unkno
         assert (values["model"], values["logprobs_mode"]) == ("/models/qwen3", "raw_logprobs")
         assert values["enforce_eager"] == ("--enforce-eager" in command)
         assert values["port"] == int(command[command.index("--port") + 1])
-        assert values["worker_extension_cls"] == "megatron_dppo.rollout.vllm_server.WeightSyncExtension"
+        assert values["worker_extension_cls"] == "megatron_dppo.servers.vllm_extension.WeightSyncExtension"
     # GPU: after the trainer's GPUs 0-3, one each; vLLM's CPU build uses none
     assert [handle.env["CUDA_VISIBLE_DEVICES"] for handle in layouts[False]] == ["4", "5"]
     assert "unrecognized arguments: --vllm-dtype" in refused["error"]

@@ -118,6 +118,22 @@ def test_dry_run_of_the_entry_point_prints_the_plan_and_starts_nothing(tmp_path)
     assert not log_dir.exists()
 
 
+def test_laying_out_the_plan_with_its_sync_group_stays_torch_free():
+    # --dry-run runs before every Slurm launch; the sync group's offsets come from weight_update_protocol, whose
+    # tensor functions must import torch only when called
+    flags = ["--dry-run", "--hf-checkpoint", "Qwen3-4B", "--rollout-backend", "external", "--rollout-urls",
+             *SERVER_URLS, "--rollout-server-gpus", "2"]
+    code = ("import sys; from megatron_dppo.arguments import parse_args; "
+            "from megatron_dppo.launch_plan import build_plan, format_plan; "
+            f"args = parse_args({flags!r}); "
+            f"format_plan(build_plan(args, {NODES!r}, trainer_nodes=2, rollout_nodes=2, gpus_per_node=8)); "
+            "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                            env={**os.environ, "WORLD_SIZE": "16"}, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[]", f"laying out the plan imported {result.stdout.strip()}"
+
+
 def test_expand_nodelist_handles_ranges_lists_and_zero_padding():
     assert expand_nodelist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
     assert expand_nodelist("n[8-10]-ib") == ["n8-ib", "n9-ib", "n10-ib"]

@@ -1,5 +1,6 @@
-"""The embedded engine's prefix cache (rollout/prefix_cache.py): continued samples are not prefilled again, their
-results are what generation without chunks gives, and no cached K/V serves weights other than those that computed it.
+"""The embedded engine's prefix cache (servers/embedded/prefix_cache.py): continued samples are not prefilled again,
+their results are what generation without chunks gives, and no cached K/V serves weights other than those that
+computed it.
 
 Tolerances: tokens equal exactly (greedy, and seeded sampling, whose uniforms depend on the seed and the position
 only); log-probs within 1e-5 (the cached K/V came from a decode step, the straight run's from the same step of a
@@ -9,7 +10,7 @@ longer batch: the same arithmetic in another batch shape, which may round differ
 import pytest
 import torch
 
-from megatron_dppo.rollout.prefix_cache import PrefixCache
+from megatron_dppo.servers.embedded.prefix_cache import PrefixCache
 from tests.test_rollout_engine import save_tiny_model, sequence_logprobs
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11], [1, 2, 3, 4]]
@@ -44,7 +45,7 @@ def model_dir(tmp_path_factory):
 
 
 def sequences(prompts, outputs, max_new_tokens, seeds):
-    from megatron_dppo.rollout.engine_requests import Sequence, SequenceParams
+    from megatron_dppo.servers.embedded.request_parser import Sequence, SequenceParams
 
     return [Sequence(rid=str(i), prompt_ids=prompt + output, params=SequenceParams(
         max_new_tokens=max_new_tokens, temperature=0.0 if seed is None else 1.0), return_logprob=True,
@@ -57,7 +58,7 @@ def chunked(engine, prompts, seeds) -> tuple[list[list[int]], list[list[float]]]
     outputs, logprobs = [[] for _ in prompts], [[] for _ in prompts]
     for _ in range(CHUNKS):
         batch = sequences(prompts, outputs, CHUNK, seeds)
-        engine.decode(batch)
+        engine.scheduler.decode(batch)
         for index, seq in enumerate(batch):
             outputs[index] += seq.output_ids
             logprobs[index] += seq.output_logprobs
@@ -66,14 +67,14 @@ def chunked(engine, prompts, seeds) -> tuple[list[list[int]], list[list[float]]]
 
 def straight(engine, prompts, seeds) -> tuple[list[list[int]], list[list[float]]]:
     batch = sequences(prompts, [[] for _ in prompts], CHUNK * CHUNKS, seeds)
-    engine.decode(batch)
+    engine.scheduler.decode(batch)
     return [seq.output_ids for seq in batch], [seq.output_logprobs for seq in batch]
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_chunks_continued_from_the_cache_equal_generation_without_chunks_and_prefill_only_their_last_token(
         model_dir, sampling):
-    from megatron_dppo.rollout.engine import EmbeddedEngine
+    from megatron_dppo.servers.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(model_dir, deterministic_inference=True)
     seeds = [None] * len(PROMPTS) if sampling == "greedy" else [1000 + i for i in range(len(PROMPTS))]
@@ -94,18 +95,18 @@ def test_chunks_continued_from_the_cache_equal_generation_without_chunks_and_pre
 
 
 def continue_after_new_weights(model_dir, new_dir, keep_stale_cache: bool) -> list:
-    from megatron_dppo.rollout.engine import EmbeddedEngine
+    from megatron_dppo.servers.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(model_dir, deterministic_inference=True)
     if keep_stale_cache:  # what the engine would do without invalidation: the test's counterfactual
         engine.prefix_cache.clear = lambda: None
     first = sequences(PROMPTS, [[] for _ in PROMPTS], CHUNK, [None] * len(PROMPTS))
-    engine.decode(first)
+    engine.scheduler.decode(first)
     assert engine.prefix_cache.tokens > 0
-    engine.load_from_disk({"model_path": new_dir})  # the weight route's load
+    engine.weights.load_from_disk({"model_path": new_dir})  # the weight route's load
     assert (engine.prefix_cache.tokens == 0) != keep_stale_cache
     continued = sequences(PROMPTS, [seq.output_ids for seq in first], CHUNK, [None] * len(PROMPTS))
-    engine.decode(continued)
+    engine.scheduler.decode(continued)
     return continued
 
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from megatron_dppo.rollout.client import SamplingParams, seeded_batch_payload
-from megatron_dppo.rollout.weight_sync import WeightSyncer, pack_bucket
+from megatron_dppo.rollout.weight_sync import WeightSyncer
+from megatron_dppo.weight_update_protocol import pack_bucket
 
 INSTALL_HINT = "install it with: pip install --no-deps sglang==0.5.23 (part of the test extra)"
 
@@ -91,7 +92,7 @@ def test_routes_used_by_client_syncer_and_engine_exist_in_sglang_http_server():
     missing = [route for route in ROUTES_USED if route not in server_routes]
     assert not missing, f"routes not served by SGLang 0.5.23: {missing}"
 
-    from megatron_dppo.rollout.engine_routes import build_app
+    from megatron_dppo.servers.embedded.routes import build_app
 
     class NoEngine:  # build_app only stores the engine; routes are registered without touching it
         pass
@@ -231,9 +232,9 @@ def test_sglang_refuses_updates_outside_begin_end_before_receiving_and_the_embed
     HTTP 400 before receiving a byte, and refuses a second begin and an end without begin. The embedded engine
     refuses the same calls with the same messages, also before receiving (no group exists here: it would fail
     differently if it tried), and loads after a begin."""
-    from megatron_dppo.rollout.engine import EmbeddedEngine
-    from megatron_dppo.rollout.engine_requests import RequestError
-    from megatron_dppo.rollout.engine_weights import NO_SESSION_OPEN, SESSION_ALREADY_OPEN, UPDATE_OUTSIDE_SESSION
+    from megatron_dppo.servers.embedded.engine import EmbeddedEngine
+    from megatron_dppo.servers.embedded.request_parser import RequestError
+    from megatron_dppo.servers.embedded.weights import NO_SESSION_OPEN, SESSION_ALREADY_OPEN, UPDATE_OUTSIDE_SESSION
     from tests.test_rollout_engine import save_tiny_model
 
     updater = sglang_dir() / "srt/managers/scheduler_components/weight_updater.py"
@@ -254,25 +255,25 @@ def test_sglang_refuses_updates_outside_begin_end_before_receiving_and_the_embed
     body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "g",
             "load_format": "flattened_bucket"}
     with pytest.raises(RequestError, match=f"^{re.escape(UPDATE_OUTSIDE_SESSION)}$"):
-        engine.update_from_distributed(body)
+        engine.weights.update_from_distributed(body)
     with pytest.raises(RequestError, match=f"^{re.escape(NO_SESSION_OPEN)}$"):
-        engine.end_weight_update({})
-    engine.begin_weight_update({"selector": "all"})
+        engine.weights.end_weight_update({})
+    engine.weights.begin_weight_update({"selector": "all"})
     with pytest.raises(RequestError, match=f"^{re.escape(SESSION_ALREADY_OPEN)}$"):
-        engine.begin_weight_update({})
+        engine.weights.begin_weight_update({})
     with pytest.raises(RequestError, match="weight update group 'g' does not exist"):
-        engine.update_from_distributed(body)  # inside the session the update goes on to the group
-    engine.end_weight_update({})
+        engine.weights.update_from_distributed(body)  # inside the session the update goes on to the group
+    engine.weights.end_weight_update({})
     with pytest.raises(RequestError, match=f"^{re.escape(UPDATE_OUTSIDE_SESSION)}$"):
-        engine.update_from_distributed(body)
+        engine.weights.update_from_distributed(body)
 
 
 def test_sglang_uses_sampling_seed_only_under_deterministic_inference_and_so_does_the_embedded_engine(tmp_path):
     """SGLang builds its per-row seeds only when --enable-deterministic-inference is on, and then seeds every row
     (42 when the request gives none); otherwise sampling_seed is ignored. The embedded engine follows the same rule
     with its flag of the same name."""
-    from megatron_dppo.rollout.engine import EmbeddedEngine
-    from megatron_dppo.rollout.engine_requests import DEFAULT_SAMPLING_SEED, SequenceParams
+    from megatron_dppo.servers.embedded.engine import EmbeddedEngine
+    from megatron_dppo.servers.embedded.request_parser import DEFAULT_SAMPLING_SEED, SequenceParams
     from tests.test_rollout_engine import save_tiny_model
 
     source = (sglang_dir() / "srt/sampling/sampling_batch_info.py").read_text()
@@ -290,6 +291,7 @@ def test_sglang_uses_sampling_seed_only_under_deterministic_inference_and_so_doe
     model_dir = save_tiny_model(tmp_path / "model")
     seeded, _ = SequenceParams.from_sglang({"sampling_seed": 7})
     unseeded, _ = SequenceParams.from_sglang({})
-    plain, deterministic = EmbeddedEngine(model_dir), EmbeddedEngine(model_dir, deterministic_inference=True)
-    assert plain._sampling_seed(seeded) is None and plain._sampling_seed(unseeded) is None
-    assert deterministic._sampling_seed(seeded) == 7 and deterministic._sampling_seed(unseeded) == 42
+    plain = EmbeddedEngine(model_dir).request_parser
+    deterministic = EmbeddedEngine(model_dir, deterministic_inference=True).request_parser
+    assert plain.sampling_seed(seeded) is None and plain.sampling_seed(unseeded) is None
+    assert deterministic.sampling_seed(seeded) == 7 and deterministic.sampling_seed(unseeded) == 42

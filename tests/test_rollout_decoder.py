@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron_dppo.convert.tiny import tiny_hf_config
-from megatron_dppo.rollout.decoder import BLOCK, KVCacheDecoder
-from megatron_dppo.rollout.sampling import murmur_hash32, sample_next_tokens, sample_uniforms, seed_words
+from megatron_dppo.servers.embedded.decoder import BLOCK, KVCacheDecoder
+from megatron_dppo.servers.embedded.sampling import murmur_hash32, sample_next_tokens, sample_uniforms, seed_words
 
 ARCHITECTURES = {
     "qwen2": {},  # q/k/v biases

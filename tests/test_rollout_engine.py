@@ -13,7 +13,7 @@ from megatron_dppo.rollout.client import (
     control_request,
 )
 from megatron_dppo.rollout.launcher import launch_embedded_engine
-from megatron_dppo.rollout.sampling import sample_next_tokens
+from megatron_dppo.servers.embedded.sampling import sample_next_tokens
 
 API_KEY = "test-key"
 
@@ -218,22 +218,23 @@ def test_sampler_top_k_one_is_greedy_and_top_p_keeps_the_smallest_sufficient_pre
 def test_workers_split_a_large_batch_and_sample_what_one_worker_samples(tmp_path):
     """Two workers decode the two halves of a batch; every sample equals the one-worker sample of the same seed
     (same tokens; log-probs within 1e-5: a half batch is a smaller matmul, which may round differently)."""
-    from megatron_dppo.rollout.engine import EmbeddedEngine
-    from megatron_dppo.rollout.engine_requests import Sequence, SequenceParams
-    from megatron_dppo.rollout.engine_scheduler import MIN_ROWS_PER_WORKER
+    from megatron_dppo.servers.embedded.engine import EmbeddedEngine
+    from megatron_dppo.servers.embedded.request_parser import Sequence, SequenceParams
+    from megatron_dppo.servers.embedded.scheduler import MIN_ROWS_PER_WORKER
 
     model_dir = save_tiny_model(tmp_path / "model")
     one = EmbeddedEngine(model_dir, deterministic_inference=True)
     two = EmbeddedEngine(model_dir, deterministic_inference=True, workers=2)
     parts = []
-    decode_part = two.generate_batch
-    two.generate_batch = lambda part: (parts.append(len(part)), decode_part(part))
+    generator = two.scheduler.batch_generator
+    decode_part = generator.generate
+    generator.generate = lambda part, interrupt: (parts.append(len(part)), decode_part(part, interrupt))
 
     def samples(engine):
         batch = [Sequence(rid=str(i), prompt_ids=[1 + i % 5, 2, 3], params=SequenceParams(max_new_tokens=12),
                           return_logprob=True, logprob_start_len=-1, seed=1000 + i)
                  for i in range(2 * MIN_ROWS_PER_WORKER + 1)]
-        engine.decode(batch)
+        engine.scheduler.decode(batch)
         return batch
 
     alone, split = samples(one), samples(two)

@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from megatron_dppo.rollout.engine import EmbeddedEngine
-from megatron_dppo.rollout.engine_requests import RequestError
 from megatron_dppo.rollout.launcher import launch_embedded_engine
+from megatron_dppo.servers.embedded.engine import EmbeddedEngine
+from megatron_dppo.servers.embedded.request_parser import RequestError
 from tests.test_rollout_engine import save_tiny_model
 
 KV_BUDGET, MAX_N = 4096, 8  # the engines here: --max-total-tokens 4096 --max-n 8 (vocab 96, context 256)
@@ -84,16 +84,16 @@ def engine(model_dir):
 @pytest.mark.parametrize("body, message", MALFORMED, ids=[message[:40] for _, message in MALFORMED])
 def test_a_request_sglang_would_refuse_or_over_the_kv_budget_is_refused_with_its_reason(engine, body, message):
     with pytest.raises(RequestError) as refused:
-        engine._parse_generate(json.loads(json.dumps(body)))  # as the route receives it (NaN survives as NaN)
+        engine.request_parser.parse(json.loads(json.dumps(body)))  # as the route receives it (NaN survives as NaN)
     assert message in str(refused.value)
 
 
 def test_requests_at_the_limits_are_accepted_in_sglang_order(engine):
     at_budget = {"input_ids": [[1] * 28] * 4, "sampling_params": {"max_new_tokens": 100, "n": MAX_N}}
-    sequences, single = engine._parse_generate(at_budget)  # 4 prompts x 8 samples x (28 + 100) = 4096 slots
+    sequences, single = engine.request_parser.parse(at_budget)  # 4 prompts x 8 samples x (28 + 100) = 4096 slots
     assert len(sequences) == 32 and not single
-    assert engine._parse_generate({"input_ids": [1] * 255, "sampling_params": {"max_new_tokens": 1}})[1]
-    sequences, _ = engine._parse_generate({"input_ids": [[1], [2]], "sampling_params": {
+    assert engine.request_parser.parse({"input_ids": [1] * 255, "sampling_params": {"max_new_tokens": 1}})[1]
+    sequences, _ = engine.request_parser.parse({"input_ids": [[1], [2]], "sampling_params": {
         "n": 2, "temperature": 0, "top_k": 1 << 30, "sampling_seed": -2**63, "stop_token_ids": [5]}})
     assert [seq.prompt_ids for seq in sequences] == [[1], [2], [1], [2]]
     assert sequences[0].params.top_k == -1 and sequences[0].params.stop_token_ids == {5}

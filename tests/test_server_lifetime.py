@@ -22,7 +22,7 @@ from tests.launch import REPO_ROOT, kill_marked, processes_marked, start_torchru
 
 ENTRY = REPO_ROOT / "examples" / "pretrain_dppo.py"
 MARKER_NAME = "MEGATRON_DPPO_LIFETIME_TEST"
-ENGINE_MODULE = "megatron_dppo.rollout.engine"
+ENGINE_MODULE = "megatron_dppo.servers.embedded"
 STAGE_TIMEOUT_S = 240  # imports, rendezvous, warm start and the engine's start on 2 shared cores
 GONE_WITHIN_S = 10
 

@@ -1,8 +1,8 @@
 """Weights broadcast by the trainer-side syncer land in the engine by HF name, bit for bit, in buckets.
 
 The fast-path tests run the engine (EmbeddedEngine + its aiohttp app, exactly what `python -m
-megatron_dppo.rollout.engine` serves) inside the test process, so they can read its parameters, and drive a separate
-sender process step by step over stdin (one process per test: importing transformers costs seconds).
+megatron_dppo.servers.embedded` serves) inside the test process, so they can read its parameters, and drive a
+separate sender process step by step over stdin (one process per test: importing transformers costs seconds).
 """
 
 import asyncio
@@ -19,22 +19,24 @@ import torch
 
 from megatron_dppo.platform.network import free_port
 from megatron_dppo.rollout.client import RolloutClient, RolloutServerError, SamplingParams, control_request
-from megatron_dppo.rollout.engine import EmbeddedEngine
-from megatron_dppo.rollout.engine_routes import build_app
-from megatron_dppo.rollout.engine_weights import UPDATE_OUTSIDE_SESSION
 from megatron_dppo.rollout.launcher import launch_embedded_engine, python_env
 from megatron_dppo.rollout.weight_sync import (
     AUTO_FORMAT,
     DEFAULT_FIRST_BUCKET_BYTES,
-    FLATTENED_BUCKET,
     PACK_BELOW_BYTES,
-    RAMP,
     StagingBuffers,
     WeightSyncer,
+    prefetch_buckets,
+)
+from megatron_dppo.servers.embedded.engine import EmbeddedEngine
+from megatron_dppo.servers.embedded.routes import build_app
+from megatron_dppo.servers.embedded.weights import UPDATE_OUTSIDE_SESSION
+from megatron_dppo.weight_update_protocol import (
+    FLATTENED_BUCKET,
+    RAMP,
     group_into_buckets,
     init_weight_update_group,
     pack_bucket,
-    prefetch_buckets,
     tensor_bucket,
     unpack_bucket,
 )
@@ -317,12 +319,13 @@ def test_zero_copy_resync_layout_change_per_tensor_format_and_refused_updates_te
         assert_engine_holds(engine, model_dir, 1)
         assert_generation_matches_trainer(url, model_dir, 1, "1")
         parameters = dict(engine.model.named_parameters(remove_duplicate=False))
-        zero_copy = [name for layout, buffer in engine.bucket_buffers.items() if engine._parameters_live_in(
-            buffer, layout) for name, _, _ in layout]
+        weights = engine.weights
+        zero_copy = [name for layout, buffer in weights.bucket_buffers.items()
+                     if weights.parameters_live_in(buffer, layout) for name, _, _ in layout]
         assert len(zero_copy) > len(parameters) // 2, "most parameters must live in received bucket buffers"
         # A bucket holding a tied name is re-received each sync (the shared Parameter follows the other tied name's
         # bucket, so its own layout never matches); every other bucket keeps its storage.
-        untied = [name for layout in engine.bucket_buffers for name, _, _ in layout
+        untied = [name for layout in engine.weights.bucket_buffers for name, _, _ in layout
                   if not {entry[0] for entry in layout} & set(TIED)]
         assert untied and set(untied) <= set(zero_copy)
         storage = {name: parameters[name].data_ptr() for name in untied}
@@ -349,7 +352,7 @@ def test_zero_copy_resync_layout_change_per_tensor_format_and_refused_updates_te
             result = step(op="send", **refusal)
             assert not result["ok"] and "HTTP 400" in result["error"] and reason in result["error"], result
             assert "was torn down" in result["error"], result
-            assert not engine.groups and engine.session_selector is None
+            assert not engine.weights.groups and engine.weights.session_selector is None
         assert_engine_holds(engine, model_dir, 2)
         assert control_request(url, "/model_info", None, "GET")["weight_version"] == "2"
 
@@ -378,10 +381,10 @@ def test_bfloat16_engine_receives_fp32_and_holds_exactly_the_bfloat16_conversion
 def test_malformed_update_metadata_leaves_the_group_with_a_clear_error_instead_of_hanging(tmp_path):
     """Names, dtypes and shapes that disagree (or an unknown dtype) leave the broadcast's size unknowable: the engine
     must answer a clear error and leave the group (so the trainer re-initialises it), never wait or load garbage."""
-    from megatron_dppo.rollout.engine_requests import RequestError
+    from megatron_dppo.servers.embedded.request_parser import RequestError
 
     engine = EmbeddedEngine(save_tiny_model(tmp_path / "model"))
-    engine.begin_weight_update({})  # inside a session, as the syncer sends every update
+    engine.weights.begin_weight_update({})  # inside a session, as the syncer sends every update
     before = {name: tensor.clone() for name, tensor in engine.model.state_dict().items()}
     bad_bodies = [
         {"names": ["model.norm.weight"], "dtypes": ["float32", "float32"], "shapes": [[64]]},
@@ -389,10 +392,10 @@ def test_malformed_update_metadata_leaves_the_group_with_a_clear_error_instead_o
         {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "load_format": "bogus"},
     ]
     for body in bad_bodies:
-        engine.groups["g"] = init_weight_update_group("gloo", "127.0.0.1", free_port(), 0, 1, "g")
+        engine.weights.groups["g"] = init_weight_update_group("gloo", "127.0.0.1", free_port(), 0, 1, "g")
         with pytest.raises(RequestError, match="malformed weight update.*destroyed.*init_weights_update_group"):
-            engine.update_from_distributed({**body, "group_name": "g", "load_format": body.get("load_format")})
-        assert "g" not in engine.groups
+            engine.weights.update_from_distributed({**body, "group_name": "g", "load_format": body.get("load_format")})
+        assert "g" not in engine.weights.groups
     for name, tensor in engine.model.state_dict().items():
         assert torch.equal(tensor, before[name])
 

@@ -33,6 +33,8 @@ from megatron_dppo.platform.network import free_port
 from megatron_dppo.rollout.client import RolloutServerError, control_request
 
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
+# The embedded engine's server, run as `python -m` (servers/embedded/; the client side never imports it)
+EMBEDDED_ENGINE_MODULE = "megatron_dppo.servers.embedded"
 LOG_TAIL_LINES, LOG_LINE_CHARS = 40, 300  # what a start-up failure shows of the server's log
 # The interpreter of the vLLM server's environment (tools/install_vllm_cpu.sh prints it), unless --rollout-python
 VLLM_PYTHON_VARIABLE = "MEGATRON_DPPO_VLLM_PYTHON"
@@ -154,7 +156,7 @@ def python_env() -> dict[str, str]:
 
 
 def embedded_engine_command(model_dir: str, host: str, port: int, **engine_options) -> list[str]:
-    command = [sys.executable, "-m", "megatron_dppo.rollout.engine", "--model-dir", str(model_dir),
+    command = [sys.executable, "-m", EMBEDDED_ENGINE_MODULE, "--model-dir", str(model_dir),
                "--host", host, "--port", str(port)]
     for key, value in engine_options.items():
         flag = f"--{key.replace('_', '-')}"
@@ -167,7 +169,7 @@ def embedded_engine_command(model_dir: str, host: str, port: int, **engine_optio
 
 def launch_embedded_engine(model_dir: str, host: str = "127.0.0.1", port: int | None = None,
                            startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, **engine_options) -> ServerHandle:
-    """Start `python -m megatron_dppo.rollout.engine` and wait until /health_generate answers."""
+    """Start `python -m megatron_dppo.servers.embedded` and wait until /health_generate answers."""
     if not Path(model_dir, "config.json").is_file():
         raise FileNotFoundError(f"model_dir {model_dir} has no config.json; save an HF model there first")
     port = port or free_port()

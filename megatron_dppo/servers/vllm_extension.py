@@ -2,7 +2,7 @@
 
     python -m vllm.entrypoints.openai.api_server <vLLM server flags>   (behind the launcher's tether)
     ─► vLLM's OpenAI-compatible server, which mixes WeightSyncExtension into its workers
-       (`--worker-extension-cls megatron_dppo.rollout.vllm_server.WeightSyncExtension`)
+       (`--worker-extension-cls megatron_dppo.servers.vllm_extension.WeightSyncExtension`)
 
 The trainer calls the extension through POST /collective_rpc (rollout/vllm.py), one JSON string argument per call:
 
@@ -11,8 +11,8 @@ The trainer calls the extension through POST /collective_rpc (rollout/vllm.py), 
      worker's rank in the        layers back to checkpoint     buffer, unpacked by name,      layer's post-load step,
      trainer's gloo/NCCL group)  format, loaders deferred)     model.load_weights)            records the version)
 
-This module imports torch, vLLM, weight_sync's torch-only bucket helpers and platform.collectives; nothing of
-Megatron, and the trainer's process never imports it.
+This module imports torch, vLLM, weight_update_protocol's bucket helpers and platform.collectives; nothing of
+Megatron or of the client side (rollout/), and the trainer's process never imports it.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from __future__ import annotations
 import json
 
 from megatron_dppo.platform import collectives
-from megatron_dppo.rollout.weight_sync import init_weight_update_group, tensor_nbytes, unpack_bucket
-
-EXTENSION = f"{__name__}.WeightSyncExtension"
+from megatron_dppo.weight_update_protocol import init_weight_update_group, tensor_nbytes, unpack_bucket
 
 
 class WeightSyncExtension:
@@ -67,8 +65,8 @@ class WeightSyncExtension:
         return {}
 
     def dppo_receive_bucket(self, request: str) -> dict:
-        """Receive one flat bucket (weight_sync.pack_bucket's layout) broadcast by group rank 0 and load it by HF
-        name through the model's own load_weights (which fuses q/k/v, gate/up and skips tied heads)."""
+        """Receive one flat bucket (weight_update_protocol.pack_bucket's layout) broadcast by group rank 0 and load
+        it by HF name through the model's own load_weights (which fuses q/k/v, gate/up and skips tied heads)."""
         import torch
 
         fields = json.loads(request)

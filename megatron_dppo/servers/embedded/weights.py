@@ -2,12 +2,18 @@
 
     /init_weights_update_group (once, gloo) ─► per sync: /begin_weight_update ─► /update_weights_from_distributed per
     bucket (receive, check names and shapes, load: flattened buckets zero-copy, or one broadcast per tensor)
-    ─► /end_weight_update
+    ─► /end_weight_update;  /update_weights_from_disk: *.safetensors loaded by name
 
-An update outside a begin .. end session is refused before anything is received (HTTP 400, SGLang's message), as
-are a second begin and an end without a begin; every load clears the prefix cache first (its K/V were computed by
-the weights being replaced); every received tensor must name a parameter of the model with the
-same shape, or the update fails and says which names were wrong.
+The group, the bucket layout and unpacking are the wire protocol's (weight_update_protocol.py). The routes call
+every load under the scheduler's model lock, so generation never sees a half-loaded bucket.
+
+Invariants:
+- an update outside a begin .. end session is refused before anything is received (HTTP 400, SGLang's message), as
+  are a second begin and an end without a begin;
+- every load clears the prefix cache first (its K/V were computed by the weights being replaced);
+- every received tensor must name a parameter of the model with the same shape, or the update fails and says which
+  names were wrong; a refused bucket is still received, so the group stays in step, and malformed metadata (whose
+  size cannot be known) makes the engine leave the group instead.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from pathlib import Path
 import torch
 
 from megatron_dppo.platform import collectives
-from megatron_dppo.rollout.engine_requests import RequestError
-from megatron_dppo.rollout.weight_sync import (
+from megatron_dppo.servers.embedded.prefix_cache import PrefixCache
+from megatron_dppo.servers.embedded.request_parser import RequestError
+from megatron_dppo.weight_update_protocol import (
     destroy_weight_update_group,
     init_weight_update_group,
     tensor_nbytes,
@@ -32,10 +39,28 @@ UPDATE_OUTSIDE_SESSION = ("update_weights_from_distributed must run between begi
 SESSION_ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
 NO_SESSION_OPEN = "no weight-update session is open; call begin_weight_update() first"
 SESSION_SELECTORS = ("target", "draft", "all")  # BeginWeightUpdateReqInput.selector
+DEFAULT_GROUP = "weight_update_group"  # SGLang's group_name when a request gives none
 
 
 class WeightUpdates:
-    """The EmbeddedEngine's weight side (the model lock is the routes': generation never sees a half-loaded bucket)."""
+    """The engine's weight side: the weight-update session, the groups joined, the received bucket buffers, the
+    version the weights carry, and loading by HF name into `model` (callers hold the model lock)."""
+
+    def __init__(self, model, prefix_cache: PrefixCache):
+        """model: the HF model generation runs on; prefix_cache: cleared by every load."""
+        self.model = model
+        self.prefix_cache = prefix_cache
+        self.session_selector: str | None = None  # the open weight-update session's runners, as SGLang records it
+        self.weight_version = "default"
+        self.load_format = None
+        self.groups: dict[str, object] = {}
+        # flattened bucket layout (names, dtypes, shapes) -> the buffer its parameters are views into
+        self.bucket_buffers: dict[tuple, torch.Tensor] = {}
+
+    def record_version(self, body: dict) -> None:
+        """The version an update's body names, once its weights have loaded (none named: the version stays)."""
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
 
     def _parameters_by_name(self) -> dict[str, torch.Tensor]:
         tensors = dict(self.model.named_parameters(remove_duplicate=False))
@@ -43,7 +68,7 @@ class WeightUpdates:
         return tensors
 
     def join_group(self, body: dict) -> None:
-        name = body.get("group_name", "weight_update_group")
+        name = body.get("group_name", DEFAULT_GROUP)
         if name in self.groups:
             raise RequestError(f"weight update group {name!r} already exists; destroy it first")
         backend = body.get("backend", "nccl")
@@ -56,7 +81,7 @@ class WeightUpdates:
         )
 
     def leave_group(self, body: dict) -> None:
-        name = body.get("group_name", "weight_update_group")
+        name = body.get("group_name", DEFAULT_GROUP)
         if name not in self.groups:
             raise RequestError(f"no weight update group {name!r}")
         destroy_weight_update_group(self.groups.pop(name))
@@ -86,7 +111,7 @@ class WeightUpdates:
         self.prefix_cache.clear()  # K/V computed by the weights this update replaces
         if self.session_selector is None:
             raise RequestError(UPDATE_OUTSIDE_SESSION)
-        name = body.get("group_name", "weight_update_group")
+        name = body.get("group_name", DEFAULT_GROUP)
         if name not in self.groups:
             raise RequestError(f"weight update group {name!r} does not exist; call /init_weights_update_group")
         group = self.groups[name]
@@ -103,7 +128,7 @@ class WeightUpdates:
             layout = tuple(zip(names, dtypes, map(tuple, shapes), strict=True))
             buffer = self.bucket_buffers.get(layout)
             what = f"weight bucket {names[0]} .. {names[-1]}"
-            if buffer is not None and self._parameters_live_in(buffer, layout):
+            if buffer is not None and self.parameters_live_in(buffer, layout):
                 collectives.broadcast(group, buffer, 0, what).wait()
                 return
             nbytes = sum(tensor_nbytes(dtype, shape) for dtype, shape in zip(dtypes, shapes))
@@ -152,7 +177,7 @@ class WeightUpdates:
             return "every shape must be a list of non-negative integers"
         return None
 
-    def _parameters_live_in(self, buffer: torch.Tensor, layout: tuple) -> bool:
+    def parameters_live_in(self, buffer: torch.Tensor, layout: tuple) -> bool:
         """Whether every tensor of `layout` is still a parameter stored at its offset in `buffer`."""
         targets = self._parameters_by_name()
         offset = 0
@@ -197,3 +222,4 @@ class WeightUpdates:
         if not files:
             raise RequestError(f"model_path {body['model_path']} has no *.safetensors files")
         self.load_named_tensors([item for file in files for item in load_file(file).items()])
+        self.load_format = body.get("load_format")

@@ -1,48 +1,56 @@
-"""The embedded engine's scheduler: a queue of sequences, batched and decoded on worker threads.
+"""The embedded engine's scheduler: a queue of sequences, batched and generated on decode workers.
 
-    requests ──► queue ──► batch loop (until a quiet millisecond, at most `batch_window_s`) ──► split over the decode
-                 workers ──► each: prefill, then one position per step from its KV cache (rollout/decoder.py), every
-                 row sampled at once (rollout/sampling.py)
+    requests ──► run(sequences): queue ──► batch loop (until a quiet millisecond, at most `batch_window_s`; at most
+                 max_batch_size rows whose cache fits max_total_tokens) ──► split over the decode workers ──► each:
+                 BatchGenerator.generate: prefill (what the prefix cache holds is copied, not computed), then one
+                 position per step from its KV cache (decoder.py), every row sampled at once (sampling.py)
+    pause    ──► the running batch stops at its next step ──► abort: its unfinished sequences and the queue end with
+                 finish_reason "abort" | retract: they go back to the front of the queue with their tokens, resumed
+                 on continue
 
-pause(abort) ends running sequences with finish_reason "abort"; pause(retract) puts them back in the queue with their
-tokens, resumed on continue. A batch is split over the workers as a function of the batch alone, and a seeded
-sample's randomness depends on its seed and position only.
+Invariants:
+- one batch at a time holds the model lock, which the weight routes take to load weights: generation and weight
+  loading never overlap;
+- a batch is split over the workers as a function of the batch alone, and a seeded sample's randomness depends on
+  its seed and position only (sampling.py): the same request gives the same samples;
+- a row that stops at its token budget leaves the K/V of its tokens in the prefix cache, for the request that
+  continues it; a row that scores its prompt takes nothing from the cache (it needs every position's hidden state).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from megatron_dppo.rollout.engine_requests import RequestError, Sequence
-from megatron_dppo.rollout.sampling import sample_next_tokens, sample_uniforms, seed_words
+from megatron_dppo.servers.embedded.decoder import KVCacheDecoder
+from megatron_dppo.servers.embedded.prefix_cache import PrefixCache
+from megatron_dppo.servers.embedded.request_parser import RequestError, Sequence
+from megatron_dppo.servers.embedded.sampling import sample_next_tokens, sample_uniforms, seed_words
 
 # Below this many sequences per worker, splitting a batch costs more (smaller matmuls, a second prefill of shared
 # prompts) than a second core gives back.
 MIN_ROWS_PER_WORKER = 16
 
 
-class BatchScheduler:
-    """The EmbeddedEngine's generation side: queue, batch loop, decode workers, pause and continue."""
+class BatchGenerator:
+    """Generates one batch on the calling thread: prefill, then the sampling loop, one position per step."""
 
-    def decode(self, batch: list[Sequence]) -> None:
-        """Decode `batch`, split over the workers (contiguous parts, so the same batch is always split alike)."""
-        parts = min(self.num_workers, len(batch) // MIN_ROWS_PER_WORKER)
-        if parts <= 1:
-            self.generate_batch(batch)
-            return
-        bounds = [len(batch) * part // parts for part in range(parts + 1)]
-        futures = [self.workers.submit(self.generate_batch, batch[start:end])
-                   for start, end in zip(bounds, bounds[1:])]
-        errors = [error for future in futures if (error := future.exception()) is not None]
-        if errors:
-            raise errors[0]
+    def __init__(self, decoder: KVCacheDecoder, prefix_cache: PrefixCache, eos_token_ids: set[int],
+                 max_positions: int | None, seed: int):
+        """seed: the generator of unseeded samples (a seeded one draws from its own seed and position only)."""
+        self.decoder = decoder
+        self.prefix_cache = prefix_cache
+        self.eos_token_ids = eos_token_ids
+        self.max_positions = max_positions
+        self.generator = torch.Generator().manual_seed(seed)
 
     @torch.no_grad()
-    def generate_batch(self, batch: list[Sequence]) -> None:
-        """Run the sampling loop for `batch` until each sequence finishes or a pause interrupts it.
+    def generate(self, batch: list[Sequence], interrupt: threading.Event) -> None:
+        """Run the sampling loop for `batch` until each sequence finishes or `interrupt` (a pause) is set.
 
         The batch's tokens and log-probs are kept in tensors and handed to the sequences once, at the end (also when
         a pause interrupts it: a retracted sequence resumes after the tokens it has)."""
@@ -76,7 +84,7 @@ class BatchScheduler:
         running = torch.ones(len(rows), dtype=torch.bool)  # per cache row: still generating
         try:
             while True:
-                if self.interrupt.is_set():
+                if interrupt.is_set():
                     return  # the pause handler decides what happens to unfinished sequences
                 # a finished row still in the cache has produced its budget: it reads the last uniform, unused
                 step_uniforms = uniforms[rows, produced[rows].clamp(max=max_budget - 1)]
@@ -120,7 +128,7 @@ class BatchScheduler:
 
     def _row_settings(self, batch: list[Sequence], contexts: list[list[int]], max_budget: int):
         """Per row of `batch`: temperature [B], top_p [B], top_k [B], the uniform of each token it may generate
-        [B, max_budget] (rollout/sampling.py), and its stop ids [B, S] (-1 pads)."""
+        [B, max_budget] (sampling.py), and its stop ids [B, S] (-1 pads)."""
         temperature = torch.tensor([seq.params.temperature for seq in batch], dtype=torch.float32)
         top_p = torch.tensor([seq.params.top_p for seq in batch], dtype=torch.float32)
         top_k = torch.tensor([seq.params.top_k for seq in batch], dtype=torch.long)
@@ -159,6 +167,52 @@ class BatchScheduler:
         targets = torch.tensor(seq.prompt_ids[1:], dtype=torch.long)
         values = [None] + logprobs.gather(-1, targets[:, None]).squeeze(-1).tolist()
         return values[seq.logprob_start_len:]
+
+
+class BatchScheduler:
+    """The engine's generation side: the queue, the batch loop, the decode workers, pause and continue.
+
+    Its model lock is the engine's: the batch loop holds it while a batch decodes, and the weight routes take it to
+    load weights, so the two never overlap. The lock and the wake-up event belong to the server's event loop:
+    start() creates them there."""
+
+    def __init__(self, batch_generator: BatchGenerator, max_positions: int | None, max_batch_size: int,
+                 max_total_tokens: int, workers: int, batch_window_s: float):
+        """workers: a batch of at least MIN_ROWS_PER_WORKER sequences per worker is split into that many contiguous
+        parts, generated concurrently by as many threads. max_total_tokens: the cache slots one batch may take."""
+        self.batch_generator = batch_generator
+        self.max_positions = max_positions
+        self.max_batch_size = max_batch_size
+        self.max_total_tokens = max_total_tokens
+        self.workers = ThreadPoolExecutor(workers, thread_name_prefix="decode") if workers > 1 else None
+        self.num_workers = workers
+        self.batch_window_s = batch_window_s
+        self.waiting: list[Sequence] = []
+        self.running = False
+        self.paused = False
+        self.interrupt = threading.Event()  # set by pause: the running batch stops at its next step
+        self.interrupt_mode = "abort"
+        self.model_lock: asyncio.Lock | None = None
+        self.wakeup: asyncio.Event | None = None
+
+    def start(self) -> asyncio.Task:
+        """In the server's event loop: create the model lock and the wake-up event, and run the batch loop."""
+        self.model_lock = asyncio.Lock()
+        self.wakeup = asyncio.Event()
+        return asyncio.create_task(self.batch_loop())
+
+    def decode(self, batch: list[Sequence]) -> None:
+        """Decode `batch`, split over the workers (contiguous parts, so the same batch is always split alike)."""
+        parts = min(self.num_workers, len(batch) // MIN_ROWS_PER_WORKER)
+        if parts <= 1:
+            self.batch_generator.generate(batch, self.interrupt)
+            return
+        bounds = [len(batch) * part // parts for part in range(parts + 1)]
+        futures = [self.workers.submit(self.batch_generator.generate, batch[start:end], self.interrupt)
+                   for start, end in zip(bounds, bounds[1:])]
+        errors = [error for future in futures if (error := future.exception()) is not None]
+        if errors:
+            raise errors[0]
 
     async def batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -215,18 +269,19 @@ class BatchScheduler:
         self.waiting = self.waiting[len(batch):]
         return batch
 
-    # ---- HTTP handlers ------------------------------------------------------------------------------------
-
-    async def generate(self, body: dict):
-        sequences, single = self._parse_generate(body)
+    async def run(self, sequences: list[Sequence]) -> None:
+        """Queue `sequences` and wait until each has finished (or a pause aborted it)."""
         loop = asyncio.get_running_loop()
         for seq in sequences:
             seq.done = loop.create_future()
         self.waiting.extend(sequences)
         self.wakeup.set()
         await asyncio.gather(*(seq.done for seq in sequences))
-        responses = [self._response(seq) for seq in sequences]
-        return responses[0] if single else responses
+
+    def fully_idle(self) -> bool:
+        """SGLang's is_fully_idle(ignore_waiting=paused): no batch runs, and no request waits on an unpaused engine
+        (a paused engine's queue, retracted requests, does not count)."""
+        return not self.running and (self.paused or not self.waiting)
 
     async def pause(self, mode: str) -> None:
         if mode not in ("abort", "retract"):

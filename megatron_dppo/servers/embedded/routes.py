@@ -1,19 +1,29 @@
 """The embedded engine's HTTP routes: SGLang 0.5.23's, with its bodies and answers (aiohttp).
 
-/generate, /health, /health_generate, /model_info, /flush_cache, /pause_generation, /continue_generation,
-/init_weights_update_group, /begin_weight_update, /update_weights_from_distributed, /end_weight_update,
-/destroy_weights_update_group, /update_weights_from_disk. A RequestError, a missing field or a wrong type is
-answered with HTTP 400 and the reason; with an API key every route but /health* needs it.
+    /generate ─► engine.generate (request parser ─► scheduler ─► SGLang's answer)
+    /pause_generation, /continue_generation, /flush_cache ─► engine.scheduler (and the prefix cache)
+    /init_weights_update_group, /destroy_weights_update_group, /begin_weight_update, /end_weight_update,
+    /update_weights_from_distributed, /update_weights_from_disk ─► engine.weights, under the scheduler's model lock
+    /health, /health_generate, /model_info
+
+Invariants:
+- a RequestError, a missing field or a wrong type is answered with HTTP 400 and the reason; with an API key every
+  route but /health* needs it;
+- every weight route runs under the model lock, which the batch loop holds while a batch decodes: generation and
+  weight loading never overlap; every load and /flush_cache clears the prefix cache;
+- the app reads the engine's parts only when a request comes (building it touches nothing of the engine).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from megatron_dppo.rollout.engine_requests import RequestError
+from megatron_dppo.servers.embedded.request_parser import RequestError
 
 
 def build_app(engine, api_key: str | None = None):
+    """The aiohttp app serving an EmbeddedEngine through what it offers: generate, model_info, and its scheduler,
+    weights and prefix_cache."""
     from aiohttp import web
 
     async def json_body(request) -> dict:
@@ -49,7 +59,7 @@ def build_app(engine, api_key: str | None = None):
         return web.Response(status=200)
 
     async def health_generate(request):
-        if engine.paused or engine.running:
+        if engine.scheduler.paused or engine.scheduler.running:
             return web.Response(status=200)
         try:
             await asyncio.wait_for(engine.generate({"input_ids": [0], "sampling_params": {
@@ -65,48 +75,46 @@ def build_app(engine, api_key: str | None = None):
         # Drops the prefix cache. As SGLang 0.5.23's Scheduler.flush_cache, is_fully_idle(ignore_waiting=paused):
         # refused (HTTP 400) while a batch runs or requests wait on an unpaused engine; a paused engine's queue,
         # retracted requests, does not block it, so a sync flushes with requests retracted.
-        if engine.running or (engine.waiting and not engine.paused):
+        if not engine.scheduler.fully_idle():
             return web.Response(status=400, text="Cache not flushed: requests are running.\n")
         engine.prefix_cache.clear()
         return web.Response(status=200, text="Cache flushed.\n")
 
     async def pause_generation(request):
-        await engine.pause((await json_body(request)).get("mode", "abort"))
+        await engine.scheduler.pause((await json_body(request)).get("mode", "abort"))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(request):
-        engine.resume()
+        engine.scheduler.resume()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def locked_call(fn, body, blocking: bool = True) -> None:
-        async with engine.model_lock:
+        async with engine.scheduler.model_lock:
             if blocking:  # off the event loop, which keeps serving the other routes meanwhile
                 await asyncio.get_running_loop().run_in_executor(None, fn, body)
             else:  # bookkeeping only: a hand-over to a thread would cost more than the call
                 fn(body)
 
     def locked_route(method: str, message: str, blocking: bool = True):
-        """A control route: `engine.<method>(body)` under the model lock, answered with SGLang's success body."""
+        """A control route: `engine.weights.<method>(body)` under the model lock, answered with SGLang's success
+        body."""
         async def route(request):
-            await locked_call(getattr(engine, method), await json_body(request), blocking)
+            await locked_call(getattr(engine.weights, method), await json_body(request), blocking)
             return web.json_response({"success": True, "message": message})
         return route
 
     async def update_distributed(request):
         body = await json_body(request)
-        async with engine.model_lock:  # generation never sees a half-loaded bucket
+        async with engine.scheduler.model_lock:  # generation never sees a half-loaded bucket
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, engine.update_from_distributed, body)
-        if body.get("weight_version") is not None:
-            engine.weight_version = str(body["weight_version"])
+            await loop.run_in_executor(None, engine.weights.update_from_distributed, body)
+        engine.weights.record_version(body)
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 
     async def update_from_disk(request):
         body = await json_body(request)
-        await locked_call(engine.load_from_disk, body)
-        engine.load_format = body.get("load_format")
-        if body.get("weight_version") is not None:
-            engine.weight_version = str(body["weight_version"])
+        await locked_call(engine.weights.load_from_disk, body)
+        engine.weights.record_version(body)
         return web.json_response({"success": True, "message": "Succeeded to update model weights.",
                                   "num_paused_requests": 0})
 
@@ -130,9 +138,7 @@ def build_app(engine, api_key: str | None = None):
     app.router.add_post("/update_weights_from_disk", handler(update_from_disk))
 
     async def start_batch_loop(app):
-        engine.model_lock = asyncio.Lock()
-        engine.wakeup = asyncio.Event()
-        app["batch_loop"] = asyncio.create_task(engine.batch_loop())
+        app["batch_loop"] = engine.scheduler.start()
 
     async def stop_batch_loop(app):
         app["batch_loop"].cancel()

@@ -2,7 +2,7 @@
 
 contexts ──► prefill: [B, T] left-padded, one pass with a causal + padding mask; K/V written into a contiguous cache
              [B, kv_heads, slots, head_dim] per layer ──► final hidden states [B, T, hidden]. A context whose first
-             tokens the prefix cache holds (rollout/prefix_cache.py) has their K/V copied in, and the pass runs only
+             tokens the prefix cache holds (prefix_cache.py) has their K/V copied in, and the pass runs only
              over the last W positions, W the longest uncached part of any row ──► hidden states [B, W, hidden]
 tokens   ──► step: one position per row, K/V written in place at the next slot (the cache grows by BLOCK slots when
              full), attention over every slot of the cache, empty and padding slots masked ──► hidden [B, hidden]
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron_dppo.rollout.prefix_cache import CachedPrefix
+from megatron_dppo.servers.embedded.prefix_cache import CachedPrefix
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 # Cache slots added at a time: an empty slot costs one masked read per step, a growth copies the cache once.

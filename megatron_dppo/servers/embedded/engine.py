@@ -1,14 +1,16 @@
 """Embedded rollout server for CPU: SGLang's HTTP endpoints served from an HF transformers model.
 
-requests ──► queue ──► batch loop (until a quiet millisecond, at most `batch_window_s`) ──► split over the decode
-             workers ──► each: prefill, then one position per step from its KV cache (rollout/decoder.py), every row
-             sampled at once (rollout/sampling.py)
+requests ──► RequestParser.parse (request_parser.py) ──► BatchScheduler (scheduler.py): queue ──► batch loop (until
+             a quiet millisecond, at most `batch_window_s`) ──► split over the decode workers ──► each:
+             BatchGenerator.generate: prefill, then one position per step from its KV cache (decoder.py), every row
+             sampled at once (sampling.py) ──► response (request_parser.py)
 weights  ──► /init_weights_update_group (once) ──► per sync: /begin_weight_update ──► /update_weights_from_distributed
-             per bucket (receive, load by HF name) ──► /end_weight_update
+             per bucket (receive, load by HF name: WeightUpdates, weights.py) ──► /end_weight_update
 
-One class, EmbeddedEngine (here: the model, its settings and main), composed of its responsibilities, each in its
-own file: engine_requests.py (parse and answer /generate), engine_scheduler.py (queue, batch loop, decode workers,
-pause and continue), engine_weights.py (the weight-update session and loading), engine_routes.py (the HTTP routes);
+EmbeddedEngine owns the model and its parts, each built here with what it needs and nothing more: the request
+parser (the model's vocabulary and context, the KV budget, --max-n), the batch generator (decoder, prefix cache,
+stop ids, seed) inside the scheduler (queue, batch loop, decode workers, pause and continue, the model lock), and
+the weight updates (session, groups, bucket buffers, version, loading); routes.py serves them over HTTP.
 prefix_cache.py keeps the K/V of chunks that stopped at their token budget, so a request continuing one prefills
 only what follows it.
 
@@ -45,7 +47,7 @@ Invariants:
   its seed and position only: the same request gives the same samples, and another batching changes a sample only
   through the rounding of its logits.
 
-Run: python -m megatron_dppo.rollout.engine --model-dir DIR [--host 127.0.0.1] [--port P] [--api-key K]
+Run: python -m megatron_dppo.servers.embedded --model-dir DIR [--host 127.0.0.1] [--port P] [--api-key K]
      [--workers W] [--threads T] [--max-total-tokens KV_BUDGET] [--max-n N] [--disable-radix-cache]
 """
 
@@ -53,27 +55,24 @@ Run: python -m megatron_dppo.rollout.engine --model-dir DIR [--host 127.0.0.1] [
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from megatron_dppo.rollout.decoder import KVCacheDecoder
-from megatron_dppo.rollout.engine_requests import DEFAULT_MAX_N, GenerateRequests, Sequence
-from megatron_dppo.rollout.engine_routes import build_app
-from megatron_dppo.rollout.engine_scheduler import MIN_ROWS_PER_WORKER, BatchScheduler
-from megatron_dppo.rollout.engine_weights import WeightUpdates
-from megatron_dppo.rollout.prefix_cache import PrefixCache
+from megatron_dppo.servers.embedded.decoder import KVCacheDecoder
+from megatron_dppo.servers.embedded.prefix_cache import PrefixCache
+from megatron_dppo.servers.embedded.request_parser import DEFAULT_MAX_N, RequestParser, response
+from megatron_dppo.servers.embedded.routes import build_app
+from megatron_dppo.servers.embedded.scheduler import MIN_ROWS_PER_WORKER, BatchGenerator, BatchScheduler
+from megatron_dppo.servers.embedded.weights import WeightUpdates
 
 DEFAULT_KV_CACHE_BYTES = 2**30  # the KV budget's default size: see --max-total-tokens
 
 
-class EmbeddedEngine(BatchScheduler, GenerateRequests, WeightUpdates):
-    """Model, request queue, batch loop and weight-update state of one embedded rollout server."""
+class EmbeddedEngine:
+    """One embedded rollout server: the model, and the parts that parse, schedule, generate and load weights."""
 
     def __init__(self, model_dir: str, dtype: str = "float32", max_batch_size: int = 256,
                  batch_window_s: float = 0.005, seed: int = 0, model_name: str | None = None,
@@ -87,7 +86,6 @@ class EmbeddedEngine(BatchScheduler, GenerateRequests, WeightUpdates):
         if min(workers, max_batch_size, max_n, 1 if max_total_tokens is None else max_total_tokens) < 1:
             raise ValueError(f"--workers {workers}, --max-batch-size {max_batch_size}, --max-n {max_n} and "
                              f"--max-total-tokens {max_total_tokens} must be >= 1")
-        self.max_n = max_n
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if not Path(model_dir, "config.json").is_file():
@@ -105,37 +103,31 @@ class EmbeddedEngine(BatchScheduler, GenerateRequests, WeightUpdates):
             self.tokenizer = None  # input_ids in, output_ids out; text stays empty
         eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
         eos = eos if eos is not None else self.model.config.eos_token_id
-        self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
-        self.max_batch_size = max_batch_size
-        self.max_total_tokens = max_total_tokens or DEFAULT_KV_CACHE_BYTES // self.decoder.kv_bytes_per_token()
+        eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        max_total_tokens = max_total_tokens or DEFAULT_KV_CACHE_BYTES // self.decoder.kv_bytes_per_token()
         # cleared by every weight load and /flush_cache; holds nothing under --disable-radix-cache
-        self.prefix_cache = PrefixCache(self.max_total_tokens if prefix_cache else 0)
-        self.workers = ThreadPoolExecutor(workers, thread_name_prefix="decode") if workers > 1 else None
-        self.num_workers = workers
-        self.batch_window_s = batch_window_s
-        self.generator = torch.Generator().manual_seed(seed)
-        self.deterministic_inference = deterministic_inference
-        self.session_selector: str | None = None  # the open weight-update session's runners, as SGLang records it
-        self.weight_version = "default"
-        self.load_format = None
-        self.groups: dict[str, object] = {}
-        # flattened bucket layout (names, dtypes, shapes) -> the buffer its parameters are views into
-        self.bucket_buffers: dict[tuple, torch.Tensor] = {}
-        self.waiting: list[Sequence] = []
-        self.running = False
-        self.paused = False
-        self.interrupt = threading.Event()  # set by pause: the running batch stops at its next step
-        self.interrupt_mode = "abort"
-        self.model_lock: asyncio.Lock | None = None
-        self.wakeup: asyncio.Event | None = None
+        self.prefix_cache = PrefixCache(max_total_tokens if prefix_cache else 0)
+        self.request_parser = RequestParser(self.model.config.vocab_size, max_positions, max_total_tokens, max_n,
+                                            deterministic_inference)
+        self.scheduler = BatchScheduler(
+            BatchGenerator(self.decoder, self.prefix_cache, eos_token_ids, max_positions, seed),
+            max_positions, max_batch_size, max_total_tokens, workers, batch_window_s)
+        self.weights = WeightUpdates(self.model, self.prefix_cache)
+
+    async def generate(self, body: dict):
+        """Answer a /generate body: one response, or a list of them (several prompts or n > 1), in SGLang's order."""
+        sequences, single = self.request_parser.parse(body)
+        await self.scheduler.run(sequences)
+        responses = [response(seq, self.weights.weight_version, self.tokenizer) for seq in sequences]
+        return responses[0] if single else responses
 
     def model_info(self) -> dict:
         return {
             "model_path": self.model_dir, "served_model_name": self.model_name,
             "tokenizer_path": self.model_dir if self.tokenizer is not None else None,
-            "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
-            "load_format": self.load_format, "reasoning_parser": None, "tool_call_parser": None,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weights.weight_version,
+            "load_format": self.weights.load_format, "reasoning_parser": None, "tool_call_parser": None,
             "model_type": self.model.config.model_type, "architectures": self.model.config.architectures,
         }
 
@@ -143,7 +135,7 @@ class EmbeddedEngine(BatchScheduler, GenerateRequests, WeightUpdates):
 def main(argv: list[str] | None = None) -> None:
     from megatron_dppo.flags import COUNT, SEED, Domain, FlagParser, require_domains
 
-    parser = FlagParser(prog="megatron_dppo.rollout.engine", description=__doc__,
+    parser = FlagParser(prog="megatron_dppo.servers.embedded", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", required=True, help="saved HF model directory (config.json + weights)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -184,7 +176,3 @@ def main(argv: list[str] | None = None) -> None:
     web.run_app(build_app(engine, args.api_key), host=args.host, port=args.port, print=None,
                 handle_signals=True, shutdown_timeout=1.0)
     print(f"embedded engine stopped after {time.perf_counter() - start:.1f} s", flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,15 @@
 """The embedded engine's /generate requests, as strict as SGLang 0.5.23: a body is checked whole before anything of
 it is queued, and refused with RequestError (HTTP 400) and the reason; a response has SGLang's layout.
 
-    body ─► SequenceParams.from_sglang per sampling_params (SGLang's SamplingParams.verify, and JSON types: no
-            numbers in strings, NaN or infinity) ─► n in [1, --max-n], ids in the vocabulary, prompt + max_new_tokens
-            within the context, KV slots within the budget ─► one Sequence per sample, SGLang's order
+    body ─► RequestParser.parse: SequenceParams.from_sglang per sampling_params (SGLang's SamplingParams.verify, and
+            JSON types: no numbers in strings, NaN or infinity) ─► n in [1, --max-n], ids in the vocabulary,
+            prompt + max_new_tokens within the context, KV slots within the budget ─► one Sequence per sample,
+            SGLang's order (each with its sampling seed) ─► the scheduler ─► response(seq): SGLang's meta_info
+
+Invariants:
+- nothing of a refused body is queued: every check runs before the first Sequence exists;
+- a sequence's sampling seed is set here, once: SGLang's rule (only under --enable-deterministic-inference, then for
+  every sample, DEFAULT_SAMPLING_SEED when the request gives none), so a retract and resume keeps it.
 """
 
 from __future__ import annotations
@@ -103,7 +109,7 @@ class Sequence:
     input_logprobs: list[float | None] | None = None
     finish_reason: dict | None = None
     done: asyncio.Future | None = None
-    seed: int | None = None  # its sampling seed under --enable-deterministic-inference (rollout/sampling.py)
+    seed: int | None = None  # its sampling seed under --enable-deterministic-inference (sampling.py)
 
     def token_budget(self, max_positions: int | None) -> int:
         """How many tokens it may still generate: up to max_new_tokens, and within the model's positions."""
@@ -113,37 +119,49 @@ class Sequence:
         return budget
 
 
+def response(seq: Sequence, weight_version: str, tokenizer) -> dict:
+    """SGLang's answer for one finished sequence; text only with a tokenizer (else empty)."""
+    meta = {
+        "id": seq.rid,
+        "finish_reason": seq.finish_reason,
+        "prompt_tokens": len(seq.prompt_ids),
+        "completion_tokens": len(seq.output_ids),
+        "cached_tokens": 0,
+        "weight_version": weight_version,
+    }
+    if seq.return_logprob:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.output_logprobs, seq.output_ids)]
+        meta["output_token_logprobs_length"] = len(seq.output_ids)
+        prompt_tail = seq.prompt_ids[max(seq.logprob_start_len, 0):] if seq.logprob_start_len >= 0 else []
+        meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.input_logprobs or [], prompt_tail)]
+    text = tokenizer.decode(seq.output_ids) if tokenizer is not None else ""
+    return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
 
-class GenerateRequests:
-    """The EmbeddedEngine's request side: parse a /generate body into sequences, and answer one."""
 
-    def _response(self, seq: Sequence) -> dict:
-        meta = {
-            "id": seq.rid,
-            "finish_reason": seq.finish_reason,
-            "prompt_tokens": len(seq.prompt_ids),
-            "completion_tokens": len(seq.output_ids),
-            "cached_tokens": 0,
-            "weight_version": self.weight_version,
-        }
-        if seq.return_logprob:
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.output_logprobs, seq.output_ids)]
-            meta["output_token_logprobs_length"] = len(seq.output_ids)
-            prompt_tail = seq.prompt_ids[max(seq.logprob_start_len, 0):] if seq.logprob_start_len >= 0 else []
-            meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.input_logprobs or [], prompt_tail)]
-        text = self.tokenizer.decode(seq.output_ids) if self.tokenizer is not None else ""
-        return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
+class RequestParser:
+    """Turns a /generate body into the sequences it asks for, within the engine's limits, or refuses it whole."""
 
-    def _parse_generate(self, body: dict) -> tuple[list[Sequence], bool]:
-        """The sequences a /generate body asks for, in SGLang's order, or RequestError (HTTP 400) before anything is
-        queued: malformed fields, prompts or samples past the model's context, n above --max-n, or a request whose
-        sequences need more KV-cache slots than the engine's KV budget (see the module docstring)."""
+    def __init__(self, vocab_size: int, max_positions: int | None, max_total_tokens: int, max_n: int,
+                 deterministic_inference: bool):
+        """max_positions: the model's context (None: unbounded); max_total_tokens: the KV budget one request may ask
+        for; max_n: --max-n; deterministic_inference: SGLang's --enable-deterministic-inference (see sampling_seed)."""
+        self.vocab_size = vocab_size
+        self.max_positions = max_positions
+        self.max_total_tokens = max_total_tokens
+        self.max_n = max_n
+        self.deterministic_inference = deterministic_inference
+
+    def parse(self, body: dict) -> tuple[list[Sequence], bool]:
+        """The sequences a /generate body asks for, in SGLang's order, and whether the answer is one object (a single
+        prompt, n = 1) rather than a list; or RequestError (HTTP 400) before anything is queued: malformed fields,
+        prompts or samples past the model's context, n above --max-n, or a request whose sequences need more
+        KV-cache slots than the engine's KV budget (see the engine's module docstring)."""
         if not isinstance(body, dict) or body.get("input_ids") is None:
             raise RequestError("the embedded engine needs `input_ids` (a list of token ids or a list of lists); "
                                "`text` prompts need a tokenizer-backed SGLang server")
         if _field(body, "stream", "bool", False):
             raise RequestError("stream=true is not supported by the embedded engine")
-        input_ids, vocab = body["input_ids"], self.model.config.vocab_size
+        input_ids, vocab = body["input_ids"], self.vocab_size
         single = not isinstance(input_ids, list) or not input_ids or not isinstance(input_ids[0], list)
         prompts = [_token_ids(prompt, "input_ids", vocab) for prompt in ([input_ids] if single else input_ids)]
         if not prompts or any(not prompt for prompt in prompts):
@@ -181,10 +199,10 @@ class GenerateRequests:
             for prompt, (params, _) in zip(prompts, parsed):
                 sequences.append(Sequence(rid=uuid.uuid4().hex, prompt_ids=list(prompt), params=params,
                                           return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                                          seed=self._sampling_seed(params)))
+                                          seed=self.sampling_seed(params)))
         return sequences, single and n == 1
 
-    def _sampling_seed(self, params: SequenceParams) -> int | None:
+    def sampling_seed(self, params: SequenceParams) -> int | None:
         """As SGLang: without deterministic inference a sampling_seed is ignored; with it every sample is seeded."""
         if not self.deterministic_inference:
             return None
