@@ -19,9 +19,8 @@ from bench import peer_grpo_trl as trl_side
 from megatron_dppo.algo.losses import AGGREGATIONS
 from megatron_dppo.arguments import parse_args
 from megatron_dppo.data.tokenizer import CharTokenizer
-from megatron_dppo.metrics import load_run
+from megatron_dppo.metrics import load_run, plot_runs
 from megatron_dppo.tasks import Prompt, Task
-from tools.plot_metrics import plot_runs
 
 REPO = Path(__file__).resolve().parents[1]
 
