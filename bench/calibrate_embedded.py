@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.markdown_table import markdown  # noqa: E402
 from bench.training_run import launch_unless_finished  # noqa: E402
-from megatron_dppo.arguments import parse_args as parse_training_args  # noqa: E402
+from megatron_dppo.launch.arguments import parse_args as parse_training_args  # noqa: E402
 
 
 def parse_grid(items: list[str]) -> list[list[str]]:
@@ -68,7 +68,7 @@ def accuracy_by_cell(checkpoint: Path, tokenizer_dir: Path, out_dir: Path, probl
 
     from megatron_dppo.actor.conversion import megatron_to_hf
     from megatron_dppo.data.tokenizer import CharTokenizer
-    from megatron_dppo.tasks import SYNTHETIC_REWARDS, reward_scorer
+    from megatron_dppo.pipeline.tasks import SYNTHETIC_REWARDS, reward_scorer
 
     if not (out_dir / "config.json").is_file():
         megatron_to_hf(checkpoint, out_dir, tokenizer_dir=tokenizer_dir)
@@ -93,7 +93,7 @@ def accuracy_by_cell(checkpoint: Path, tokenizer_dir: Path, out_dir: Path, probl
 
 def calibrate(flags: list[str], args: argparse.Namespace) -> dict:
     """RL and control for one setting; returns its row values and per-cell accuracies."""
-    from megatron_dppo.embedded import WARM_START_RECORD, rl_cells
+    from megatron_dppo.launch.embedded import WARM_START_RECORD, rl_cells
 
     out = Path(args.out_dir) / setting_name(flags)
     common = [*shlex.split(args.common), *flags, "--seed", str(args.seed)]

@@ -9,7 +9,7 @@ Distributions (10,000 sequences each, drawn with a fixed seed):
 Packers, all under the same token budget per micro-batch (--max-tokens-per-gpu):
   padded         naive padded batching in arrival order: add rows while rows · longest row fits the budget
   ffd            full-sort first-fit decreasing (a baseline, not used by the trainer)
-  window_greedy  megatron_dppo.packing.pack (window-greedy best fit, then Karmarkar–Karp over DP ranks)
+  window_greedy  megatron_dppo.pipeline.packing.pack (window-greedy best fit, then Karmarkar–Karp over DP ranks)
 
 density = valid tokens / (micro-batches · max_tokens_per_gpu). DP load ratio = max / min of the per-rank cost
 Σs + c·Σs². Times are medians of repeats in this process. The last line is the lowest window-greedy density
@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from megatron_dppo.data.paths import shared_data_dir
-from megatron_dppo.packing import DEFAULT_ATTENTION_COST_COEF, pack, packing_density
+from megatron_dppo.pipeline.packing import DEFAULT_ATTENTION_COST_COEF, pack, packing_density
 
 NUM_SEQUENCES = 10_000
 

@@ -47,7 +47,7 @@ from bench import accuracy_runs, peer_grpo_trl  # noqa: E402
 from bench.markdown_table import markdown  # noqa: E402
 from bench.peer_grpo_trl import TRL_VERSION, completion_up_to_eos  # noqa: E402
 from bench.run_costs import model_size, with_costs  # noqa: E402
-from megatron_dppo.arguments import parse_args as parse_training_args  # noqa: E402
+from megatron_dppo.launch.arguments import parse_args as parse_training_args  # noqa: E402
 from megatron_dppo.metrics import load_run, plot_runs  # noqa: E402
 
 PEER_METHOD = "trl-peer"
@@ -201,7 +201,7 @@ def export_warm_start(warm_start: Path, out_dir: Path) -> Path:
 
 def load_task(args, hf_dir: Path):
     """The task our trainer builds from these flags, with the exported tokenizer (the warm start's)."""
-    from megatron_dppo.run import build_task, load_tokenizer
+    from megatron_dppo.launch.run import build_task, load_tokenizer
 
     tokenizer = load_tokenizer(hf_dir)
     return build_task(args, tokenizer), tokenizer
@@ -300,7 +300,7 @@ def hf_generator(hf_dir: Path, args, tokenizer, prompts: list, threads: int):
 
 def engine_generator(url: str, args, task, tokenizer, prompts: list):
     """The embedded engine asked as the trainer asks it (its client settings, seeded, n=G); -> generate(repeat)."""
-    from megatron_dppo.experience import ExperienceMaker
+    from megatron_dppo.pipeline.experience import ExperienceMaker
     from megatron_dppo.rollout.client import RolloutClient
 
     client = RolloutClient([url], max_concurrency=args.rollout_max_concurrency,
@@ -318,8 +318,8 @@ def engine_generator(url: str, args, task, tokenizer, prompts: list):
 def generation_benchmark(args, hf_dir: Path, threads: int, repeats: int, processes: int) -> dict:
     """One step's prompts x G samples: in-process HF `generate` as TRL calls it, and the embedded engine started as
     run.start_rollout starts it under `processes` trainer processes, and with one worker of `generate`'s threads."""
+    from megatron_dppo.launch.run import embedded_engine_options
     from megatron_dppo.rollout.launcher import launch_embedded_engine
-    from megatron_dppo.run import embedded_engine_options
 
     task, tokenizer = load_task(args, hf_dir)
     prompts = task.next_prompts(args.rollout_batch_size)  # the first step's draw of the GRPO run

@@ -29,11 +29,11 @@ from types import SimpleNamespace
 
 import torch
 
+from megatron_dppo.launch.run import embedded_engine_options
 from megatron_dppo.rollout.client import RolloutClient, SamplingParams
 from megatron_dppo.rollout.launcher import launch_embedded_engine, launch_vllm_servers
 from megatron_dppo.rollout.vllm import VLLMCompletionsAPI, VLLMControl
 from megatron_dppo.rollout.weight_sync import AUTO_FORMAT, WeightSyncer
-from megatron_dppo.run import embedded_engine_options
 from megatron_dppo.weight_update_protocol import FLATTENED_BUCKET
 
 VOCAB = 4096

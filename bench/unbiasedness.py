@@ -41,7 +41,6 @@ torch.set_num_threads(1)  # tiny tensors: threads only add overhead
 
 from megatron_dppo.algo.losses import AGGREGATIONS, FullBatchInfo, loss_normalizer, packed_policy_loss  # noqa: E402
 from megatron_dppo.algo.pruning import build_pruner  # noqa: E402
-from megatron_dppo.arguments import parse_args  # noqa: E402
 from megatron_dppo.data.synthetic import (  # noqa: E402
     END_MARKER,
     TASK_CELLS,
@@ -50,10 +49,11 @@ from megatron_dppo.data.synthetic import (  # noqa: E402
     rl_pool_seed,
 )
 from megatron_dppo.data.tokenizer import CharTokenizer  # noqa: E402
-from megatron_dppo.experience import ExperienceMaker, loss_config, pruner_options  # noqa: E402
-from megatron_dppo.packing import TrainingSample, build_thd_batch, pack_micro_batches  # noqa: E402
+from megatron_dppo.launch.arguments import parse_args  # noqa: E402
+from megatron_dppo.pipeline.experience import ExperienceMaker, loss_config, pruner_options  # noqa: E402
+from megatron_dppo.pipeline.packing import TrainingSample, build_thd_batch, pack_micro_batches  # noqa: E402
+from megatron_dppo.pipeline.tasks import synthetic_task  # noqa: E402
 from megatron_dppo.rollout.client import Completion  # noqa: E402
-from megatron_dppo.tasks import synthetic_task  # noqa: E402
 
 NUM_PROMPTS, GROUP = 16, 8
 FEATURES = 4  # the tiny policy's width: FEATURES² parameters, the coordinates of the gradient

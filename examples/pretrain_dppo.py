@@ -15,19 +15,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main():
-    from megatron_dppo.arguments import parse_args
     from megatron_dppo.errors import UserInputError, require_torchrun
+    from megatron_dppo.launch.arguments import parse_args
     from megatron_dppo.platform.process import exit_saying_once, is_rank0
 
     args = parse_args()
     try:
         if args.dry_run:  # print the launch plan and parallel layout (or why it cannot be laid out); start nothing
-            from megatron_dppo.launch_plan import print_plan
+            from megatron_dppo.launch.launch_plan import print_plan
 
             print_plan(args)
             return
         require_torchrun()  # before the imports below, which take seconds
-        from megatron_dppo.run import run
+        from megatron_dppo.launch.run import run
 
         summary = run(args)
     except UserInputError as error:  # the user's to fix (data, launch): one line, not a traceback

@@ -3,10 +3,10 @@
 The package reads in three layers; an arrow is "imports", and no two parts import each other
 (tests/test_package_structure.py).
 
-entry      examples/pretrain_dppo.py ─► arguments.py (the flags, checked) ─► run.py (starts and stops everything)
-           launch_plan.py (--dry-run: nodes, ranks, servers), embedded.py + tasks.py (the no-argument CPU default)
+entry      examples/pretrain_dppo.py ─► launch/: arguments.py (the flags, checked) ─► run.py (starts and stops
+           everything); launch_plan.py (--dry-run: nodes, ranks, servers); embedded.py (the no-argument CPU default)
 
-pipeline   trainer.py, one RL step, a method per phase:
+pipeline   pipeline/: tasks.py (prompt source + reward) ─► trainer.py, one RL step, a method per phase:
              experience.py (rank 0: prompt draw ─► algo/ prompt level ─► rollout/ client ─► rewards/ ─► algo/
              advantages and completion pruning; partial_rollouts.py when chunks span steps)
              ─► packing.py (Dense Prompt Packing into THD micro-batches) ─► actor/ (Megatron-Core model, fused

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from megatron_dppo.arguments import parse_args
+from megatron_dppo.launch.arguments import parse_args
 from tests.launch import REPO_ROOT, finish, kill_marked, processes_marked, start_torchrun
 
 ENTRY = REPO_ROOT / "examples" / "pretrain_dppo.py"

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from megatron_dppo.algo import CPPOConfig, D3SConfig, DAPOConfig, DPPOConfig
-from megatron_dppo.arguments import build_parser, parse_args
+from megatron_dppo.launch.arguments import build_parser, parse_args
 from tests.launch import REPO_ROOT
 
 CONFIGS = {"DPPOConfig": DPPOConfig, "CPPOConfig": CPPOConfig, "D3SConfig": D3SConfig, "DAPOConfig": DAPOConfig}
@@ -73,7 +73,7 @@ def test_d3s_without_a_run_length_is_refused_naming_the_flags(capsys):
 
 def test_argument_parsing_stays_torch_free():
     # --dry-run runs before every Slurm launch: parsing and validating must not pay for importing torch
-    code = ("import sys, megatron_dppo.arguments as a; a.parse_args(['--dry-run']); "
+    code = ("import sys, megatron_dppo.launch.arguments as a; a.parse_args(['--dry-run']); "
             "a.parse_args(['--dry-run', '--prompt-data', 'math', '--hf-checkpoint', 'model']); "
             "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from megatron_dppo.arguments import parse_args
+from megatron_dppo.launch.arguments import parse_args
 
 
 def declared_group(backend: ProcessGroup.BackendType, size: int = 2) -> ProcessGroup:
@@ -23,7 +23,7 @@ def declared_group(backend: ProcessGroup.BackendType, size: int = 2) -> ProcessG
 def test_embedded_engine_syncs_over_gloo_where_the_trainer_runs_nccl(monkeypatch, tmp_path):
     """The embedded engine holds its model in host memory, so its weight-sync group is gloo on a CUDA machine too
     (whose trainer runs NCCL there): an NCCL group would be handed host tensors."""
-    from megatron_dppo import run
+    from megatron_dppo.launch import run
     from megatron_dppo.rollout import launcher
 
     monkeypatch.setattr(run, "is_cpu", lambda: False)  # a CUDA machine, whose trainer runs NCCL

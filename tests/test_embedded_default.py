@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dppo.arguments import EMBEDDED_TASK_DEFAULTS, parse_args
 from megatron_dppo.data.synthetic import TASK_CELLS, SyntheticArithmetic, format_target, max_prompt_length
 from megatron_dppo.data.tokenizer import SYNTHETIC_ALPHABET, CharTokenizer
-from megatron_dppo.embedded import cache_key, tiny_model, warm_start_cells
-from megatron_dppo.tasks import synthetic_task
+from megatron_dppo.launch.arguments import EMBEDDED_TASK_DEFAULTS, parse_args
+from megatron_dppo.launch.embedded import cache_key, tiny_model, warm_start_cells
+from megatron_dppo.pipeline.tasks import synthetic_task
 from tests.launch import REPO_ROOT, finish, start_torchrun
 
 

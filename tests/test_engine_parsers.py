@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dppo.arguments import parse_args
+from megatron_dppo.launch.arguments import parse_args
 from megatron_dppo.rollout.launcher import VLLM_PYTHON_VARIABLE, sglang_servers, vllm_servers
 
 WORKERS = Path(__file__).parent / "workers"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dppo.evaluation import SampleScore, aggregate, majority_score, markdown_table, score_samples
+from megatron_dppo.pipeline.evaluation import SampleScore, aggregate, majority_score, markdown_table, score_samples
 from megatron_dppo.rewards.math import VerifierPool
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

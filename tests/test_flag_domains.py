@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from megatron_dppo.arguments import EMBEDDED_DEFAULTS, EMBEDDED_TASK_DEFAULTS, build_parser, parse_args
 from megatron_dppo.flags import COUNT, Domain, FlagParser, require_domains
+from megatron_dppo.launch.arguments import EMBEDDED_DEFAULTS, EMBEDDED_TASK_DEFAULTS, build_parser, parse_args
 
 # Flags whose values are text: paths, names, URLs, cells. Each is checked where it is used (the model folder and
 # prompt sources at parse time, arguments.model_and_data_errors; cells, arguments.embedded_errors), not by a range.

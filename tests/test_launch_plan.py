@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dppo.arguments import parse_args
-from megatron_dppo.launch_plan import build_plan, expand_nodelist, format_plan, plan_from_environment
+from megatron_dppo.launch.arguments import parse_args
+from megatron_dppo.launch.launch_plan import build_plan, expand_nodelist, format_plan, plan_from_environment
 
 REPO = Path(__file__).resolve().parents[1]
 NODES = ["gpu01", "gpu02", "gpu03", "gpu04"]
@@ -123,8 +123,8 @@ def test_laying_out_the_plan_with_its_sync_group_stays_torch_free():
     # tensor functions must import torch only when called
     flags = ["--dry-run", "--hf-checkpoint", "Qwen3-4B", "--rollout-backend", "external", "--rollout-urls",
              *SERVER_URLS, "--rollout-server-gpus", "2"]
-    code = ("import sys; from megatron_dppo.arguments import parse_args; "
-            "from megatron_dppo.launch_plan import build_plan, format_plan; "
+    code = ("import sys; from megatron_dppo.launch.arguments import parse_args; "
+            "from megatron_dppo.launch.launch_plan import build_plan, format_plan; "
             f"args = parse_args({flags!r}); "
             f"format_plan(build_plan(args, {NODES!r}, trainer_nodes=2, rollout_nodes=2, gpus_per_node=8)); "
             "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
@@ -258,7 +258,7 @@ def test_a_plan_that_cannot_be_laid_out_ends_in_one_line(flags, env, message):
 def test_plan_prints_the_commands_rollout_node_sh_runs_on_a_rollout_node(monkeypatch, tmp_path):
     """examples/slurm/rollout_node.sh builds its servers' commands in shell; run with a stand-in interpreter that
     records what it was started with, they equal what the plan prints for that node."""
-    from megatron_dppo.launch_plan import RolloutNodeServers
+    from megatron_dppo.launch.launch_plan import RolloutNodeServers
 
     record = tmp_path / "started"
     python = tmp_path / "python"

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_dppo.packing import (
+from megatron_dppo.pipeline.packing import (
     LOGPROB_FIELDS,
     TrainingSample,
     build_thd_batch,
@@ -284,7 +284,7 @@ def test_bad_input_raises_a_clear_error(call, message):
 def test_a_tokenizer_without_a_pad_token_pads_packed_batches_with_its_eos():
     from types import SimpleNamespace
 
-    from megatron_dppo.packing import padding_token_id
+    from megatron_dppo.pipeline.packing import padding_token_id
 
     no_pad = SimpleNamespace(pad_token_id=None, eos_token_id=7)  # as Llama 3's and Qwen's base tokenizers
     samples = [TrainingSample([1, 2], [3]), TrainingSample([4], [5, 6])]

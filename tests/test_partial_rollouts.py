@@ -9,11 +9,11 @@ from collections import Counter
 
 import pytest
 
-from megatron_dppo.arguments import parse_args
 from megatron_dppo.data.tokenizer import CharTokenizer
-from megatron_dppo.experience import ExperienceMaker
+from megatron_dppo.launch.arguments import parse_args
+from megatron_dppo.pipeline.experience import ExperienceMaker
+from megatron_dppo.pipeline.tasks import synthetic_task
 from megatron_dppo.rollout.client import Completion
-from megatron_dppo.tasks import synthetic_task
 
 GROUP, BATCH, MAX_LEN = 4, 6, 176  # the worked task's response limit
 

@@ -17,10 +17,10 @@ from bench import accuracy_curves, accuracy_runs, run_costs
 from bench import peer_grpo as peer
 from bench import peer_grpo_trl as trl_side
 from megatron_dppo.algo.losses import AGGREGATIONS
-from megatron_dppo.arguments import parse_args
 from megatron_dppo.data.tokenizer import CharTokenizer
+from megatron_dppo.launch.arguments import parse_args
 from megatron_dppo.metrics import load_run, plot_runs
-from megatron_dppo.tasks import Prompt, Task
+from megatron_dppo.pipeline.tasks import Prompt, Task
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -235,7 +235,7 @@ def test_generation_ratios_divide_the_engine_by_in_process_generate(tmp_path):
 
 
 def test_the_trainer_starts_one_engine_worker_with_a_thread_per_trainer_process_unless_async_or_told(tmp_path):
-    from megatron_dppo.run import embedded_engine_options
+    from megatron_dppo.launch.run import embedded_engine_options
 
     common = {"enable_deterministic_inference": True, "disable_radix_cache": False}
     args = grpo_args(tmp_path)

@@ -8,10 +8,10 @@ import torch
 
 from megatron_dppo.algo import PromptHistory, build_pruner, full_batch_counts
 from megatron_dppo.algo.history import zero_variance_groups
-from megatron_dppo.arguments import parse_args
-from megatron_dppo.experience import ExperienceMaker
+from megatron_dppo.launch.arguments import parse_args
+from megatron_dppo.pipeline.experience import ExperienceMaker
+from megatron_dppo.pipeline.tasks import Prompt, Task
 from megatron_dppo.rollout.client import Completion
-from megatron_dppo.tasks import Prompt, Task
 
 G = 4
 ALL_RIGHT, ALL_WRONG, MIXED = [1.0] * G, [0.0] * G, [1.0, 0.0, 1.0, 0.0]

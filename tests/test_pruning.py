@@ -390,8 +390,8 @@ def test_prompt_history_is_an_ema_and_survives_a_checkpoint():
 
 def test_dppo_prompt_score_flag_reaches_the_pruner_and_is_refused_for_other_algorithms(capsys):
     from megatron_dppo.algo import PROMPT_SCORES
-    from megatron_dppo.arguments import build_parser, parse_args
-    from megatron_dppo.experience import pruner_options
+    from megatron_dppo.launch.arguments import build_parser, parse_args
+    from megatron_dppo.pipeline.experience import pruner_options
 
     flag = next(a for a in build_parser()._actions if "--dppo-prompt-score" in a.option_strings)
     assert tuple(flag.choices) == PROMPT_SCORES  # the parser's copy of the names stays the pruner's
@@ -405,7 +405,7 @@ def test_dppo_prompt_score_flag_reaches_the_pruner_and_is_refused_for_other_algo
 
 
 def test_run_progress_follows_whichever_of_steps_and_time_budget_ends_the_run():
-    from megatron_dppo.experience import run_progress
+    from megatron_dppo.pipeline.experience import run_progress
 
     assert run_progress(5, 10.0, train_iters=20, time_budget_s=None) == 0.25
     assert run_progress(5, 10.0, train_iters=None, time_budget_s=40.0) == 0.25  # a time-budgeted run

@@ -77,8 +77,8 @@ def test_vllm_servers_get_their_own_gpus_after_the_trainers_and_a_clean_environm
 
 def test_too_few_gpus_for_the_servers_fail_the_run_before_the_model_loads(monkeypatch, tmp_path):
     """The layout is checked first: a model folder whose files cannot load shows that nothing was read before."""
-    from megatron_dppo import run
-    from megatron_dppo.arguments import parse_args
+    from megatron_dppo.launch import run
+    from megatron_dppo.launch.arguments import parse_args
 
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
         (tmp_path / name).write_text("not a model")
@@ -94,8 +94,8 @@ def test_too_few_gpus_for_the_servers_fail_the_run_before_the_model_loads(monkey
 
 def test_the_process_group_timeout_is_distributed_timeout_minutes(monkeypatch):
     """Rank 0 generates while the others wait in a collective: their wait is the flag's, 120 minutes by default."""
-    from megatron_dppo import run
-    from megatron_dppo.arguments import parse_args
+    from megatron_dppo.launch import run
+    from megatron_dppo.launch.arguments import parse_args
 
     class Started(Exception):
         pass

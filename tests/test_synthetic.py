@@ -204,7 +204,7 @@ def test_bad_cells_tasks_and_references_are_clear_errors():
 
 def test_the_rl_pool_is_drawn_apart_from_the_warm_starts_worked_problems():
     from megatron_dppo.data.synthetic import TASK_CELLS
-    from megatron_dppo.tasks import synthetic_task
+    from megatron_dppo.pipeline.tasks import synthetic_task
 
     # one --seed for both: without a stream of its own the pool would begin with the warm start's 500 problems
     warm = {p.prompt for p in WarmStartData(seed=1, cells=TASK_CELLS["worked"], problems=500).pool}

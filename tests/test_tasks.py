@@ -6,7 +6,7 @@ import pytest
 
 from megatron_dppo.data.datasets import load_prompt_data
 from megatron_dppo.data.tokenizer import CharTokenizer
-from megatron_dppo.tasks import dataset_task, reward_scorer
+from megatron_dppo.pipeline.tasks import dataset_task, reward_scorer
 
 
 def test_a_jsonl_file_in_gsm8k_layout_trains_with_the_gsm8k_reward_and_stable_ids(tmp_path):

@@ -317,7 +317,7 @@ def test_grpo_tuning_changes_one_setting_at_a_time_from_the_common_flags():
 
 
 def test_the_benchs_own_task_settings_are_ones_the_trainer_takes():
-    from megatron_dppo.arguments import EMBEDDED_TASK_DEFAULTS, parse_args
+    from megatron_dppo.launch.arguments import EMBEDDED_TASK_DEFAULTS, parse_args
 
     for task, settings in accuracy_runs.TASK_SETTINGS.items():
         assert set(settings) == set(EMBEDDED_TASK_DEFAULTS[task])

@@ -100,8 +100,8 @@ def test_server_environment_is_clean_and_a_missing_interpreter_is_named(monkeypa
 
 
 def test_rollout_backend_vllm_flags_are_checked_and_its_plan_has_one_server_in_the_sync_group(monkeypatch, capsys):
-    from megatron_dppo.arguments import is_embedded_default, parse_args
-    from megatron_dppo.launch_plan import build_plan
+    from megatron_dppo.launch.arguments import is_embedded_default, parse_args
+    from megatron_dppo.launch.launch_plan import build_plan
 
     monkeypatch.delenv(VLLM_PYTHON_VARIABLE, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -153,8 +153,8 @@ def test_each_vllm_chunk_of_a_partial_rollout_is_seeded_from_its_draw_seed_and_t
     chunk 2 would repeat chunk 1 token for token. Each chunk's seed must be its own, and a function of the draw seed and
     the tokens so far only, so that a resumed run (the samples as a checkpoint holds them) sends the same seeds."""
     from megatron_dppo.algo.pruning import PromptDecision
-    from megatron_dppo.partial_rollouts import PartialConfig, PartialRollouts, PartialSample
-    from megatron_dppo.tasks import Prompt
+    from megatron_dppo.pipeline.partial_rollouts import PartialConfig, PartialRollouts, PartialSample
+    from megatron_dppo.pipeline.tasks import Prompt
 
     server = GeneratorPerRequestServer()
     monkeypatch.setattr(RolloutClient, "_post_generate", lambda client, session, url, payload: server.post(
@@ -250,8 +250,8 @@ def test_partial_rollouts_pause_a_sample_mid_response_and_resume_it_from_its_pre
     samples are the straight ones token for token; sampled, each continued sample's log-probs are the model's on the
     whole response."""
     from megatron_dppo.algo.pruning import PromptDecision
-    from megatron_dppo.partial_rollouts import PartialConfig, PartialRollouts
-    from megatron_dppo.tasks import Prompt
+    from megatron_dppo.pipeline.partial_rollouts import PartialConfig, PartialRollouts
+    from megatron_dppo.pipeline.tasks import Prompt
 
     client = RolloutClient([server.url], api=VLLMCompletionsAPI(), request_timeout_s=120)
     prompts = [Prompt(index, ids, "0") for index, ids in enumerate(PROMPTS)]
@@ -278,8 +278,8 @@ def test_vllm_partial_rollout_chunks_at_temperature_1_do_not_repeat_the_first_ch
     it, but with chunk 1's seed) shows that on this server; the partial rollout's own chunk 2 must not, and the same
     cohort generated again gives the same tokens (seeds from the draw seed and the tokens so far only)."""
     from megatron_dppo.algo.pruning import PromptDecision
-    from megatron_dppo.partial_rollouts import PartialConfig, PartialRollouts
-    from megatron_dppo.tasks import Prompt
+    from megatron_dppo.pipeline.partial_rollouts import PartialConfig, PartialRollouts
+    from megatron_dppo.pipeline.tasks import Prompt
 
     api = VLLMCompletionsAPI()
     client = RolloutClient([server.url], api=api, request_timeout_s=120)

@@ -3,7 +3,7 @@
     --benchmarks: built-in names (from DPPO_DATA_DIR or ../shared/data, or --data-dir), .jsonl/.json/.parquet files,
                   directories of them, or Hugging Face data set names; all read and checked before any server starts
     --urls (SGLang or any compatible server) or --model-dir (starts the embedded engine)
-        ──► megatron_dppo.evaluation.evaluate ──► <output-dir>/results.json and results.md
+        ──► megatron_dppo.pipeline.evaluation.evaluate ──► <output-dir>/results.json and results.md
 
 Examples:
     python tools/evaluate.py --model-dir ckpt/hf --benchmarks math500 gsm8k --k 4 --temperature 0.6 --output-dir eval
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from megatron_dppo.data.checks import hf_checkpoint_errors
 from megatron_dppo.data.datasets import BENCHMARKS, PromptDataError
-from megatron_dppo.evaluation import EVALUATION_REWARDS, evaluate, load_benchmarks, markdown_table
+from megatron_dppo.pipeline.evaluation import EVALUATION_REWARDS, evaluate, load_benchmarks, markdown_table
 from megatron_dppo.rewards.math import VerifierPool
 from megatron_dppo.rollout.client import RolloutClient, SamplingParams
 from megatron_dppo.rollout.launcher import launch_embedded_engine

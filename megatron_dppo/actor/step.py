@@ -1,7 +1,7 @@
 """Run packed THD micro-batches through Megatron's pipeline schedule (forward only, or forward and backward).
 
 A packed micro-batch has `tokens [1, T]` and `cu_seqlens [n+1]` (int32), optionally `cu_seqlens_padded`
-(`megatron_dppo.packing.THDBatch` is one). Token t is scored against token t+1 of the stream; the last token of
+(`megatron_dppo.pipeline.packing.THDBatch` is one). Token t is scored against token t+1 of the stream; the last token of
 every sequence therefore has a meaningless target, and the packer's loss mask excludes it. A micro-batch without
 `cu_seqlens` is a padded BSHD batch `tokens [b, s]` run with a causal mask (the baseline packing is compared with).
 

@@ -1,6 +1,6 @@
 """The DAPO filter: a level any pruner runs behind (--dapo-filter), not a pruner itself.
 
-per step, in the trainer (megatron_dppo/experience.py), between the full-batch count and the completion level:
+per step, in the trainer (megatron_dppo/pipeline/experience.py), between the full-batch count and the completion level:
   prompts_to_sample(capacity)                       draw ceil(capacity · oversample_factor) prompts
   rollout, rewards, advantages, full_batch_counts   (algo/pruning.py: the dropped groups are counted there)
   select_groups(rewards, capacity, step) → GroupDecision   varied groups (rewards not all equal); when there are

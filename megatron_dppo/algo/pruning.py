@@ -1,6 +1,6 @@
 """Pruners: one registry, one interface. Which prompts to roll out, which completions (and tokens) to train on.
 
-per step, in the trainer (megatron_dppo/experience.py):
+per step, in the trainer (megatron_dppo/pipeline/experience.py):
   prompts_to_sample(batch_size, history)                 how many prompts to draw (DPPO and CPPO refill)
   select_prompts(prompt_ids, history, step, difficulties) → PromptDecision     BEFORE rollout (DPPO level 1)
   rollout, rewards, advantages on the FULL groups of the kept prompts

@@ -413,7 +413,7 @@ def check_d3s_tokens_over_data_parallel(args):
     from megatron.core import parallel_state
 
     from megatron_dppo.algo import build_pruner
-    from megatron_dppo.trainer import select_step_tokens
+    from megatron_dppo.pipeline.trainer import select_step_tokens
 
     assert parallel_state.get_data_parallel_world_size() == 2, "this check runs at DP=2 (tp = pp = 1)"
     generator = torch.Generator().manual_seed(0)
@@ -460,7 +460,7 @@ def check_device_move(args):
     from megatron_dppo.actor.step import logprob_loss_fn, next_token_targets
     from megatron_dppo.algo.losses import LossConfig, packed_policy_loss
     from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
-    from megatron_dppo.packing import TrainingSample, build_thd_batch
+    from megatron_dppo.pipeline.packing import TrainingSample, build_thd_batch
     from tests.workers.emulated_device import (
         EmulatedDevice,
         parameter_on_device,

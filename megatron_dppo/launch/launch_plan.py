@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from megatron_dppo.arguments import is_embedded_default
+from megatron_dppo.launch.arguments import is_embedded_default
 from megatron_dppo.weight_update_protocol import sync_rank_offsets
 
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"

@@ -25,8 +25,8 @@ from megatron_dppo.algo.dapo_filter import DAPOConfig, DAPOFilter, GroupDecision
 from megatron_dppo.algo.history import PromptHistory, score_prompts, zero_variance_groups
 from megatron_dppo.algo.losses import FullBatchInfo, LossConfig
 from megatron_dppo.algo.pruning import PromptDecision, Pruner, build_pruner, full_batch_counts
-from megatron_dppo.packing import TrainingSample
-from megatron_dppo.partial_rollouts import PartialConfig, PartialRollouts
+from megatron_dppo.pipeline.packing import TrainingSample
+from megatron_dppo.pipeline.partial_rollouts import PartialConfig, PartialRollouts
 from megatron_dppo.rollout.client import SamplingParams
 
 

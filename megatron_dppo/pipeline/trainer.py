@@ -32,8 +32,8 @@ from megatron_dppo.actor.checkpoint import load_trainer_state, resolve_checkpoin
 from megatron_dppo.actor.export import is_export_source
 from megatron_dppo.actor.step import logprob_loss_fn, next_token_targets
 from megatron_dppo.algo.losses import loss_normalizer, packed_policy_loss
-from megatron_dppo.experience import Experience, ExperienceMaker, Rollouts, run_progress
-from megatron_dppo.packing import pack_micro_batches, padding_token_id, sequence_pad_multiple
+from megatron_dppo.pipeline.experience import Experience, ExperienceMaker, Rollouts, run_progress
+from megatron_dppo.pipeline.packing import pack_micro_batches, padding_token_id, sequence_pad_multiple
 from megatron_dppo.platform import collectives
 from megatron_dppo.rollout.client import SamplingParams
 

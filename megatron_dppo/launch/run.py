@@ -22,16 +22,16 @@ import torch.distributed as dist
 from megatron_dppo.actor.actor import Actor, OptimConfig
 from megatron_dppo.actor.checkpoint import read_hf_config, resolve_checkpoint
 from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
-from megatron_dppo.arguments import is_embedded_default
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint, read_config
 from megatron_dppo.convert.mapping import model_shape
-from megatron_dppo.launch_plan import weight_sync_backend
+from megatron_dppo.launch.arguments import is_embedded_default
+from megatron_dppo.launch.launch_plan import weight_sync_backend
 from megatron_dppo.metrics import MetricsLogger
+from megatron_dppo.pipeline.tasks import Task, dataset_task, synthetic_task
+from megatron_dppo.pipeline.trainer import Trainer
 from megatron_dppo.platform import is_cpu
 from megatron_dppo.platform.process import is_rank0
 from megatron_dppo.rollout.launcher import local_servers
-from megatron_dppo.tasks import Task, dataset_task, synthetic_task
-from megatron_dppo.trainer import Trainer
 
 
 def load_tokenizer(model_dir: Path):
@@ -138,7 +138,7 @@ def run(args) -> dict:
     rank0 = dist.get_rank() == 0
     warm_start = None
     if embedded_default:
-        from megatron_dppo import embedded
+        from megatron_dppo.launch import embedded
 
         model_dir, tokenizer, warm_start = embedded.prepare(args)
         task = build_task(args, tokenizer)

@@ -20,12 +20,12 @@ import torch.distributed as dist
 from megatron_dppo.actor.actor import Actor, OptimConfig
 from megatron_dppo.actor.checkpoint import complete_checkpoints, save_checkpoint
 from megatron_dppo.actor.step import next_token_targets
-from megatron_dppo.arguments import EMBEDDED_HEAD_DIM
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
 from megatron_dppo.convert.mapping import model_shape
 from megatron_dppo.data.synthetic import TASK_CELLS, WarmStartData, format_target, max_prompt_length, max_target_length
 from megatron_dppo.data.tokenizer import CharTokenizer
-from megatron_dppo.packing import TrainingSample, build_thd_batch, pack
+from megatron_dppo.launch.arguments import EMBEDDED_HEAD_DIM
+from megatron_dppo.pipeline.packing import TrainingSample, build_thd_batch, pack
 
 POSITION_MULTIPLE = 64
 WARM_START_RECORD = "warm_start.json"  # beside the warm-start checkpoint: its steps and training seconds
