@@ -6,12 +6,14 @@
     --tune-grpo: GRPO's grid (run_grpo_tuning) instead of the methods
 
 RL runs and the control go through launch_recorded: the full benchmark's finished runs are also kept, compressed,
-in RECORDS_DIR, and a later sitting on any machine restores a run recorded with the same command from the same warm
-start instead of running it again. bench/peer_grpo.py runs our GRPO side through these very functions.
+in RECORDS_DIR, one folder per command, and a later sitting on any machine restores a run recorded with the same
+command from the same warm start instead of running it again. bench/peer_grpo.py runs our GRPO side through these
+very functions.
 """
 
 import argparse
 import gzip
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,7 +118,8 @@ class Settings:
     figures_dir: Path
     tune_grpo: bool = False
     analyse_only: bool = False  # --analyse-only: the page from the finished runs, none started
-    records_dir: Path | None = None  # RECORDS_DIR at the full benchmark's settings; None: --no-records, --quick, ...
+    records_dir: Path | None = None  # RECORDS_DIR, read back from; None: --no-records, --quick, another task
+    save_records: bool = False  # record finished runs in records_dir: at the full benchmark's default settings only
 
 
 def page_block(task: str, quick: bool) -> str:
@@ -241,9 +244,11 @@ def run_math_methods(settings: Settings) -> Path:
 
 # ------------------------------------------------------------------------------------------------ records
 # Finished RL runs and the control are also kept, compressed, in the repository (RECORDS_DIR), so that the full table
-# is finished over several sittings on fresh machines: a run recorded there with the same command (paths of the repo
-# and of --out-dir aside) and from the same warm start (its held-out accuracy at the start, 1024 greedy answers) is
-# restored into --out-dir instead of run again. The warm start itself is rebuilt (deterministic on the CPU build).
+# is finished over several sittings on fresh machines. A record sits under its run's path (runs/<method>/seed_<n>) in
+# a folder named by its command (paths of the repo and of --out-dir aside): a run with the same command, from the same
+# warm start (its held-out accuracy at the start), is restored into --out-dir instead of run again, and a changed
+# setting is a new command, recorded beside the old ones, which stay valid for their own command. The warm start
+# itself is rebuilt (deterministic on the CPU build).
 RECORDS_DIR = REPO / "bench" / "records" / "time_to_accuracy"
 RECORD_FILES = ("summary.json", "metrics.jsonl", OUTCOMES_FILE)  # stored gzipped, + command.txt
 
@@ -253,39 +258,41 @@ def portable_command(command: str, out_dir: Path) -> str:
     return command.strip().replace(str(REPO), "$REPO").replace(str(out_dir), "$OUT")
 
 
+def record_dir_for(settings: Settings, run_dir: Path, portable: str) -> Path:
+    """Where the records keep the run of `run_dir` started with the (portable) command `portable`."""
+    return settings.records_dir / run_dir.relative_to(settings.out_dir) / hashlib.sha256(
+        portable.encode()).hexdigest()[:12]
+
+
 def warm_start_accuracy(settings: Settings) -> float:
     return json.loads((settings.out_dir / "warm_start" / "build" / "summary.json").read_text())[
         "heldout_accuracy_before"]
 
 
-def save_record(settings: Settings, run_dir: Path, record_dir: Path) -> None:
+def save_record(run_dir: Path, record_dir: Path, portable: str) -> None:
     """Copy a finished run's command (portable) and files (gzipped, without timestamps) to record_dir."""
     record_dir.mkdir(parents=True, exist_ok=True)
-    (record_dir / "command.txt").write_text(
-        portable_command((run_dir / "command.txt").read_text(), settings.out_dir) + "\n")
+    (record_dir / "command.txt").write_text(portable + "\n")
     for name in RECORD_FILES:
         if (run_dir / name).is_file():
             with open(record_dir / f"{name}.gz", "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out:
                 out.write((run_dir / name).read_bytes())
 
 
-def restore_record(settings: Settings, record_dir: Path, run_dir: Path, flags: list[str],
+def restore_record(settings: Settings, record_dir: Path, run_dir: Path, command: str,
                    from_warm_start: bool = True) -> bool:
-    """Restore record_dir into run_dir if it holds this very run: same command and, for a run that starts from the
-    warm start (from_warm_start: RL runs; the control is a warm start of its own), the same warm start."""
-    if not (record_dir / "command.txt").is_file() or not (record_dir / "summary.json.gz").is_file():
-        return False
-    command = " ".join(command_for(flags, run_dir, settings.processes)[1:])
-    if portable_command(command, settings.out_dir) != (record_dir / "command.txt").read_text().strip():
-        print(f"not restoring {record_dir}: it was run with another command (see its command.txt)", flush=True)
+    """Restore record_dir (the record of this very command) into run_dir if it holds a finished run and, for a run
+    that starts from the warm start (from_warm_start: RL runs; the control is a warm start of its own), started from
+    this warm start."""
+    if not (record_dir / "summary.json.gz").is_file():
         return False
     recorded = json.loads(gzip.decompress((record_dir / "summary.json.gz").read_bytes()))["heldout_accuracy_before"]
     expected = warm_start_accuracy(settings)
     if from_warm_start and abs(recorded - expected) > 1e-9:
         raise RuntimeError(
             f"{record_dir} starts from another warm start (held-out accuracy {recorded} against this one's "
-            f"{expected}): a changed warm-start setting, torch build or machine. Delete {RECORDS_DIR} to run every "
-            "method again from this warm start, or pass --no-records")
+            f"{expected}): a changed torch build or machine. Delete {record_dir} to run it again from this warm "
+            "start, or pass --no-records")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "command.txt").write_text(command + "\n")
     for name in RECORD_FILES:
@@ -297,15 +304,18 @@ def restore_record(settings: Settings, record_dir: Path, run_dir: Path, flags: l
 
 def launch_recorded(settings: Settings, flags: list[str], run_dir: Path, from_warm_start: bool = True) -> Path:
     """launch_unless_finished, reading the run back from settings.records_dir when it was recorded there, and
-    recording it there when it finishes; with --analyse-only, the reading back only (the run may stay unfinished)."""
-    record_dir = settings.records_dir / run_dir.relative_to(settings.out_dir) if settings.records_dir else None
+    recording it there when it finishes (settings.save_records); with --analyse-only, the reading back only (the run
+    may stay unfinished)."""
+    command = " ".join(command_for(flags, run_dir, settings.processes)[1:])
+    portable = portable_command(command, settings.out_dir)
+    record_dir = record_dir_for(settings, run_dir, portable) if settings.records_dir else None
     if record_dir and not finished(run_dir, flags, settings.processes):
-        restore_record(settings, record_dir, run_dir, flags, from_warm_start)
+        restore_record(settings, record_dir, run_dir, command, from_warm_start)
     if settings.analyse_only:
         return run_dir
     launch_unless_finished(flags, run_dir, settings.processes)
-    if record_dir and not (record_dir / "summary.json.gz").is_file():
-        save_record(settings, run_dir, record_dir)
+    if record_dir and settings.save_records and not (record_dir / "summary.json.gz").is_file():
+        save_record(run_dir, record_dir, portable)
     return run_dir
 
 
@@ -339,8 +349,9 @@ def parse_args(argv: list[str] | None, description: str = "") -> Settings:
                              "RL_FLAGS), scored by its mean held-out accuracy over the budget; writes the grpo-tuning "
                              "block")
     parser.add_argument("--no-records", action="store_true",
-                        help=f"neither restore nor record runs in {RECORDS_DIR.relative_to(REPO)} (the full "
-                             "benchmark's finished runs, kept in the repository so that later sittings resume them)")
+                        help=f"neither restore nor record runs in {RECORDS_DIR.relative_to(REPO)} (finished runs, "
+                             "kept in the repository so that later sittings resume them: restored for any command "
+                             "they were run with, recorded at the full benchmark's default settings)")
     parser.add_argument("--analyse-only", action="store_true",
                         help="start no run: the tables and the page from the runs already finished (and those the "
                              "records hold), each method with the seeds it has")
@@ -365,10 +376,10 @@ def parse_args(argv: list[str] | None, description: str = "") -> Settings:
         figures_dir=Path(args.figures_dir) if args.figures_dir else (
             (page.parent if page else out_dir) / "figures" / page_block(task, quick)), tune_grpo=args.tune_grpo,
         analyse_only=args.analyse_only,
-        # the records hold the full benchmark's runs only: its default settings and --methods/--seeds among them
-        records_dir=None if args.no_records or quick or task != "worked" or any(
-            value is not None for value in (args.budget_s, args.warm_start_steps, args.eval_interval, args.eval_size))
-        else RECORDS_DIR)
+        records_dir=None if args.no_records or quick or task != "worked" else RECORDS_DIR,
+        # new records: the full benchmark's runs only, at its default settings (--methods/--seeds among them)
+        save_records=not any(value is not None for value in (args.budget_s, args.warm_start_steps, args.eval_interval,
+                                                             args.eval_size)))
     for name, value in (("--budget-s", settings.budget_s), ("--warm-start-steps", settings.warm_start_steps),
                         ("--eval-interval", settings.eval_interval), ("--eval-size", settings.eval_size)):
         if value <= 0:

@@ -356,9 +356,10 @@ def test_step_cost_fit_recovers_a_per_iteration_cost_when_runs_log_decode_iterat
 
 def test_a_recorded_run_is_restored_on_a_fresh_checkout_and_refused_from_another_command_or_warm_start(
         tmp_path, monkeypatch):
-    """The full benchmark's finished runs are kept in the repository: a later sitting elsewhere (other checkout path,
-    other --out-dir) restores a run recorded with the same command from the same warm start instead of running it,
-    and refuses one from another command (it runs) or another warm start (a clear error)."""
+    """The full benchmark's finished runs are kept in the repository, one folder per command: a later sitting
+    elsewhere (other checkout path, other --out-dir) restores a run recorded with the same command from the same warm
+    start instead of running it; another command runs and is recorded beside the first; a record from another warm
+    start is a clear error; runs at other than the default settings are not recorded."""
     launched = []
 
     def fake_launch(flags, run_dir, processes):  # a training run: its command, metrics and summary
@@ -371,9 +372,9 @@ def test_a_recorded_run_is_restored_on_a_fresh_checkout_and_refused_from_another
     monkeypatch.setattr(training_run, "launch", fake_launch)
     records = tmp_path / "records"
 
-    def sitting(out_dir: Path, warm_accuracy: float, budget: str = "150", control: bool = False):
+    def sitting(out_dir: Path, warm_accuracy: float, budget: str = "150", control: bool = False, save: bool = True):
         settings = accuracy_runs.parse_args(["--out-dir", str(out_dir)])
-        settings.records_dir = records
+        settings.records_dir, settings.save_records = records, save
         (out_dir / "warm_start" / "build").mkdir(parents=True, exist_ok=True)
         (out_dir / "warm_start" / "build" / "summary.json").write_text(
             json.dumps({"heldout_accuracy_before": warm_accuracy}))
@@ -385,23 +386,31 @@ def test_a_recorded_run_is_restored_on_a_fresh_checkout_and_refused_from_another
         flags = [*accuracy_runs.rl_flags(settings, "grpo", 1, warm_start), "--budget-marker", budget]
         return accuracy_runs.launch_recorded(settings, flags, out_dir / "runs" / "grpo" / "seed_1")
 
+    def recorded() -> list[Path]:
+        return sorted(records.glob("runs/grpo/seed_1/*/metrics.jsonl.gz"))
+
     first = sitting(tmp_path / "first", 0.25)
-    assert launched == [first] and (records / "runs" / "grpo" / "seed_1" / "metrics.jsonl.gz").is_file()
-    assert str(tmp_path) not in (records / "runs" / "grpo" / "seed_1" / "command.txt").read_text()  # portable
+    assert launched == [first] and len(recorded()) == 1
+    assert str(tmp_path) not in (recorded()[0].parent / "command.txt").read_text()  # portable
 
     second = sitting(tmp_path / "second", 0.25)  # a fresh machine: restored, not run
     assert launched == [first]
     assert (second / "metrics.jsonl").read_text() == (first / "metrics.jsonl").read_text()
     assert training_run.finished(second)
 
-    third = sitting(tmp_path / "third", 0.25, budget="99")  # another command: run, the record kept as it was
+    third = sitting(tmp_path / "third", 0.25, budget="99")  # another command: run, recorded beside the first
+    assert launched == [first, third] and len(recorded()) == 2
+    assert training_run.finished(sitting(tmp_path / "third_again", 0.25, budget="99"))  # then restored
+    assert training_run.finished(sitting(tmp_path / "first_again", 0.25))  # and the first still is
     assert launched == [first, third]
+    unsaved = sitting(tmp_path / "sixth", 0.25, budget="7", save=False)  # not the default settings: not recorded
+    assert launched == [first, third, unsaved] and len(recorded()) == 2
     with pytest.raises(RuntimeError, match="another warm start"):
         sitting(tmp_path / "fourth", 0.31)
     control = sitting(tmp_path / "first", 0.25, control=True)
-    assert launched == [first, third, control]
+    assert launched == [first, third, unsaved, control]
     assert training_run.finished(sitting(tmp_path / "fifth", 0.31, control=True))  # restored from the records
-    assert launched == [first, third, control]
+    assert launched == [first, third, unsaved, control]
 
 
 def test_main_starts_every_run_before_it_makes_the_report(tmp_path, monkeypatch, capsys):
