@@ -5,6 +5,8 @@
                          ─► supervised control (run_control) ─► MATH cost runs (run_math_methods, optional)
     --tune-grpo: GRPO's grid (run_grpo_tuning) instead of the methods
 
+Every method runs every seed, and seed s of every method shares GRPO's seed s (PAIRING_FLAGS: the pool, its order,
+the held-out set, the start), so that the report compares them seed by seed.
 RL runs and the control go through launch_recorded: the full benchmark's finished runs are also kept, compressed,
 in RECORDS_DIR, one folder per command, and a later sitting on any machine restores a run recorded with the same
 command from the same warm start instead of running it again. bench/peer_grpo.py runs our GRPO side through these
@@ -21,39 +23,56 @@ from pathlib import Path
 from bench.training_run import REPO, command_for, finished, launch_unless_finished
 from megatron_dppo.metrics import OUTCOMES_FILE
 
-METHODS = {
+# The two baselines, each at its own settings (every method's speed-up is read against both): GRPO as the DPPO paper
+# ran it, training every group (--no-dapo-filter after RL_FLAGS' --dapo-filter: argparse keeps the last), and GRPO
+# with DAPO's zero-variance filter, the stronger baseline of RL_FLAGS, which already skips much of what DPPO prunes.
+BASELINES = {
+    "grpo-paper": ["--algorithm", "grpo", "--no-dapo-filter"],
     "grpo": ["--algorithm", "grpo"],
-    # what many users run: rounds of prompts until the batch holds B groups with varied rewards, trained as the batch
-    "dapo-dynamic-sampling": ["--algorithm", "grpo", "--dapo-dynamic-sampling"],
+}
+# Run by default, every one with every seed (seed s of each shares GRPO's seed s: PAIRING_FLAGS)
+METHODS = {
+    **BASELINES,
     # DPPO's defaults (docs/algorithms.md): the predictive prompt level, refill, 1/p weights, the completion level
     "dppo": ["--algorithm", "dppo"],
+    "dppo-no-refill": ["--algorithm", "dppo", "--no-dppo-refill"],  # the paper's form: the batch shrinks as it prunes
     "dppo-deterministic": ["--algorithm", "dppo", "--dppo-mode", "deterministic"],  # the paper's Algorithm 1
-    # the same prompt level without the 1/p correction: the shortcut history-skipping methods (GRESO) take
-    "dppo-uncorrected": ["--algorithm", "dppo", "--no-dppo-importance-weights"],
     "cppo": ["--algorithm", "cppo", "--cppo-refill"],  # with its paper's refill: batch / (1 - P) prompts drawn
     "d3s": ["--algorithm", "d3s"],
-}
-# Run by default with --variant-seeds (fewer than the methods' seeds): DPPO's unbiased alternatives to its defaults,
-# so that the page shows which is best, and rollouts that do not wait for the longest response (partial rollouts,
-# one step off-policy), with GRPO and DPPO
-VARIANTS = {
-    "dppo-no-refill": ["--algorithm", "dppo", "--no-dppo-refill"],
-    "dppo-no-completion-level": ["--algorithm", "dppo", "--dppo-completion-prune-rate", "0"],
+    # what many users run: rounds of prompts until the batch holds B groups with varied rewards, trained as the batch
+    "dapo-dynamic-sampling": ["--algorithm", "grpo", "--dapo-dynamic-sampling"],
+    # rollouts that do not wait for the longest response (cohorts carried over one step)
     "grpo-partial": ["--algorithm", "grpo", "--partial-rollout"],
+}
+# Available with --methods (the same seeds and settings), not run by default
+VARIANTS = {
+    # the same prompt level without the 1/p correction: the shortcut history-skipping methods (GRESO) take
+    "dppo-uncorrected": ["--algorithm", "dppo", "--no-dppo-importance-weights"],
+    "dppo-no-completion-level": ["--algorithm", "dppo", "--dppo-completion-prune-rate", "0"],
     "dppo-partial": ["--algorithm", "dppo", "--partial-rollout"],
     "grpo-async": ["--algorithm", "grpo", "--async"],
     "dppo-async": ["--algorithm", "dppo", "--async"],
+    "dppo-p-min-0.1": ["--algorithm", "dppo", "--dppo-prompt-p-min", "0.1"],
 }
-ABLATIONS = {"dppo-p-min-0.1": ["--algorithm", "dppo", "--dppo-prompt-p-min", "0.1"]}  # not run unless --methods
-ALL_METHODS = {**METHODS, **VARIANTS, **ABLATIONS}
+ALL_METHODS = {**METHODS, **VARIANTS}
 HEADLINE_METHOD = "dppo"
+HEADLINE_BASELINE = "grpo-paper"  # the paper's comparison: the step decomposition and the projection read against it
 CONTROL = "sft-control"
+# The flags that decide what a seed's run trains and is scored on (megatron_dppo/launch/run.py build_task,
+# pipeline/tasks.py synthetic_task): the training pool's content (the stream of --rl-seed, --data-train-size
+# problems of --synthetic-task's or --data-synthetic-cells' cells), its order (PromptSampler seeded by --rl-seed),
+# the held-out set (its fixed seed, --eval-size problems of the same cells) and the start (--seed: the embedded init;
+# --load: the warm start). rl_flags gives every method's seed-s run GRPO's seed-s values of all of them, so that
+# methods are compared seed by seed (the paired bootstrap, bench/accuracy_curves.py).
+PAIRING_FLAGS = ("--prompt-data", "--synthetic-task", "--data-synthetic-cells", "--data-train-size", "--eval-size",
+                 "--seed", "--rl-seed", "--load")
 # Every method runs with these flags, so the page records them (the embedded defaults may change under us).
 # The paper's regime: a pool of 256 training problems comes back every 32 GRPO steps (batch 8), so within the
-# budget every prompt is visited about 13 times and DPPO's prompt level has a history to act on, as over the 15
-# epochs of the paper's run (research notes: every method that wins before rollout revisits its prompts 10-60 times).
-# --dapo-filter (drop zero-variance groups, exact) is the embedded default, kept for every method: GRPO is the
-# strong baseline that already skips them. The MATH runs go without it: there each pruner meets them itself.
+# 75 s budget every prompt is visited about 7 times by GRPO and about 3x as often drawn by DPPO's refill: the prompt
+# level has a history to act on, as over the paper's 15 epochs (research notes: every method that wins before rollout
+# revisits its prompts 10-60 times).
+# --dapo-filter (drop zero-variance groups, exact) is the embedded default, kept for every method but grpo-paper.
+# The MATH runs go without it: there each pruner meets them itself.
 # --lr and --rollout-batch-size are GRPO's own best (--tune-grpo, docs/results.md): the grid was run from a batch of
 # 16, whose neighbours scored within 0.005 of each other (lr 2e-4 lower), and the batch of 8 scored best.
 RL_FLAGS = ["--lr", "1e-4", "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
@@ -104,7 +123,6 @@ class Settings:
     out_dir: Path
     methods: list[str]
     seeds: list[int]
-    variant_seeds: list[int]
     budget_s: float
     task: str
     warm_start_steps: int
@@ -153,18 +171,16 @@ def prepare_warm_start(settings: Settings, measure_rate: bool = True) -> tuple[P
     return found[0], timing["steps"] / seconds
 
 
-def seeds_of(settings: Settings, method: str) -> list[int]:
-    """The RL seeds a method runs with: every seed for METHODS and ABLATIONS, --variant-seeds among them for
-    VARIANTS."""
-    return [seed for seed in settings.seeds if method not in VARIANTS or seed in settings.variant_seeds]
-
-
 def rl_flags(settings: Settings, method: str, seed: int, warm_start: Path) -> list[str]:
     """The trainer flags of one RL run (bench/peer_grpo.py gives the TRL peer these very settings)."""
+    method_flags = ALL_METHODS[method]
+    if set(method_flags) & set(PAIRING_FLAGS):
+        raise ValueError(f"{method}'s flags {method_flags} set {set(method_flags) & set(PAIRING_FLAGS)}: its seed-s "
+                         "run would no longer share GRPO's seed-s pool, order, held-out set or start (PAIRING_FLAGS)")
     # --load pins the start to the shared warm start and --seed stays the warm start's, so every run shares one
-    # embedded init (the rollout engine's starting file, overwritten by the first weight sync); --rl-seed varies the
-    # RL randomness only.
-    return [*RL_FLAGS, *task_flags(settings.task), *ALL_METHODS[method], "--seed", str(settings.seeds[0]),
+    # embedded init (the rollout engine's starting file, overwritten by the first weight sync); --rl-seed, the same
+    # for every method's seed s, decides the pool, its order, and the sampling and pruning draws.
+    return [*RL_FLAGS, *task_flags(settings.task), *method_flags, "--seed", str(settings.seeds[0]),
             "--rl-seed", str(seed), "--load", str(warm_start),
             "--cache-dir", str(settings.out_dir / "cache" / "init"), "--warm-start-steps", "0",
             "--time-budget-s", str(settings.budget_s), "--eval-interval", str(settings.eval_interval),
@@ -325,18 +341,20 @@ def parse_args(argv: list[str] | None, description: str = "") -> Settings:
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="smoke check: 1 seed, 25 s budget, 200-step warm start, 128 evaluation problems")
-    parser.add_argument("--methods", nargs="+", choices=list(ALL_METHODS), default=[*METHODS, *VARIANTS])
-    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="RL seeds (default 1 2 3 4 5; quick: 1)")
-    parser.add_argument("--variant-seeds", nargs="+", type=int, default=[1, 2, 3],
-                        help="the seeds (among --seeds) the VARIANTS run with (default 1 2 3)")
-    parser.add_argument("--budget-s", type=float, default=None, help="RL wall time per run (default 150; quick 25)")
+    parser.add_argument("--methods", nargs="+", choices=list(ALL_METHODS), default=list(METHODS),
+                        help="default: METHODS (both baselines, DPPO and its paper's forms, CPPO, D3S, DAPO's dynamic "
+                             "sampling, GRPO with partial rollouts); the baselines are always added")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None,
+                        help="RL seeds, every method with every one (default 1 2 3 4 5; quick: 1)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="RL time per run, evaluations excluded (default 75; quick 25)")
     parser.add_argument("--synthetic-task", choices=list(TASK_SETTINGS), default="worked",
                         help="worked (the embedded default) or the older answer-only task")
     parser.add_argument("--warm-start-steps", type=int, default=None,
                         help="default: the task's embedded default; quick 200")
     parser.add_argument("--eval-interval", type=int, default=None,
-                        help="steps between evaluations (default 40: about 40 s of RL at a batch of 8; quick 25)")
-    parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 1024; quick 128)")
+                        help="steps between evaluations (default 6: about 2 s of GRPO's RL time; quick 6)")
+    parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 256; quick 128)")
     parser.add_argument("--no-control", action="store_true", help="skip the supervised control")
     parser.add_argument("--math-budget-s", type=float, default=None,
                         help="RL seconds per MATH run (default 0: skipped); 60 gives the cost table on MATH prompts")
@@ -366,12 +384,11 @@ def parse_args(argv: list[str] | None, description: str = "") -> Settings:
     out_dir = Path(args.out_dir or f"runs/time_to_accuracy{suffix}")
     page = Path(args.write_page) if args.write_page else None
     settings = Settings(
-        out_dir=out_dir, methods=["grpo", *[m for m in args.methods if m != "grpo"]],
-        seeds=pick(args.seeds, [1, 2, 3, 4, 5], [1]), variant_seeds=args.variant_seeds,
-        budget_s=pick(args.budget_s, 150.0, 25.0), task=task,
+        out_dir=out_dir, methods=[*BASELINES, *[m for m in args.methods if m not in BASELINES]],
+        seeds=pick(args.seeds, [1, 2, 3, 4, 5], [1]), budget_s=pick(args.budget_s, 75.0, 25.0), task=task,
         warm_start_steps=pick(args.warm_start_steps, TASK_SETTINGS[task]["warm_start_steps"], 200),
-        eval_interval=pick(args.eval_interval, 40, 25),
-        eval_size=pick(args.eval_size, 1024, 128), control=not args.no_control,
+        eval_interval=pick(args.eval_interval, 6, 6),
+        eval_size=pick(args.eval_size, 256, 128), control=not args.no_control,
         math_budget_s=pick(args.math_budget_s, 0.0, 0.0), processes=args.processes, quick=quick, page=page,
         figures_dir=Path(args.figures_dir) if args.figures_dir else (
             (page.parent if page else out_dir) / "figures" / page_block(task, quick)), tune_grpo=args.tune_grpo,

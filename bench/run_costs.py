@@ -119,20 +119,20 @@ def steps_at(run: Run, seconds: float) -> float:
     return value_at(run, "step", "seconds_steps", seconds)
 
 
-def speedup_decomposition(runs: dict[str, dict[int, Run]], results: dict[str, dict],
-                          baseline: str = "grpo") -> dict[str, dict]:
-    """Per method, the speed-up (compare_mean_curves) split into fewer steps x shorter steps at the seed-mean times
-    to target: step_ratio = the baseline's mean steps to its time / the method's mean steps to its time,
-    step_time_ratio = baseline s/step / method s/step over those spans; their product is the speed-up."""
+def speedup_decomposition(runs: dict[str, dict[int, Run]], times: dict[str, float | None],
+                          baseline: str) -> dict[str, dict]:
+    """Per method of `times` (method -> seed-mean RL seconds to one target, None where never reached; the baseline's
+    among them), its speed-up split into fewer steps x shorter steps: step_ratio = the baseline's mean steps to its
+    time / the method's mean steps to its time, step_time_ratio = baseline s/step / method s/step over those spans;
+    their product is the speed-up."""
     out = {}
-    base_time = results[baseline]["baseline_seconds"]
+    base_time = times[baseline]
     base_steps = statistics.fmean(steps_at(run, base_time) for run in runs[baseline].values())
-    for method, by_seed in runs.items():
-        reached = results[method]["seconds"]
+    for method, reached in times.items():
         if not reached:
             out[method] = {"steps": None, "step_ratio": None, "step_time_ratio": None}
             continue
-        steps = statistics.fmean(steps_at(run, reached) for run in by_seed.values())
+        steps = statistics.fmean(steps_at(run, reached) for run in runs[method].values())
         out[method] = {"steps": steps, "step_ratio": base_steps / steps,
                        "step_time_ratio": (base_time / base_steps) / (reached / steps)}
     return out

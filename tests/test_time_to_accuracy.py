@@ -42,46 +42,124 @@ def test_final_accuracy_is_the_mean_of_the_last_three_evaluations():
     assert accuracy_curves.final_accuracy(curve([(0, 0.1), (1, 0.3)])) == pytest.approx(0.2)
 
 
-def test_time_to_reach_needs_the_trailing_mean_not_one_lucky_evaluation():
+def test_crossing_needs_the_trailing_mean_not_one_lucky_evaluation():
     points = curve([(0, 0.2), (10, 0.5), (20, 0.3), (30, 0.35), (40, 0.46), (50, 0.47)])
-    # the spike at 10 s averages (0.2 + 0.5) / 2 = 0.35 < 0.4 with the start; the first trailing mean of three
-    # evaluations at or above 0.4 is (0.35 + 0.46 + 0.47) / 3 at 50 s
-    assert accuracy_curves.time_to_reach(points, 0.4) == 50.0
-    assert accuracy_curves.time_to_reach(points, 0.2) == 0.0
-    assert accuracy_curves.time_to_reach(points, 0.9) is None
+    # trailing means of 3: 0.2, 0.35 (the spike at 10 s with the start), 0.333, 0.383, 0.37, 0.4267: the spike does
+    # not reach 0.4; the trailing mean crosses it between 40 s (0.37) and 50 s (0.4267)
+    assert accuracy_curves.crossing_time(points, 0.4) == pytest.approx(40 + 10 * (0.4 - 0.37) / (1.28 / 3 - 0.37))
+    assert accuracy_curves.crossing_time(points, 0.2) == 0.0
+    assert accuracy_curves.crossing_time(points, 0.9) is None
 
 
-def test_speedup_is_baseline_time_over_method_time_per_seed():
-    grpo = {1: curve([(0, 0.2), (50, 0.3), (100, 0.4), (150, 0.4), (200, 0.4)]),
-            2: curve([(0, 0.2), (60, 0.4), (120, 0.4), (180, 0.4), (240, 0.4)])}
-    fast = {1: curve([(0, 0.2), (10, 0.6), (20, 0.6), (30, 0.6)]),
-            2: curve([(0, 0.2), (20, 0.5), (40, 0.5), (60, 0.5)])}
-    slow = {1: curve([(0, 0.2), (100, 0.25), (200, 0.3)])}
-    results = accuracy_curves.compare_to_baseline({"grpo": grpo, "fast": fast, "slow": slow})
-    assert results["grpo"]["target"] == pytest.approx(0.4)
-    # GRPO seed 1 reaches a trailing mean of 0.4 at 200 s, seed 2 at 180 s; fast at 10 s and 40 s
-    assert results["grpo"]["times"] == {1: 200.0, 2: 180.0}
-    assert results["fast"]["times"] == {1: 10.0, 2: 40.0}
-    assert results["fast"]["speedup"] == pytest.approx((12.25, 4.5, 20.0))
-    assert results["grpo"]["speedup"] == pytest.approx((1.0, 1.0, 1.0))
-    assert results["slow"]["speedup"] is None and results["slow"]["reached"] == 0
-    assert results["fast"]["final_mean"] == pytest.approx(0.55)
-    assert results["fast"]["final_std"] == pytest.approx(0.0707107)
+# a baseline seed: warm start 0.2, rising to its final accuracy 0.6 (mean of the last three evaluations)
+RISING = [(0, 0.2), (10, 0.4), (20, 0.55), (30, 0.6), (40, 0.6), (50, 0.6)]
 
 
-def test_baseline_seed_that_never_reaches_the_target_counts_its_whole_budget():
-    grpo = {1: curve([(0, 0.2), (100, 0.6), (200, 0.6), (300, 0.6)]), 2: curve([(0, 0.2), (100, 0.2), (250, 0.2)])}
-    method = {1: curve([(0, 0.2), (50, 0.5), (100, 0.5)]), 2: curve([(0, 0.2), (50, 0.5), (100, 0.5)])}
-    results = accuracy_curves.compare_to_baseline({"grpo": grpo, "m": method})
-    assert results["grpo"]["target"] == pytest.approx(0.4)
-    # GRPO seed 1 reaches 0.4 at 100 s; seed 2 never does, so its 250 s budget stands in; the method reaches
-    # 0.4 at 100 s on both seeds
-    assert results["m"]["speedup"] == pytest.approx((1.75, 1.0, 2.5))
+def test_targets_lie_at_50_75_and_90_percent_of_the_baselines_gain_over_the_warm_start():
+    targets = accuracy_curves.target_accuracies(curve(RISING))
+    # gain 0.6 - 0.2 = 0.4: targets 0.2 + 0.2, 0.2 + 0.3, 0.2 + 0.36, and the final accuracy (the paper's target)
+    assert targets == pytest.approx({0.5: 0.4, 0.75: 0.5, 0.9: 0.56, 1.0: 0.6})
+    falling = curve([(0, 0.5), (10, 0.4), (20, 0.45), (30, 0.45)])
+    assert accuracy_curves.target_accuracies(falling) is None  # no gain: no rising part to time
+    assert accuracy_curves.speedups(falling, falling) is None
 
 
-def test_missing_baseline_is_a_clear_error():
-    with pytest.raises(ValueError, match="no grpo runs to compare against"):
-        accuracy_curves.compare_to_baseline({"cppo": {1: curve([(0, 0.2)])}})
+def test_headline_is_the_geometric_mean_of_the_speedups_to_the_three_targets():
+    baseline = curve(RISING)
+    method = curve([(0, 0.2), (5, 0.4), (10, 0.55), (15, 0.6), (100, 0.6), (120, 0.6)])  # fast early, slow late
+    result = accuracy_curves.speedups(baseline, method)
+    ratios = {fraction: accuracy_curves.crossing_time(baseline, target) / accuracy_curves.crossing_time(method, target)
+              for fraction, target in result["targets"].items()}
+    assert result["speedups"] == pytest.approx(ratios)
+    # twice as fast to 50% and 75% (the same rise at half the time), slower to 90% (its trailing mean waits for the
+    # evaluation at 100 s): 2, 2, (30 + 10 x 0.65) / (15 + 85 x 0.65)
+    assert (ratios[0.5], ratios[0.75], ratios[0.9]) == pytest.approx((2.0, 2.0, 36.5 / 70.25))
+    expected = (ratios[0.5] * ratios[0.75] * ratios[0.9]) ** (1 / 3)
+    assert result["headline"] == pytest.approx(expected)
+    assert result["headline"] != pytest.approx((ratios[0.5] + ratios[0.75] + ratios[0.9]) / 3)
+    assert result["paper"] == pytest.approx(ratios[1.0])
+    assert result["reached_all"] and result["reached_paper"]
+    # the same curve at half the time: twice as fast to every target
+    halved = curve([(x / 2, y) for x, y in RISING])
+    assert accuracy_curves.speedups(baseline, halved)["headline"] == pytest.approx(2.0)
+
+
+def test_a_target_the_method_never_reaches_counts_its_budget():
+    stuck = curve([(0, 0.2), (10, 0.45), (20, 0.45), (30, 0.45), (40, 0.45)])  # plateau below the 75% target 0.5
+    result = accuracy_curves.speedups(curve(RISING), stuck)
+    assert result["times"][0.75] == (40.0, False) and result["times"][0.9] == (40.0, False)
+    assert result["times"][0.5][1] and not result["reached_all"] and not result["reached_paper"]
+    base_time = accuracy_curves.crossing_time(curve(RISING), 0.56)
+    assert result["speedups"][0.9] == pytest.approx(base_time / 40.0)  # an upper bound: the budget stood in
+
+
+def test_the_comparison_is_paired_over_the_seeds_both_ran():
+    with pytest.raises(ValueError, match="no seed in common"):
+        accuracy_curves.compare_paired({1: curve(RISING)}, {2: curve(RISING)})
+    result = accuracy_curves.compare_paired({1: curve(RISING), 2: curve(RISING), 3: curve(RISING)},
+                                            {2: curve(RISING), 3: curve(RISING)}, resamples=50)
+    assert result["seeds"] == [2, 3] and result["estimate"]["headline"] == pytest.approx(1.0)
+
+
+def test_paired_seeds_give_a_narrower_interval_than_the_same_runs_unpaired():
+    """Each seed stretches the time axis of both its runs alike (a slower pool, say): paired, the stretch cancels in
+    every resample's ratio; with the method's seeds shifted by one (the same runs, pairs broken), it does not."""
+    scale = {seed: 1 + 0.5 * seed for seed in range(1, 6)}
+    baseline = {seed: curve([(x * k, y) for x, y in RISING]) for seed, k in scale.items()}
+    method = {seed: curve([(x * k / 2, y) for x, y in RISING]) for seed, k in scale.items()}
+    unpaired = {seed: method[seed % 5 + 1] for seed in method}
+    paired_result = accuracy_curves.compare_paired(baseline, method, resamples=400)
+    unpaired_result = accuracy_curves.compare_paired(baseline, unpaired, resamples=400)
+    assert paired_result["estimate"]["headline"] == pytest.approx(2.0)
+    assert unpaired_result["estimate"]["headline"] == pytest.approx(2.0)  # the same seed-mean curves
+    low, high = paired_result["headline_interval"]
+    assert (low, high) == pytest.approx((2.0, 2.0))
+    unpaired_low, unpaired_high = unpaired_result["headline_interval"]
+    assert unpaired_high - unpaired_low > 0.3 and unpaired_low < 2.0 < unpaired_high
+    assert paired_result["usable"] == 1.0 and paired_result["reached_all"] == 1.0
+
+
+def test_the_last_lines_give_dppo_against_both_baselines_then_the_papers_definition():
+    baseline = {seed: curve(RISING) for seed in (1, 2)}
+    faster = {seed: curve([(x / 2, y) for x, y in RISING]) for seed in (1, 2)}
+    comparisons = {name: {name: accuracy_curves.compare_paired(baseline, baseline, resamples=50),
+                          "dppo": accuracy_curves.compare_paired(baseline, faster, resamples=50)}
+                   for name in accuracy_runs.BASELINES}
+    assert results_page.last_lines(comparisons) == [
+        "dppo_speedup_vs_grpo: 2.00 [2.00, 2.00]", "dppo_speedup_vs_grpo_filtered: 2.00 [2.00, 2.00]",
+        "dppo_speedup_vs_grpo_paper_definition: 2.00 [2.00, 2.00]",
+        "dppo_speedup_vs_grpo_filtered_paper_definition: 2.00 [2.00, 2.00]"]
+    del comparisons["grpo"]["dppo"]
+    assert results_page.last_lines(comparisons)[1] == "dppo_speedup_vs_grpo_filtered: nan"
+
+
+def test_every_methods_seed_s_run_shares_grpos_pool_order_heldout_set_and_start(tmp_path, monkeypatch):
+    from megatron_dppo.launch.arguments import parse_args
+
+    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path)])
+    warm_start = tmp_path / "warm_start"
+    # the parsed values that decide the pool's content and order, the held-out set and the start
+    # (megatron_dppo/launch/run.py build_task, pipeline/tasks.py synthetic_task)
+    decisive = ("prompt_data", "synthetic_task", "data_synthetic_cells", "data_train_size", "eval_size", "seed",
+                "rl_seed", "load")
+
+    def pairing(method, seed):
+        args = parse_args(accuracy_runs.rl_flags(settings, method, seed, warm_start))
+        return {name: getattr(args, name) for name in decisive}
+
+    for seed in (1, 2):
+        grpo = pairing("grpo", seed)
+        assert grpo["rl_seed"] == seed
+        for method in accuracy_runs.ALL_METHODS:
+            assert pairing(method, seed) == grpo, method
+    assert pairing("dppo", 1) != pairing("dppo", 2)
+    # the two baselines differ in the DAPO filter alone: grpo-paper's --no-dapo-filter wins over RL_FLAGS'
+    paper, filtered = (parse_args(accuracy_runs.rl_flags(settings, name, 1, warm_start)) for name in ("grpo-paper",
+                                                                                                     "grpo"))
+    assert (paper.dapo_filter, filtered.dapo_filter) == (False, True)
+    monkeypatch.setitem(accuracy_runs.ALL_METHODS, "reseeded", ["--algorithm", "dppo", "--rl-seed", "7"])
+    with pytest.raises(ValueError, match="would no longer share GRPO's seed-s pool"):
+        accuracy_runs.rl_flags(settings, "reseeded", 1, warm_start)
 
 
 def test_flops_follow_the_documented_formula():
@@ -131,27 +209,82 @@ def test_tables_from_metric_files_on_disk(tmp_path):
         write_run(tmp_path / "runs" / "grpo" / f"seed_{seed}", [0.25, 0.3, 0.35, 0.4, 0.4, 0.4], 1.0)
         write_run(tmp_path / "runs" / "dppo-proportional" / f"seed_{seed}", [0.4, 0.4, 0.42, 0.42], 0.5,
                   tokens=(100, 60))
-    groups = run_costs.load_groups(tmp_path / "runs", dict.fromkeys(["grpo", "dppo-proportional", "cppo"], [1, 2, 3]),
-                                   size)
-    assert sorted(groups) == ["dppo-proportional", "grpo"] and sorted(groups["grpo"]) == [1, 2]
-    table, results = results_page.accuracy_table(groups)
-    # GRPO's target is 0.4, reached (trailing mean of 3) at 5 s. DPPO's trailing mean is 1/3 at 1.0 s and 1.22/3 at
-    # 1.5 s: it crosses 0.4 at 1.0 + 0.5 x (0.4 - 1/3) / (1.22/3 - 1/3) s (interpolated); per seed, at the 1.5 s
-    # evaluation (no interpolation), 3.33x
-    crossing = 1.0 + 0.5 * (0.4 - 1 / 3) / (1.22 / 3 - 1 / 3)
-    assert results["grpo"]["target"] == pytest.approx(0.4)
-    assert results["dppo-proportional"]["speedup"] == pytest.approx(5 / crossing)
-    assert results["dppo-proportional"]["interval"] == pytest.approx((5 / crossing,) * 2)  # identical seeds
-    dppo_row = next(line for line in table.splitlines() if line.startswith("| dppo-proportional"))
-    assert f"**{5 / crossing:.2f}x**" in dppo_row and "3.33x [3.33, 3.33] (2/2)" in dppo_row
+        write_run(tmp_path / "runs" / "stuck" / f"seed_{seed}", [0.25, 0.3, 0.3, 0.3, 0.3], 1.0)
+    groups = run_costs.load_groups(tmp_path / "runs", dict.fromkeys(["grpo", "dppo-proportional", "stuck", "cppo"],
+                                                                    [1, 2, 3]), size)
+    assert sorted(groups) == ["dppo-proportional", "grpo", "stuck"] and sorted(groups["grpo"]) == [1, 2]
+    curves = {method: {seed: accuracy_curves.accuracy_points(run, "seconds_steps") for seed, run in by_seed.items()}
+              for method, by_seed in groups.items()}
+    comparisons = {method: accuracy_curves.compare_paired(curves["grpo"], points, resamples=50)
+                   for method, points in curves.items()}
+    # GRPO: warm start 0.2, final 0.4, so targets 0.3 / 0.35 / 0.38 and 0.4; its trailing mean of 3 evaluations
+    # (0.2, 0.225, 0.25, 0.3, 0.35, 0.383, 0.4 at 0, 1, ..., 5, 5 s) reaches 0.3 at 3 s, 0.35 at 4 s, 0.38 at 4.9 s,
+    # 0.4 at the final evaluation (5 s). DPPO's (0.2, 0.3, 1/3, 1.22/3 at 0, 0.5, 1, 1.5 s) crosses 0.3 at 0.5 s and
+    # the others between 1 and 1.5 s
+    def dppo_time(target):
+        return 1 + 0.5 * (target - 1 / 3) / (1.22 / 3 - 1 / 3)
+
+    estimate = comparisons["dppo-proportional"]["estimate"]
+    assert estimate["targets"] == pytest.approx({0.5: 0.3, 0.75: 0.35, 0.9: 0.38, 1.0: 0.4})
+    assert {f: t for f, (t, _) in estimate["times"].items()} == pytest.approx(
+        {0.5: 0.5, 0.75: dppo_time(0.35), 0.9: dppo_time(0.38), 1.0: dppo_time(0.4)})
+    section = results_page.speedup_section("grpo", groups, curves["grpo"], comparisons)
+    assert "0.300 / 0.350 / 0.380" in section and "after 4.9 s of RL and 4 evaluations" in section
+    headline = (3 / 0.5 * 4 / dppo_time(0.35) * 4.9 / dppo_time(0.38)) ** (1 / 3)
+    dppo_row = next(line for line in section.splitlines() if line.startswith("| dppo-proportional | 2 |"))
+    assert f"**{headline:.2f}x** [{headline:.2f}, {headline:.2f}]" in dppo_row  # identical seeds
+    paper = 5 / dppo_time(0.4)  # the paper's definition: to GRPO's final accuracy
+    assert f"**{paper:.2f}x** [{paper:.2f}, {paper:.2f}]" in dppo_row
+    # the per-target rows: RL time, speed-up, tokens generated by then (100 per 0.5 s step; 3 steps by 1.32 s)
+    assert f"| dppo-proportional | 90% (0.380) | 1.3 | {4.9 / dppo_time(0.38):.2f}x | 300 |" in section
+    # stuck reaches the 50% target (its trailing mean is 0.3 at 4 s) and never the others: the budget stands in,
+    # marked, and the page says what the marker means
+    assert "| stuck | 50% (0.300) | 4.0 | 0.75x |" in section
+    assert "| stuck | 75% (0.350) | 4.0† | 1.00x |" in section
+    stuck_row = next(line for line in section.splitlines() if line.startswith("| stuck | 2 |"))
+    assert "x**†" in stuck_row and "0% of draws reach" in stuck_row
+    assert "† never reached within the budget" in section
     assert "| ms/step |" in results_page.phase_table({m: list(r.values()) for m, r in groups.items()})
-    # the speed-up splits into fewer steps (GRPO 5 steps to target, DPPO 3) x shorter steps
-    parts = run_costs.speedup_decomposition(groups, results)
-    assert parts["dppo-proportional"]["steps"] == 3
+    # the speed-up to the 90% target splits into fewer steps (GRPO 5 steps by 4.9 s, DPPO 3 by 1.35 s) x shorter
+    # steps
+    times = {"grpo": 4.9, "dppo-proportional": 1.35, "stuck": None}
+    parts = run_costs.speedup_decomposition(groups, times, "grpo")
+    assert parts["dppo-proportional"]["steps"] == 3 and parts["stuck"]["steps"] is None
     assert parts["dppo-proportional"]["step_ratio"] == pytest.approx(5 / 3)
     assert parts["dppo-proportional"]["step_ratio"] * parts["dppo-proportional"]["step_time_ratio"] == \
-        pytest.approx(5 / crossing)
-    assert "| dppo-proportional | 3 | 1.67x" in results_page.decomposition_table(groups, results)
+        pytest.approx(4.9 / 1.35)
+    assert "| dppo-proportional | 3 | 1.67x" in results_page.decomposition_table(groups, times, "grpo")
+    assert "about" in results_page.projection(groups, times, "grpo", "dppo-proportional")
+    assert "did not reach grpo's 90% target" in results_page.projection(groups, times, "grpo", "stuck")
+
+
+def test_the_report_reads_every_method_against_both_baselines_and_ends_with_the_last_lines(tmp_path):
+    import time
+
+    model_dir = tmp_path / "cache" / "init" / "embedded_x" / "init"
+    model_dir.mkdir(parents=True)
+    save_file({"embed": torch.zeros(10, 8), "layer": torch.zeros(8, 8)}, str(model_dir / "model.safetensors"))
+    (model_dir / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 8}))
+    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--methods", "dppo", "--seeds", "1", "2",
+                                         "--no-control"])
+    for seed in (1, 2):
+        # grpo-paper: the same curve as grpo's at 1.2 s a step (it trains every group), dppo at 0.5 s a step
+        for method, accuracies, seconds_step in (("grpo-paper", [0.25, 0.3, 0.35, 0.4, 0.4, 0.4], 1.2),
+                                                 ("grpo", [0.25, 0.3, 0.35, 0.4, 0.4, 0.4], 1.0),
+                                                 ("dppo", [0.25, 0.3, 0.35, 0.4, 0.4, 0.4], 0.5)):
+            run_dir = write_run(tmp_path / "runs" / method / f"seed_{seed}", accuracies, seconds_step)
+            write_outcomes(run_dir, steps=5, per_step=4, pruned=0, zero_every=2)
+    report, last_lines = results_page.results_report(settings, 4.0, None, None, time.perf_counter())
+    assert "### Time to accuracy against grpo-paper" in report and "### Time to accuracy against grpo (" in report
+    # the same curve at 0.5 s a step: 2.4x grpo-paper's time and 2x grpo's, to every target
+    assert last_lines.splitlines() == [
+        "dppo_speedup_vs_grpo: 2.40 [2.40, 2.40]", "dppo_speedup_vs_grpo_filtered: 2.00 [2.00, 2.00]",
+        "dppo_speedup_vs_grpo_paper_definition: 2.40 [2.40, 2.40]",
+        "dppo_speedup_vs_grpo_filtered_paper_definition: 2.00 [2.00, 2.00]"]
+    assert report.endswith("\n".join(f"    {line}" for line in last_lines.splitlines()))
+    (tmp_path / "runs" / "grpo-paper").rename(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=r"no finished run of the baseline\(s\) \['grpo-paper'\]"):
+        results_page.results_report(settings, 4.0, None, None, time.perf_counter())
 
 
 def test_seed_mean_curve_averages_seeds_per_evaluation_then_takes_the_trailing_mean():
@@ -199,7 +332,9 @@ def test_bad_command_line_values_are_rejected_with_the_flag_name(capsys):
         accuracy_runs.parse_args(["--budget-s", "0"])
     assert "--budget-s 0.0 must be > 0" in capsys.readouterr().err
     settings = accuracy_runs.parse_args(["--quick", "--methods", "cppo"])
-    assert settings.methods == ["grpo", "cppo"] and settings.seeds == [1] and settings.budget_s == 25.0
+    assert settings.methods == ["grpo-paper", "grpo", "cppo"] and settings.seeds == [1] and settings.budget_s == 25.0
+    full = accuracy_runs.parse_args([])
+    assert full.methods == list(accuracy_runs.METHODS) and (full.budget_s, full.eval_interval) == (75.0, 6)
 
 
 def test_bench_runs_the_worked_task_by_default_and_the_answer_task_by_flag():
@@ -263,18 +398,16 @@ def test_crossing_time_interpolates_the_trailing_mean_between_evaluations():
     assert accuracy_curves.crossing_time(points, 0.9) is None
 
 
-def test_mean_curve_bootstrap_interval_holds_the_speedup_and_widens_with_seed_spread():
-    grpo = {seed: curve([(0, 0.2), (100, 0.3), (200, 0.4), (300, 0.4), (400, 0.4)]) for seed in range(5)}
-    same = {seed: curve([(0, 0.2), (50, 0.3), (100, 0.4), (150, 0.4), (200, 0.4)]) for seed in range(5)}
-    spread = {seed: curve([(0, 0.2), (50 + 20 * seed, 0.3), (100 + 40 * seed, 0.4), (150 + 60 * seed, 0.4),
-                           (200 + 80 * seed, 0.4)]) for seed in range(5)}
-    results = accuracy_curves.compare_mean_curves({"grpo": grpo, "same": same, "spread": spread}, resamples=500)
-    assert results["grpo"]["speedup"] == pytest.approx(1.0)
-    assert results["same"]["speedup"] == pytest.approx(2.0)
-    assert results["same"]["interval"] == pytest.approx((2.0, 2.0))  # identical seeds: nothing to resample
-    low, high = results["spread"]["interval"]
-    assert low < results["spread"]["speedup"] < high and high - low > 0.2
-    assert results["same"]["crossed"] == 1.0
+def test_paired_bootstrap_interval_holds_the_speedup_and_widens_with_the_methods_seed_spread():
+    baseline = {seed: curve(RISING) for seed in range(5)}
+    same = {seed: curve([(x / 2, y) for x, y in RISING]) for seed in range(5)}
+    spread = {seed: curve([(x * (0.3 + 0.2 * seed), y) for x, y in RISING]) for seed in range(5)}
+    same_result = accuracy_curves.compare_paired(baseline, same, resamples=500)
+    assert same_result["estimate"]["headline"] == pytest.approx(2.0)
+    assert same_result["headline_interval"] == pytest.approx((2.0, 2.0))  # identical seeds: nothing to resample
+    spread_result = accuracy_curves.compare_paired(baseline, spread, resamples=500)
+    low, high = spread_result["headline_interval"]
+    assert low < spread_result["estimate"]["headline"] < high and high - low > 0.2
 
 
 def write_outcomes(directory: Path, steps: int, per_step: int, pruned: int, zero_every: int) -> None:
@@ -428,7 +561,7 @@ def test_main_starts_every_run_before_it_makes_the_report(tmp_path, monkeypatch,
 
     def fake_report(settings, sft_steps_per_second, control, math_model, started):
         events.append("report")
-        return "the report", "dppo_speedup_vs_grpo: nan"
+        return "the report", "dppo_speedup_vs_grpo: nan\ndppo_speedup_vs_grpo_filtered: nan"
 
     monkeypatch.setattr(training_run, "launch", fake_launch)
     monkeypatch.setattr(accuracy_runs, "prepare_math_model", lambda out_dir: out_dir / "math_model")
@@ -436,7 +569,10 @@ def test_main_starts_every_run_before_it_makes_the_report(tmp_path, monkeypatch,
     (tmp_path / "cache" / "warm" / "embedded_x" / "warm_start").mkdir(parents=True)
     time_to_accuracy.main(["--out-dir", str(tmp_path), "--methods", "grpo", "dppo", "--seeds", "1", "2",
                            "--budget-s", "30", "--math-budget-s", "5"])
-    assert events == ["warm_start/build", "warm_start/cached", "runs/grpo/seed_1", "runs/dppo/seed_1",
-                      "runs/grpo/seed_2", "runs/dppo/seed_2", "runs/sft-control/seed_1", "math/grpo/seed_1",
-                      "math/dppo/seed_1", "report"]
-    assert capsys.readouterr().out.endswith("the report\ndppo_speedup_vs_grpo: nan\n")
+    # both baselines always run, every method with every seed, seed by seed
+    assert events == ["warm_start/build", "warm_start/cached", "runs/grpo-paper/seed_1", "runs/grpo/seed_1",
+                      "runs/dppo/seed_1", "runs/grpo-paper/seed_2", "runs/grpo/seed_2", "runs/dppo/seed_2",
+                      "runs/sft-control/seed_1", "math/grpo-paper/seed_1", "math/grpo/seed_1", "math/dppo/seed_1",
+                      "report"]
+    assert capsys.readouterr().out.endswith(
+        "the report\ndppo_speedup_vs_grpo: nan\ndppo_speedup_vs_grpo_filtered: nan\n")
