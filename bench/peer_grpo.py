@@ -6,7 +6,7 @@
        (tools/setup_peer_env.sh) by bench/peer_grpo_trl.py: one process, 2 threads, in-process `generate`. Its
        prompts are the draws of our run's task in our order; its rewards and held-out scores are our task.score,
        computed in this process and sent over a socket pair; greedy held-out accuracy every --eval-interval steps,
-       wall-time budget as ours
+       a budget of as many seconds as ours
        ─► <out>/runs/trl-peer/seed_<n>/metrics.jsonl + summary.json, the layout our trainer writes
     4. generation alone, on one step's 16 prompts x 8 samples: in-process HF `generate` as TRL calls it, against the
        embedded engine as the trainer starts it (and with the same threads as `generate`)
@@ -15,13 +15,14 @@
 The bench times what each trainer times: a step of ours is the trainer's seconds_step (rollout, reward, update,
 weight sync); a step of TRL's runs from the end of one optimizer step to the end of the next (generation, reward,
 forward/backward, clip, optimizer, its per-step logging), evaluations excluded. Both stop after the step that
-crosses the budget, evaluations counted in the budget as the trainer counts them.
+crosses the budget: ours counts RL time only (the trainer leaves its evaluations out), TRL's wall time with its
+evaluations in, so a dense --eval-interval shortens TRL's training (docs/peer.md's run evaluated every 50 steps).
 Runs are resumable: a finished run (summary.json, same command or config) is read, not run again; pointing --out-dir
 at a time_to_accuracy output reuses its warm start and GRPO runs.
 
 Examples:
     bash tools/setup_peer_env.sh                                    # once: TRL's environment, outside the repo
-    python bench/peer_grpo.py                                       # 200 s each, like the results page
+    python bench/peer_grpo.py --eval-interval 50                    # time_to_accuracy's 75 s each
     python bench/peer_grpo.py --budget-s 1 --warm-start-steps 50 --eval-size 32 --out-dir runs/peer_smoke
 Last lines: our_grpo_step_vs_trl, embedded_engine_vs_hf_generate_tokens_per_s and their parts, as `name: value`.
 """
@@ -384,11 +385,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out-dir", default="runs/peer_grpo",
                         help="runs and caches; a time_to_accuracy --out-dir reuses its warm start and GRPO runs")
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="RL seeds (default 1)")
-    parser.add_argument("--budget-s", type=float, default=None, help="RL wall time per run (default 200)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="RL time per run (default: time_to_accuracy's, 75 s)")
     parser.add_argument("--warm-start-steps", type=int, default=None,
                         help="default: the worked task's embedded default")
-    parser.add_argument("--eval-interval", type=int, default=None, help="steps between evaluations (default 25)")
-    parser.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 512)")
+    parser.add_argument("--eval-interval", type=int, default=None,
+                        help="steps between evaluations (default: time_to_accuracy's, 6)")
+    parser.add_argument("--eval-size", type=int, default=None,
+                        help="held-out problems (default: time_to_accuracy's, 256)")
     parser.add_argument("--processes", type=int, default=2, help="our trainer's torchrun --nproc-per-node")
     parser.add_argument("--peer-python", default=str(default_peer_env() / "bin" / "python"),
                         help="python of TRL's environment (tools/setup_peer_env.sh)")
