@@ -1,26 +1,32 @@
 """End-to-end Monte-Carlo check that the trainer's own step is unbiased, in every shipped configuration.
 
-    a fixed world (16 synthetic prompts x 8 fixed completions: half the groups all-correct or all-wrong, every fifth
-    prompt never seen, history lengths stale by up to ±50%) served by FixedWorldClient in place of the rollout servers
-    ─► the trainer's ExperienceMaker, configured by parse_args(flags): prompt draw, prompt level, rewards, advantages,
-       history, full-batch counts, DAPO filter, completion level ─► Experience (kept samples, weights, counts)
+    a fixed world (a pool of 64 synthetic prompts x 8 fixed completions, four steps' worth: half the groups
+    all-correct or all-wrong, every fifth prompt never seen, history lengths stale: recorded when the answers were up
+    to 40% shorter) served by FixedWorldClient in place of the rollout servers
+    ─► the trainer's ExperienceMaker, configured by parse_args(flags): prompt draw from the pool (the trainer's
+       sampler: a fresh permutation per epoch), prompt level, rewards, advantages, history, full-batch counts, DAPO
+       filter, completion level ─► Experience (kept samples, weights, counts); the drawn prompts are recorded
     ─► gradient of the draw = Σ_i w_i ∇f_i / Z, from per-sample gradients ∇f_i of a tiny policy (the loss is linear
        in the sample weights); on the first draws of each configuration the same gradient by autograd through Dense
        Prompt Packing into per-rank micro-batches at DP=2 and the trainer's packed_policy_loss, which must agree
-    ─► over many draws, per loss aggregation: max |mean - full| / SE over the gradient's coordinates, and the
-       projection ratio <mean, full> / <full, full>, where `full` is the same configuration's full-batch gradient
-       (every drawn sample, the DAPO filter's varied groups only, weight 1, the same normaliser); beside it the ratio
-       to GRPO's full-batch gradient: 1 where the normaliser counts sequences, and true tokens / the rule's tokens
-       for token-mean (the prompt level counts a prompt it may prune by its history length, stale here)
+    ─► per draw two references, both over the drawn prompts' samples (the DAPO filter's varied groups only, weight 1):
+       `own`, normalised by the rule's count (what the configuration estimates), and `full`, normalised by the drawn
+       candidates' real counts (the full batch's loss)
+    ─► over many draws, per loss aggregation: against `own`, max |mean(g - own)| / SE over the gradient's
+       coordinates, the bias along own's direction in SE, and the ratio of projections; against `full`, the scale
+       Σ <g, u> / Σ <full, u> (u the mean full gradient's direction) with its standard error, the scale the
+       normaliser predicts (Σ (real count / rule's count) <full, u> / Σ <full, u>: 1 where the normaliser counts
+       sequences or the history lengths are exact), and the worst coordinate in SE
 
-The history is restored before every draw, so each draw is one step from the same state. Biased configurations
-(deterministic DPPO, CPPO, D3S) run fewer draws (their estimate is a fixed function of the world) and show their bias.
-Last lines, over the unbiased configurations: `dppo_e2e_max_projection_bias_se` (the bias along the full gradient's
-direction, in standard errors of that one projection), `dppo_e2e_max_ratio_error` (|projection ratio - 1|), and
-`dppo_e2e_max_bias_se` (the largest |mean - full| / SE over the 16 coordinates and 3 aggregations of a
-configuration: a maximum over 48 correlated z-scores, which exceeds 3 about one time in ten without any bias).
+The history is restored before every draw, so each draw is one step from the same state; the sampler goes on, so
+draws differ. Biased configurations (deterministic DPPO, CPPO, D3S, ...) run fewer draws and show their bias.
+Last lines, over the unbiased configurations: `dppo_e2e_max_projection_bias_se` (the bias along own's direction, in
+standard errors of that one projection), `dppo_e2e_max_ratio_error` (|projection ratio - 1|),
+`dppo_e2e_max_bias_se` (the largest |mean - own| / SE over the 16 coordinates and 3 aggregations of a configuration:
+a maximum over 48 correlated z-scores, which exceeds 3 about one time in ten without any bias),
+`dppo_e2e_max_scale_vs_predicted_se` and the token-mean scales with stale and with exact history lengths.
 
-    python bench/unbiasedness.py [--draws 20000]
+    python bench/unbiasedness.py [--draws 20000] [--stale-lengths 0.6 1.0]
 """
 
 import argparse
@@ -55,46 +61,60 @@ from megatron_dppo.pipeline.packing import TrainingSample, build_thd_batch, pack
 from megatron_dppo.pipeline.tasks import synthetic_task  # noqa: E402
 from megatron_dppo.rollout.client import Completion  # noqa: E402
 
-NUM_PROMPTS, GROUP = 16, 8
+POOL, BATCH, GROUP = 64, 16, 8  # a step draws BATCH prompts (the refill 27) from the recurring pool
+STALE_LENGTHS = (0.6, 1.0)  # a seen prompt's history length over its real one: answers grew since its last visit
 FEATURES = 4  # the tiny policy's width: FEATURES² parameters, the coordinates of the gradient
 MICRO_BATCH_TOKENS = 640  # small, so that each rank gets several micro-batches
 
-# name: (flags, unbiased). The world's own flags (batch, group size, lengths) are added to each. A refill draws
-# M = B / (1 - rate) prompts, more than the world's 16 at B = 8 with the world's recorded zero-variance share (7 of
-# 12): the draw is then capped at the pool, the whole world, so that the full batch is the same on every draw.
+
+
+@dataclass(frozen=True)
+class Configuration:
+    flags: list  # the trainer's flags; the world's own (batch, group size, pool) are added
+    unbiased: bool
+    history_lengths: str = "stale"  # "stale" (STALE_LENGTHS, every fifth prompt never seen) or "exact" (all seen)
+
+
+# A refill draws M = B / (1 - rate) prompts: 27 of the pool's 64 at B = 8 with the world's recorded
+# zero-variance share.
 REFILL = ["--rollout-batch-size", "8"]
+NO_DAPO_RATE_HALF = ["--no-dppo-refill", "--dppo-prompt-prune-rate", "0.5", "--no-dapo-filter"]
 CONFIGURATIONS = {
-    "embedded default (dppo: predicted zero-variance, auto rate, refill, DAPO)": (REFILL, True),
-    "cli default (dppo: predicted zero-variance, auto rate, refill, no DAPO)": ([*REFILL, "--no-dapo-filter"], True),
-    "dppo uniform keep, refill, DAPO": ([*REFILL, "--dppo-keep-policy", "uniform"], True),
-    "dppo, no refill, rate 0.5, no DAPO": (["--no-dppo-refill", "--dppo-prompt-prune-rate", "0.5", "--no-dapo-filter"],
-                                           True),
-    "dppo mean |A| EMA score, below_mean, no refill, no DAPO": (
-        ["--dppo-prompt-score", "mean_abs_advantage", "--no-dppo-refill", "--dppo-prompt-prune-rate", "0.5",
-         "--no-dapo-filter"], True),
-    "dppo, no refill, DAPO over-sampling x2": (["--no-dppo-refill", "--dapo-oversample", "2", "--rollout-batch-size",
-                                                "8"], True),
-    "embedded default with partial rollouts (staleness 1, chunks of 8 tokens)": (
+    "embedded default (dppo: predicted zero-variance, auto rate, refill, DAPO)": Configuration(REFILL, True),
+    "cli default (dppo: predicted zero-variance, auto rate, refill, no DAPO)": Configuration(
+        [*REFILL, "--no-dapo-filter"], True),
+    "dppo uniform keep, refill, DAPO": Configuration([*REFILL, "--dppo-keep-policy", "uniform"], True),
+    "dppo, no refill, rate 0.5, no DAPO": Configuration(NO_DAPO_RATE_HALF, True),
+    "dppo mean |A| EMA score, below_mean, no refill, no DAPO": Configuration(
+        ["--dppo-prompt-score", "mean_abs_advantage", *NO_DAPO_RATE_HALF], True),
+    "dppo, no refill, DAPO over-sampling x2": Configuration(
+        ["--no-dppo-refill", "--dapo-oversample", "2", "--rollout-batch-size", "8"], True),
+    "embedded default with partial rollouts (staleness 1, chunks of 8 tokens)": Configuration(
         [*REFILL, "--partial-rollout", "--partial-rollout-chunk-tokens", "8"], True),
-    "grpo, DAPO": (["--algorithm", "grpo"], True),
-    "grpo, DAPO over-sampling x2": (["--algorithm", "grpo", "--dapo-oversample", "2", "--rollout-batch-size", "8"],
-                                    True),
-    "dppo deterministic (the paper's Algorithm 1), refill": ([*REFILL, "--dppo-mode", "deterministic"], False),
-    "dppo without importance weights (kept prompts as the batch)": ([*REFILL, "--no-dppo-importance-weights"], False),
-    "grpo, DAPO dynamic sampling (rounds until B varied groups)": (
+    "grpo, DAPO": Configuration(["--algorithm", "grpo"], True),
+    "grpo, DAPO over-sampling x2": Configuration(
+        ["--algorithm", "grpo", "--dapo-oversample", "2", "--rollout-batch-size", "8"], True),
+    "embedded default, exact history lengths": Configuration(REFILL, True, "exact"),
+    "dppo, no refill, rate 0.5, no DAPO, exact history lengths": Configuration(NO_DAPO_RATE_HALF, True, "exact"),
+    "dppo deterministic (the paper's Algorithm 1), refill": Configuration([*REFILL, "--dppo-mode", "deterministic"],
+                                                                          False),
+    "dppo without importance weights (kept prompts as the batch)": Configuration(
+        [*REFILL, "--no-dppo-importance-weights"], False),
+    "grpo, DAPO dynamic sampling (rounds until B varied groups)": Configuration(
         ["--algorithm", "grpo", "--dapo-dynamic-sampling", "--rollout-batch-size", "8"], False),
-    "cppo": (["--algorithm", "cppo"], False),
-    "d3s": (["--algorithm", "d3s"], False),
+    "cppo": Configuration(["--algorithm", "cppo"], False),
+    "d3s": Configuration(["--algorithm", "d3s"], False),
 }
-# Over-sampling needs more varied groups than the batch holds: that world has only 4 uniform groups.
-OVERSAMPLING_UNIFORM_GROUPS = 4
+# Over-sampling x2 at B = 8 draws 16 prompts: with a quarter of the pool uniform, more than 8 of them usually vary,
+# so the DAPO filter's cap (a uniform 8 of the varied, weight V / 8) is exercised.
+OVERSAMPLING_UNIFORM_GROUPS = POOL // 4
 
 
 def world_args(flags: list[str]):
     """The configuration's arguments as the trainer parses them (the embedded default's task), with the world's
     batch shape."""
-    return parse_args(["--rollout-batch-size", str(NUM_PROMPTS), "--n-samples-per-prompt", str(GROUP),
-                       "--data-train-size", str(NUM_PROMPTS), *flags])
+    return parse_args(["--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", str(GROUP),
+                       "--data-train-size", str(POOL), *flags])
 
 
 def aggregation_config(args, aggregation: str):
@@ -107,25 +127,27 @@ def aggregation_config(args, aggregation: str):
 
 @dataclass
 class World:
-    """16 prompts x 8 fixed completions and the history a step starts from."""
+    """A pool of POOL prompts x 8 fixed completions and the history a step starts from."""
 
     task: object
     tokenizer: CharTokenizer
     completions: dict  # prompt input ids (tuple) → [Completion] x GROUP
     history_state: dict
     uniform_groups: set  # prompt ids whose rewards are all equal
+    response_tokens: dict  # prompt id → the real response tokens of its G completions
 
 
-def build_world(seed: int = 0, uniform_groups: int = NUM_PROMPTS // 2, mispredicted: bool = True) -> World:
+def build_world(seed: int = 0, uniform_groups: int = POOL // 2, mispredicted: bool = True,
+                history_lengths: str = "stale", stale_lengths: tuple = STALE_LENGTHS) -> World:
     """Completions: a uniform group is all correct or all wrong; a mixed one has 1..7 correct. A correct one is the
     task's own solution; a wrong one has the same work and a wrong final answer of 1..6 digits, so response lengths
     differ within a group and between cells. Identical responses carry identical rollout log-probs."""
     args = world_args([])
     tokenizer = CharTokenizer.for_synthetic_task()
-    task = synthetic_task(tokenizer, seed, NUM_PROMPTS, 1, task=args.synthetic_task)
-    problems = SyntheticArithmetic(rl_pool_seed(seed), TASK_CELLS[args.synthetic_task]).sample(NUM_PROMPTS)  # its pool
+    task = synthetic_task(tokenizer, seed, POOL, 1, task=args.synthetic_task)
+    problems = SyntheticArithmetic(rl_pool_seed(seed), TASK_CELLS[args.synthetic_task]).sample(POOL)  # its pool
     rng = random.Random(seed)
-    uniform = set(rng.sample(range(NUM_PROMPTS), uniform_groups))
+    uniform = set(rng.sample(range(POOL), uniform_groups))
     completions, logprob_cache = {}, {}
     for prompt, problem in zip(task.prompts, problems):
         if prompt.text != problem.prompt:
@@ -150,15 +172,19 @@ def build_world(seed: int = 0, uniform_groups: int = NUM_PROMPTS // 2, mispredic
                                                 [-rng.uniform(0.05, 2.0) for _ in ids])
             group.append(Completion(0, sample, ids, logprobs, "stop", None))
         completions[tuple(prompt.input_ids)] = group
-    # The history: every fifth prompt never seen (the prompt level gives it its stratum's prior); the others with
-    # their true score (mean |A|) up to ±30%, a mean response length off by a factor in [0.5, 1.5] (stale, from an
-    # earlier visit), and their rewards of that earlier visit: the true ones, except that three prompts with varied
-    # rewards now had all-equal ones then, and one the reverse (the prediction is then wrong, and the importance
-    # weight of a kept informative prompt is large). mispredicted=False records the true ones throughout: a history
-    # that predicts, for the variance comparison of keep policies.
-    maker = ExperienceMaker(args, task, tokenizer, FixedWorldClient(completions))
-    seen = [p for p in task.prompts if p.prompt_id % 5]
-    rollouts = maker.generate(0)  # the history is empty: every prompt is rolled out
+    # The history: with stale lengths every fifth prompt never seen (the prompt level gives it its stratum's prior),
+    # the others with a mean response length times a factor in `stale_lengths` (from an earlier visit, when the
+    # answers were shorter); with exact lengths every prompt seen with its real mean length (the full batch's count
+    # is then exact). Each with its true score (mean |A|) up to ±30% and its rewards of that earlier visit: the true
+    # ones, except that 3 in 16 prompts with varied rewards now had all-equal ones then, and 1 in 16 the reverse (the
+    # prediction is then wrong, and the importance weight of a kept informative prompt is large). mispredicted=False
+    # records the true ones throughout: a history that predicts, for the variance comparison of keep policies.
+    if history_lengths not in ("stale", "exact"):
+        raise ValueError(f"history_lengths is {history_lengths!r}: choose 'stale' or 'exact'")
+    maker = ExperienceMaker(world_args(["--rollout-batch-size", str(POOL)]), task, tokenizer,
+                            FixedWorldClient(completions))
+    seen = [p for p in task.prompts if p.prompt_id % 5 or history_lengths == "exact"]
+    rollouts = maker.generate(0)  # the history is empty: every prompt of the pool is rolled out
     rewards = rollouts.rewards
     from megatron_dppo.algo import compute_advantages, score_prompts
 
@@ -167,24 +193,27 @@ def build_world(seed: int = 0, uniform_groups: int = NUM_PROMPTS // 2, mispredic
     by_id = {p.prompt_id: i for i, p in enumerate(rollouts.prompts)}
     rows = [by_id[p.prompt_id] for p in seen]
     noise = torch.tensor([rng.uniform(0.7, 1.3) for _ in seen], dtype=torch.float64)
-    stale = torch.tensor([rng.uniform(0.5, 1.5) for _ in seen], dtype=torch.float64)
+    stale = torch.tensor([rng.uniform(*stale_lengths) if history_lengths == "stale" else 1.0 for _ in seen],
+                         dtype=torch.float64)
     earlier = rewards[rows].clone()
     uniform_now = (earlier == earlier[:, :1]).all(dim=1).tolist()
     mixed_positions = [i for i, uniform in enumerate(uniform_now) if not uniform]
     uniform_positions = [i for i, uniform in enumerate(uniform_now) if uniform]
-    for position in mixed_positions[:3 if mispredicted else 0]:
+    for position in mixed_positions[:3 * POOL // 16 if mispredicted else 0]:
         earlier[position] = 1.0
-    for position in uniform_positions[:1 if mispredicted else 0]:
+    for position in uniform_positions[:POOL // 16 if mispredicted else 0]:
         earlier[position] = torch.arange(GROUP, dtype=torch.float64) % 2
     maker.history.update([p.prompt_id for p in seen], scores[rows] * noise, lengths.mean(dim=1)[rows] * stale,
                          rewards=earlier, difficulties=[p.difficulty for p in seen])
     refill = world_args(REFILL)
     name, options = pruner_options(refill)
     drawn = build_pruner(name, **options).prompts_to_sample(refill.rollout_batch_size, maker.history)
-    if uniform_groups == NUM_PROMPTS // 2 and drawn < NUM_PROMPTS:
-        raise RuntimeError(f"the refill configurations would draw {drawn} of the world's {NUM_PROMPTS} prompts (the "
-                           "recorded zero-variance share is too low): the full batch would change between draws")
-    return World(task, tokenizer, completions, maker.history.state_dict(), uniform)
+    if 2 * drawn > POOL:
+        raise RuntimeError(f"the refill configurations would draw {drawn} of the pool's {POOL} prompts: the pool must "
+                           "hold several steps' worth, so that the draw is a sample of it")
+    tokens = {p.prompt_id: float(sum(len(c.output_ids) for c in completions[tuple(p.input_ids)]))
+              for p in task.prompts}
+    return World(task, tokenizer, completions, maker.history.state_dict(), uniform, tokens)
 
 
 class FixedWorldClient:
@@ -247,29 +276,61 @@ class TinyPolicy:
 # ------------------------------------------------------------------------------------------------- the check
 
 
+class DrawRecorder:
+    """The world's task, recording every draw from its prompt sampler (the trainer's), so that each trained step's
+    full batch is known: a step trains the oldest draws not yet trained (partial rollouts draw a cohort ahead)."""
+
+    def __init__(self, task):
+        self.task, self.pending = task, []
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def next_prompts(self, count: int) -> list:
+        drawn = self.task.next_prompts(count)
+        self.pending.append(drawn)
+        return drawn
+
+    def take(self, num_drawn: int) -> list:
+        """The prompts of the oldest draws, `num_drawn` of them in all (the trained rollouts' num_drawn)."""
+        taken = []
+        while len(taken) < num_drawn:
+            taken += self.pending.pop(0)
+        if len(taken) != num_drawn:
+            raise RuntimeError(f"the step trained {num_drawn} drawn prompts, not a whole number of draws")
+        return taken
+
+
 @dataclass
 class Draws:
-    """One configuration's draws: weights per canonical sample, normaliser counts, and packed-path gradients."""
+    """One configuration's draws: weights per canonical sample, normaliser counts, what was drawn, packed gradients."""
 
     weights: torch.Tensor  # [draws, canonical samples]
-    counts: list  # [draws] FullBatchInfo
+    counts: list  # [draws] FullBatchInfo: what the trainer's normaliser counted
+    drawn: torch.Tensor  # [draws, POOL] how many times each prompt of the pool was drawn
+    real_counts: list  # [draws] FullBatchInfo: the drawn prompts' real sequences and response tokens
+    normaliser_from_draw: bool  # every draw's counts are the rule's, computed from the draw alone
     packed: list  # [(draw, aggregation, autograd gradient through packing at DP=2)]
 
 
 def canonical_samples(world: World):
-    """Identical (prompt, response) pairs train identically: one canonical index each, with its multiplicity."""
-    index, samples, multiplicity, uniform = {}, [], [], []
+    """Identical (prompt, response) pairs train identically: one canonical index each. Returns the index, the
+    samples, [POOL, canonical] how many of each prompt's G completions each one is, and [canonical] uniform group."""
+    index, samples, uniform = {}, [], []
     prompt_ids = {tuple(p.input_ids): p.prompt_id for p in world.task.prompts}
+    members = []
     for prompt, group in world.completions.items():
         for completion in group:
             key = (prompt, tuple(completion.output_ids))
             if key not in index:
                 index[key] = len(samples)
                 samples.append((prompt, completion))
-                multiplicity.append(0)
                 uniform.append(prompt_ids[prompt] in world.uniform_groups)
-            multiplicity[index[key]] += 1
-    return index, samples, torch.tensor(multiplicity, dtype=torch.float64), torch.tensor(uniform)
+            members.append((prompt_ids[prompt], index[key]))
+    membership = torch.zeros(POOL, len(samples), dtype=torch.float64)
+    for prompt_id, sample in members:
+        membership[prompt_id, sample] += 1
+    return index, samples, membership, torch.tensor(uniform)
 
 
 def per_sample_gradients(world: World, policy: TinyPolicy, args, aggregation: str, advantages: dict) -> torch.Tensor:
@@ -284,16 +345,38 @@ def per_sample_gradients(world: World, policy: TinyPolicy, args, aggregation: st
     return torch.stack(rows)
 
 
+def rule_counts(world: World, decision, drawn: list) -> FullBatchInfo | None:
+    """The full-batch rule (docs/algorithms.md) recomputed from the draw alone, whichever prompts the coins kept: a
+    drawn prompt kept with probability 1 counts its real tokens, one that could have been pruned G x its history
+    length. None where the decision is not over the drawn prompts (DAPO's dynamic sampling)."""
+    if decision.num_prompts != len(drawn):
+        return None
+    tokens = sum(world.response_tokens[prompt.prompt_id] if keep_prob >= 1.0 else GROUP * expected
+                 for prompt, keep_prob, expected in zip(drawn, decision.keep_probs.tolist(),
+                                                        decision.expected_response_lengths.tolist()))
+    return FullBatchInfo(float(len(drawn) * GROUP), tokens)
+
+
 def run_draws(world: World, args, draws: int, packed_draws: int, policy: TinyPolicy) -> Draws:
-    """`draws` steps of the trainer's ExperienceMaker, each from the same history."""
+    """`draws` steps of the trainer's ExperienceMaker, each from the same history, each drawing from the pool."""
     index, _, _, _ = canonical_samples(world)
-    maker = ExperienceMaker(args, copy.deepcopy(world.task), world.tokenizer, FixedWorldClient(world.completions))
+    task = DrawRecorder(copy.deepcopy(world.task))
+    maker = ExperienceMaker(args, task, world.tokenizer, FixedWorldClient(world.completions))
     weights = torch.zeros(draws, len(index), dtype=torch.float64)
-    counts, packed = [], []
+    drawn_counts = torch.zeros(draws, POOL, dtype=torch.float64)
+    counts, real_counts, packed, from_draw = [], [], [], True
     for step in range(draws):
         maker.history.load_state_dict(world.history_state)
-        experience = maker.make(maker.generate(step), step, progress=0.0)
+        rollouts = maker.generate(step)
+        experience = maker.make(rollouts, step, progress=0.0)
+        drawn = task.take(rollouts.num_drawn)
+        for prompt in drawn:
+            drawn_counts[step, prompt.prompt_id] += 1
         counts.append(experience.normalizer_counts)
+        real_counts.append(FullBatchInfo(float(len(drawn) * GROUP),
+                                         sum(world.response_tokens[prompt.prompt_id] for prompt in drawn)))
+        rule = rule_counts(world, rollouts.prompt_decision, drawn)
+        from_draw = from_draw and rule is not None and same_counts(rule, experience.normalizer_counts)
         for sample in experience.samples:
             key = (tuple(sample.prompt_ids), tuple(sample.response_ids))
             weights[step, index[key]] += sample.sample_weight
@@ -304,19 +387,19 @@ def run_draws(world: World, args, draws: int, packed_draws: int, policy: TinyPol
                     experience.samples, MICRO_BATCH_TOKENS, 256, 2, rank)[0]]
                 normalizer = loss_normalizer(config, experience.normalizer_counts)
                 packed.append((step, aggregation, policy.loss_gradient(config, batches, normalizer)))
-    return Draws(weights, counts, packed)
+    return Draws(weights, counts, drawn_counts, real_counts, from_draw, packed)
 
 
-def grpo_step(world: World, args):
-    """One GRPO step with nothing pruned or filtered: every sample's full-group advantage, and GRPO's counts."""
+def full_group_advantages(world: World, args) -> dict:
+    """Every sample's advantage, from one GRPO step that rolls out the whole pool with nothing pruned or filtered
+    (advantages are computed on the full group, so they do not depend on the draw)."""
     grpo = copy.copy(args)
-    grpo.algorithm, grpo.dapo_filter, grpo.rollout_batch_size = "grpo", False, NUM_PROMPTS
-    grpo.dapo_dynamic_sampling = False
+    grpo.algorithm, grpo.dapo_filter, grpo.rollout_batch_size = "grpo", False, POOL
+    grpo.dapo_dynamic_sampling = grpo.partial_rollout = False
     maker = ExperienceMaker(grpo, copy.deepcopy(world.task), world.tokenizer, FixedWorldClient(world.completions))
     maker.history.load_state_dict(world.history_state)
     experience = maker.make(maker.generate(0), 0, 0.0)
-    advantages = {(tuple(s.prompt_ids), tuple(s.response_ids)): s.advantage for s in experience.samples}
-    return advantages, experience.normalizer_counts
+    return {(tuple(s.prompt_ids), tuple(s.response_ids)): s.advantage for s in experience.samples}
 
 
 @dataclass
@@ -324,16 +407,22 @@ class Result:
     configuration: str
     aggregation: str
     unbiased: bool
+    history_lengths: str  # "stale" or "exact"
     draws: int
-    max_bias_se: float  # max over coordinates of |mean - full| / SE (inf when the draws do not vary)
-    projection_bias_se: float  # |mean - full| along full's direction, in standard errors of that projection
-    ratio: float  # <mean, full> / <full, full>
-    relative_error: float  # |mean - full| / |full|
-    ratio_to_grpo: float  # <mean, g> / <g, g> with g GRPO's full-batch gradient (true token counts)
-    cosine_to_grpo: float  # the direction: <mean, g> / (|mean| |g|)
-    mean_squared_error: float  # E|draw - full|² / |full|²: the estimate's variance (plus bias²), relative
+    # against `own`: the drawn samples normalised by the rule's count (what the configuration estimates)
+    max_bias_se: float  # max over coordinates of |mean(g - own)| / SE (inf when the draws do not vary)
+    projection_bias_se: float  # |mean(g - own)| along own's direction, in standard errors of that projection
+    ratio: float  # Σ <g, u> / Σ <own, u>, u the mean own gradient's direction
+    relative_error: float  # |mean(g - own)| / |mean own|
+    # against `full`: the drawn samples normalised by their real counts (the full batch's loss)
+    scale: float  # Σ <g, v> / Σ <full, v>, v the mean full gradient's direction
+    scale_se: float  # its standard error over the draws (the ratio estimator's, by the delta method)
+    predicted_scale: float  # Σ (real count / rule's count) <full, v> / Σ <full, v>
+    max_bias_se_full: float  # max over coordinates of |mean(g - full)| / SE
+    cosine_to_full: float  # <mean g, mean full> / (|mean g| |mean full|)
+    mean_squared_error: float  # E|g - own|² / E|own|²: the estimate's variance (plus bias²), relative
     packed_max_error: float  # max |autograd through packing at DP=2 - linear form| / |linear form|
-    normaliser_fixed: bool  # the normaliser counts were the same on every draw
+    normaliser_from_draw: bool  # every draw's counts were the rule's, computed from the draw alone
 
 
 def same_counts(first: FullBatchInfo, second: FullBatchInfo) -> bool:
@@ -342,44 +431,58 @@ def same_counts(first: FullBatchInfo, second: FullBatchInfo) -> bool:
                                                                   dataclasses.astuple(second)))
 
 
-def check_configuration(name: str, flags: list[str], unbiased: bool, draws: int, packed_draws: int = 20,
-                        seed: int = 0, mispredicted: bool = True) -> list[Result]:
-    """Run one configuration's draws and compare them with its full-batch gradient, per loss aggregation."""
-    oversampling = "--dapo-oversample" in flags
-    world = build_world(seed, OVERSAMPLING_UNIFORM_GROUPS if oversampling else NUM_PROMPTS // 2, mispredicted)
-    args = world_args(flags)
-    if oversampling:  # the drawn batch (capacity x 2) must be the whole world, so the full batch is fixed
-        assert args.rollout_batch_size * args.dapo_oversample == NUM_PROMPTS
+def bias_in_se(estimates: torch.Tensor, references: torch.Tensor, floor: float) -> torch.Tensor:
+    """|mean(estimate - reference)| / its standard error, per column of [draws, ...] (SE floored at `floor`)."""
+    differences = estimates - references
+    standard_error = (differences.std(dim=0) / math.sqrt(len(differences))).clamp(min=floor)
+    return differences.mean(dim=0).abs() / standard_error
+
+
+def ratio_with_se(numerators: torch.Tensor, denominators: torch.Tensor, floor: float) -> tuple[float, float]:
+    """Σ numerators / Σ denominators over the draws, and its standard error (delta method), floored at `floor`."""
+    ratio = float(numerators.sum() / denominators.sum())
+    residuals = numerators - ratio * denominators
+    return ratio, max(float(residuals.std()) / math.sqrt(len(numerators)) / abs(float(denominators.mean())), floor)
+
+
+def check_configuration(name: str, configuration: Configuration, draws: int, packed_draws: int = 20, seed: int = 0,
+                        mispredicted: bool = True, stale_lengths: tuple = STALE_LENGTHS) -> list[Result]:
+    """Run one configuration's draws and compare them with the draws' full-batch gradients, per loss aggregation."""
+    args = world_args(configuration.flags)
+    uniform_groups = OVERSAMPLING_UNIFORM_GROUPS if args.dapo_oversample > 1 else POOL // 2
+    world = build_world(seed, uniform_groups, mispredicted, configuration.history_lengths, stale_lengths)
     policy = TinyPolicy(world.tokenizer.vocab_size, seed)
     result = run_draws(world, args, draws, packed_draws, policy)
-    advantages, grpo_counts = grpo_step(world, args)
-    _, _, multiplicity, uniform = canonical_samples(world)
-    eligible = multiplicity * (~uniform if args.dapo_filter else torch.ones_like(uniform)).double()
-    full_counts = result.counts[0]
+    advantages = full_group_advantages(world, args)
+    _, _, membership, uniform = canonical_samples(world)
+    if args.dapo_filter:  # the configuration's full batch: the DAPO filter's varied groups only
+        membership = membership * (~uniform).double()
     results = []
     for aggregation in AGGREGATIONS:
         config = aggregation_config(args, aggregation)
         gradients_per_sample = per_sample_gradients(world, policy, args, aggregation, advantages)
-        normalizers = torch.tensor([loss_normalizer(config, counts) for counts in result.counts], dtype=torch.float64)
-        draws_gradient = (result.weights @ gradients_per_sample) / normalizers[:, None]  # [draws, params]
-        full = eligible @ gradients_per_sample / loss_normalizer(config, full_counts)
-        grpo = eligible @ gradients_per_sample / loss_normalizer(config, grpo_counts)
-        mean = draws_gradient.mean(dim=0)
-        # an estimate that does not vary (GRPO, deterministic pruners) has SE 0: floor it at float64 rounding
-        standard_error = (draws_gradient.std(dim=0) / math.sqrt(draws)).clamp(min=1e-12 * float(full.norm()))
-        max_bias_se = float(((mean - full).abs() / standard_error).max())
-        direction = full / full.norm()
-        projected = draws_gradient @ direction  # [draws]
-        projection_se = max(float(projected.std()) / math.sqrt(draws), 1e-12 * float(full.norm()))
-        projection_bias_se = abs(float(projected.mean() - full @ direction)) / projection_se
-        packed_errors = [float((gradient - draws_gradient[step]).norm() / draws_gradient[step].norm())
+        rule = torch.tensor([loss_normalizer(config, counts) for counts in result.counts], dtype=torch.float64)
+        real = torch.tensor([loss_normalizer(config, counts) for counts in result.real_counts], dtype=torch.float64)
+        gradients = (result.weights @ gradients_per_sample) / rule[:, None]  # [draws, params]
+        drawn_sums = result.drawn @ (membership @ gradients_per_sample)  # [draws, params]: Σ over the drawn samples
+        own, full = drawn_sums / rule[:, None], drawn_sums / real[:, None]
+        floor = 1e-12 * float(full.norm(dim=1).mean())  # an estimate that does not vary has SE 0: float64 rounding
+        mean, mean_own, mean_full = gradients.mean(dim=0), own.mean(dim=0), full.mean(dim=0)
+        own_direction, full_direction = mean_own / mean_own.norm(), mean_full / mean_full.norm()
+        ratio, _ = ratio_with_se(gradients @ own_direction, own @ own_direction, floor)
+        scale, scale_se = ratio_with_se(gradients @ full_direction, full @ full_direction, floor)
+        predicted, _ = ratio_with_se((real / rule) * (full @ full_direction), full @ full_direction, floor)
+        packed_errors = [float((gradient - gradients[step]).norm() / gradients[step].norm())
                          for step, agg, gradient in result.packed if agg == aggregation]
-        results.append(Result(name, aggregation, unbiased, draws, max_bias_se, projection_bias_se,
-                              float(mean @ full / (full @ full)), float((mean - full).norm() / full.norm()),
-                              float(mean @ grpo / (grpo @ grpo)), float(mean @ grpo / (mean.norm() * grpo.norm())),
-                              float((draws_gradient - full).square().sum(dim=1).mean() / (full @ full)),
-                              max(packed_errors, default=0.0),
-                              all(same_counts(counts, full_counts) for counts in result.counts)))
+        results.append(Result(
+            name, aggregation, configuration.unbiased, configuration.history_lengths, draws,
+            float(bias_in_se(gradients, own, floor).max()),
+            float(bias_in_se(gradients @ own_direction, own @ own_direction, floor)), ratio,
+            float((mean - mean_own).norm() / mean_own.norm()), scale, scale_se, predicted,
+            float(bias_in_se(gradients, full, floor).max()),
+            float(mean @ mean_full / (mean.norm() * mean_full.norm())),
+            float((gradients - own).square().sum(dim=1).mean() / own.square().sum(dim=1).mean()),
+            max(packed_errors, default=0.0), result.normaliser_from_draw))
     return results
 
 
@@ -388,22 +491,27 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=20_000, help="draws per unbiased configuration")
     parser.add_argument("--biased-draws", type=int, default=500, help="draws per biased configuration")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stale-lengths", type=float, nargs=2, default=STALE_LENGTHS, metavar=("LOW", "HIGH"),
+                        help="a seen prompt's history length over its real one is uniform in [LOW, HIGH]")
     parser.add_argument("--only", nargs="+", type=int, metavar="INDEX",
                         help="run only these configurations (0-based positions in CONFIGURATIONS)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     options = parser.parse_args()
     start = time.perf_counter()
     rows = []
-    for position, (name, (flags, unbiased)) in enumerate(CONFIGURATIONS.items()):
+    for position, (name, configuration) in enumerate(CONFIGURATIONS.items()):
         if options.only is None or position in options.only:
-            rows += check_configuration(name, flags, unbiased, options.draws if unbiased else options.biased_draws,
-                                        seed=options.seed)
+            rows += check_configuration(
+                name, configuration, options.draws if configuration.unbiased else options.biased_draws,
+                seed=options.seed, stale_lengths=tuple(options.stale_lengths))
     print(f"{'configuration':<58} {'aggregation':<24} {'draws':>6} {'max|bias|/SE':>12} {'proj/SE':>7} "
-          f"{'ratio':>7} {'rel.err':>7} {'vs GRPO':>7} {'cos GRPO':>8} {'packed':>8} {'Z fixed':>7}")
+          f"{'ratio':>7} {'rel.err':>7} {'scale':>7} {'± SE':>6} {'predicted':>9} {'worst/SE':>8} {'packed':>8} "
+          f"{'Z rule':>6}")
     for row in rows:
         print(f"{row.configuration:<58} {row.aggregation:<24} {row.draws:>6} {row.max_bias_se:>12.2f} "
-              f"{row.projection_bias_se:>7.2f} {row.ratio:>7.4f} {row.relative_error:>7.4f} {row.ratio_to_grpo:>7.4f} "
-              f"{row.cosine_to_grpo:>8.5f} {row.packed_max_error:>8.1e} {str(row.normaliser_fixed):>7}")
+              f"{row.projection_bias_se:>7.2f} {row.ratio:>7.4f} {row.relative_error:>7.4f} {row.scale:>7.4f} "
+              f"{row.scale_se:>6.4f} {row.predicted_scale:>9.4f} {row.max_bias_se_full:>8.2f} "
+              f"{row.packed_max_error:>8.1e} {str(row.normaliser_from_draw):>6}")
     if options.json:
         options.json.write_text(json.dumps([dataclasses.asdict(row) for row in rows], indent=1))
     print(f"seconds: {time.perf_counter() - start:.0f}")
@@ -411,6 +519,13 @@ def main() -> None:
     print(f"dppo_e2e_max_projection_bias_se: {max((r.projection_bias_se for r in unbiased), default=math.nan):.2f}")
     print(f"dppo_e2e_max_ratio_error: {max((abs(r.ratio - 1) for r in unbiased), default=math.nan):.4f}")
     print(f"dppo_e2e_max_bias_se: {max((row.max_bias_se for row in unbiased), default=math.nan):.2f}")
+    print("dppo_e2e_max_scale_vs_predicted_se: "
+          f"{max((abs(r.scale - r.predicted_scale) / r.scale_se for r in unbiased), default=math.nan):.2f}")
+    for lengths in ("stale", "exact"):  # DPPO's: GRPO's normaliser counts only what it rolled out
+        scales = [row.scale for row in unbiased if row.aggregation == "token-mean" and row.history_lengths == lengths
+                  and not row.configuration.startswith("grpo")]
+        if scales:
+            print(f"dppo_e2e_token_mean_scale_{lengths}_lengths: {min(scales):.4f} to {max(scales):.4f}")
 
 
 if __name__ == "__main__":

@@ -140,9 +140,11 @@ def full_batch_counts(prompt_decision: PromptDecision, lengths: torch.Tensor) ->
     `lengths` [num_kept_prompts, G] are the response lengths of the prompts the prompt level kept. A prompt kept
     with probability 1 counts its real tokens. A prompt that could have been pruned (p < 1) counts G x its history
     mean response length, known before rollout, whether or not the draw kept it, so that the count does not depend
-    on the draw (a random normaliser would make the loss a ratio of random sums, and biased). The DAPO filter and
-    the completion level come later, so the groups and samples they drop are counted too. An uncorrected decision
-    (PromptDecision.corrected False) counts only the kept prompts' real tokens: the kept batch stands for the batch.
+    on the draw (a random normaliser would make the loss a ratio of random sums, and biased); where that length is
+    stale, a token-mean step's gradient is the full batch's times real tokens / this count (docs/algorithms.md,
+    measured by bench/unbiasedness.py). The DAPO filter and the completion level come later, so the groups and
+    samples they drop are counted too. An uncorrected decision (PromptDecision.corrected False) counts only the kept
+    prompts' real tokens: the kept batch stands for the batch.
     """
     group_size = lengths.shape[1]
     if not prompt_decision.corrected:
