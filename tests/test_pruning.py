@@ -1,5 +1,6 @@
 import io
 import itertools
+import math
 
 import pytest
 import torch
@@ -430,3 +431,33 @@ def test_a_prompt_without_a_recorded_length_is_never_a_candidate():
     decision.expected_response_lengths[2] = float("nan")
     with pytest.raises(ValueError, match="has no history response length"):
         full_batch_counts(decision, lengths[decision.kept])
+
+
+def test_normalizer_scale_estimate_is_real_over_counted_tokens_and_one_when_lengths_are_current():
+    """The step metric that watches the history's staleness: real tokens (kept prompts' over their p) / Z."""
+    from megatron_dppo.algo.pruning import PromptDecision, full_batch_counts, normalizer_scale_estimate
+
+    probs = torch.tensor([1.0, 0.5, 0.5, 0.25], dtype=torch.float64)
+    history = torch.tensor([math.nan, 10.0, 10.0, 20.0], dtype=torch.float64)  # G = 2: estimates 20, 20, 40
+    kept = torch.tensor([0, 2, 3])
+    decision = PromptDecision(kept, 1 / probs[kept], probs, history)
+    lengths = torch.tensor([[3, 5], [12, 12], [30, 30]])  # prompt 2 grew from 10 to 12, prompt 3 from 20 to 30
+    counts = full_batch_counts(decision, lengths)
+    assert counts.num_response_tokens == 8 + 20 + 20 + 40
+    expected = (8 + 24 / 0.5 + 60 / 0.25) / 88
+    assert normalizer_scale_estimate(decision, lengths, counts) == pytest.approx(expected)
+    # nothing could be pruned: Z is the real count and the scale 1 exactly
+    every = PromptDecision.keep_all(2)
+    both = torch.tensor([[4, 6], [7, 1]])
+    assert normalizer_scale_estimate(every, both, full_batch_counts(every, both)) == 1.0
+    # current lengths: unbiased for 1 over the keep draw (every subset of prompts 1..3 weighted by its probability)
+    current = torch.tensor([[4, 4], [10, 10], [10, 10], [20, 20]])
+    mean = 0.0
+    for coins in itertools.product([0, 1], repeat=3):
+        chosen = [0] + [i + 1 for i, coin in enumerate(coins) if coin]
+        chance = math.prod(float(probs[i + 1]) if coin else 1 - float(probs[i + 1]) for i, coin in enumerate(coins))
+        rows = torch.tensor(chosen)
+        draw = PromptDecision(rows, 1 / probs[rows], probs, torch.tensor([math.nan, 10.0, 10.0, 20.0],
+                                                                         dtype=torch.float64))
+        mean += chance * normalizer_scale_estimate(draw, current[rows], full_batch_counts(draw, current[rows]))
+    assert mean == pytest.approx(1.0)

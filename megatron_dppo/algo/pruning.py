@@ -160,6 +160,21 @@ def full_batch_counts(prompt_decision: PromptDecision, lengths: torch.Tensor) ->
     return FullBatchInfo(num_sequences=float(prompt_decision.num_prompts * group_size), num_response_tokens=tokens)
 
 
+def normalizer_scale_estimate(prompt_decision: PromptDecision, lengths: torch.Tensor,
+                              counts: FullBatchInfo) -> float:
+    """An estimate of this step's token-mean scale s = real tokens of the full batch / the normaliser's count, which
+    is 1 when the history lengths of the prompts that could be pruned are current (docs/algorithms.md): the real
+    tokens of the prompts kept with certainty plus, for those kept with p < 1, their real tokens over p (each stands
+    for the 1/p prompts it could have been). A metric for watching the history's staleness in a run, never a
+    normaliser: it depends on the draw. 1.0 where nothing could be pruned or the decision is uncorrected."""
+    if not prompt_decision.corrected or counts.num_response_tokens <= 0:
+        return 1.0
+    kept_probs = prompt_decision.keep_probs[prompt_decision.kept]
+    real = lengths.to(torch.float64).sum(dim=1)
+    estimated_real = float((real / kept_probs.clamp(min=1e-12)).sum()) if len(real) else 0.0
+    return estimated_real / counts.num_response_tokens
+
+
 def completion_decision(keep, weights, normalizer_counts, prompt_decision, extra_stats=None) -> CompletionDecision:
     """Flatten a [P, G] keep mask and weights into a CompletionDecision with the common stats."""
     kept = keep.reshape(-1).nonzero().squeeze(1)

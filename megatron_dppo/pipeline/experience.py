@@ -24,7 +24,13 @@ from megatron_dppo.algo.advantages import compute_advantages
 from megatron_dppo.algo.dapo_filter import DAPOConfig, DAPOFilter, GroupDecision
 from megatron_dppo.algo.history import PromptHistory, score_prompts, zero_variance_groups
 from megatron_dppo.algo.losses import FullBatchInfo, LossConfig
-from megatron_dppo.algo.pruning import PromptDecision, Pruner, build_pruner, full_batch_counts
+from megatron_dppo.algo.pruning import (
+    PromptDecision,
+    Pruner,
+    build_pruner,
+    full_batch_counts,
+    normalizer_scale_estimate,
+)
 from megatron_dppo.pipeline.packing import TrainingSample
 from megatron_dppo.pipeline.partial_rollouts import PartialConfig, PartialRollouts
 from megatron_dppo.rollout.client import SamplingParams
@@ -145,8 +151,9 @@ def select_samples(rewards, lengths, prompt_decision: PromptDecision, pruner: Pr
                                          prompt_decision.restricted_to(rows, groups.weights), full_batch, step,
                                          progress)
     group_size = rewards.shape[1]
+    scale = {"normalizer_scale_estimate": normalizer_scale_estimate(prompt_decision, lengths, full_batch)}
     return Selection(rows[decision.kept // group_size], decision.kept % group_size, decision.weights, advantages,
-                     full_batch, decision.normalizer_counts, {**groups.stats, **decision.stats})
+                     full_batch, decision.normalizer_counts, {**groups.stats, **decision.stats, **scale})
 
 
 def step_statistics(rollouts: Rollouts, rewards, lengths, selection: Selection, samples_trained: int,
