@@ -105,9 +105,7 @@ def build_app(engine, api_key: str | None = None):
 
     async def update_distributed(request):
         body = await json_body(request)
-        async with engine.scheduler.model_lock:  # generation never sees a half-loaded bucket
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, engine.weights.update_from_distributed, body)
+        await locked_call(engine.weights.update_from_distributed, body)  # generation never sees a half-loaded bucket
         engine.weights.record_version(body)
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 
