@@ -7,24 +7,16 @@ import importlib
 import importlib.util
 from pathlib import Path
 
+from tests.test_package_structure import imported_modules as file_imports
+
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_dppo"
 
 
 def imported_modules(directory_or_file: Path) -> dict[str, set[str]]:
-    """Every module each file under `directory_or_file` imports (absolute names; the package uses no relative ones),
-    at the top or inside a function."""
+    """Every module each file under `directory_or_file` imports, by the package-structure test's walk (absolute
+    names, relative imports resolved, at the top or inside a function)."""
     files = [directory_or_file] if directory_or_file.is_file() else sorted(directory_or_file.rglob("*.py"))
-    found = {}
-    for path in files:
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names |= {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom):
-                assert not node.level, f"{path}: relative import of {node.module}"
-                names.add(node.module)
-        found[str(path.relative_to(PACKAGE.parent))] = names
-    return found
+    return {str(path.relative_to(PACKAGE.parent)): file_imports(path) for path in files}
 
 
 def importing(directory_or_file: Path, prefix: str) -> list[str]:
