@@ -11,6 +11,8 @@ import pytest
 
 import bench.pruning_variance as bench
 
+pytestmark = pytest.mark.shared_data  # its batches are MATH training problems
+
 
 @pytest.fixture(scope="module")
 def rows():
