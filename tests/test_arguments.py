@@ -38,16 +38,16 @@ def test_prompt_file_without_a_model_and_a_missing_model_folder_are_one_line_eac
     finished = run_entry("--prompt-data", str(prompts_file), "--eval-prompt-data", str(prompts_file))
     assert finished.returncode == 2
     assert finished.stderr.splitlines() == [
-        f"pretrain_dppo.py: error: --prompt-data {prompts_file} needs --hf-checkpoint DIR, the Hugging Face model to "
-        "train and serve (config.json, tokenizer files and *.safetensors); only the embedded default (--prompt-data "
-        "synthetic with the embedded engine) runs without one, on its own tiny model",
+        f"pretrain_dppo.py: error: --prompt-data {prompts_file} needs --hf-checkpoint DIR or ORG/NAME, the Hugging "
+        "Face model to train and serve (config.json, tokenizer files and *.safetensors); only the embedded default "
+        "(--prompt-data synthetic with the embedded engine) runs without one, on its own tiny model",
         "(--help lists every flag)"]
     finished = run_entry("--hf-checkpoint", "/nonexistent")
     assert finished.returncode == 2
     assert error_lines(finished.stderr) == [
         "pretrain_dppo.py: error: --hf-checkpoint /nonexistent: no such directory; pass the local folder of a Hugging "
-        "Face model (config.json, tokenizer files and *.safetensors), e.g. one written by save_pretrained or "
-        "`huggingface-cli download --local-dir`"]
+        "Face model (config.json, tokenizer files and *.safetensors), e.g. one written by save_pretrained, or its Hub "
+        "name ORG/NAME"]
 
 
 def test_under_torchrun_the_flag_error_is_said_once_and_nothing_starts(prompts_file):

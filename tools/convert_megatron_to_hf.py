@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from megatron_dppo.actor.conversion import DTYPES, megatron_to_hf, run_tool
+from megatron_dppo.hub import resolve_model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -21,9 +22,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="new HF directory (must not exist)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="dtype of the HF weights (default: the checkpoint's)")
-    parser.add_argument("--tokenizer-dir", default=None,
+    parser.add_argument("--tokenizer-dir", default=None, metavar="DIR_OR_ORG/NAME",
                         help="copy the tokenizer files, and generation_config.json if present, from this directory "
-                        "(usually the base model's)")
+                        "(usually the base model's; a Hub model name works too)")
     parser.add_argument("--max-shard-size-mb", type=float, default=2048.0, help="largest safetensors shard")
     args = parser.parse_args(argv)
     if args.max_shard_size_mb <= 0:
@@ -33,8 +34,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return run_tool(lambda: megatron_to_hf(args.megatron_dir, args.out, args.dtype, args.tokenizer_dir,
-                                           int(args.max_shard_size_mb * 1024**2)))
+
+    def export():
+        tokenizer_dir = resolve_model(args.tokenizer_dir, "--tokenizer-dir") if args.tokenizer_dir else None
+        return megatron_to_hf(args.megatron_dir, args.out, args.dtype, tokenizer_dir,
+                              int(args.max_shard_size_mb * 1024**2))
+
+    return run_tool(export)
 
 
 if __name__ == "__main__":

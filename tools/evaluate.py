@@ -2,10 +2,12 @@
 
     --benchmarks: built-in names (from DPPO_DATA_DIR or ../shared/data, or --data-dir), .jsonl/.json/.parquet files,
                   directories of them, or Hugging Face data set names; all read and checked before any server starts
-    --urls (SGLang or any compatible server) or --model-dir (starts the embedded engine)
+    --urls (SGLang or any compatible server; --tokenizer-dir the servers' model) or --model-dir (starts the embedded
+    engine on the CPU, in fp32: for small models); a model is a folder or a Hub name (megatron_dppo.hub)
         ──► megatron_dppo.pipeline.evaluation.evaluate ──► <output-dir>/results.json and results.md
 
 Examples:
+    python tools/evaluate.py --urls http://node2:30000 --tokenizer-dir hf/run --benchmarks math500 --output-dir eval
     python tools/evaluate.py --model-dir ckpt/hf --benchmarks math500 gsm8k --k 4 --temperature 0.6 --output-dir eval
     python tools/evaluate.py --model-dir ckpt/hf --benchmarks data/heldout.parquet --apply-chat-template \\
         --output-dir eval
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from megatron_dppo.data.checks import hf_checkpoint_errors
 from megatron_dppo.data.datasets import BENCHMARKS, PromptDataError
+from megatron_dppo.hub import HubError, resolve_model
 from megatron_dppo.pipeline.evaluation import EVALUATION_REWARDS, evaluate, load_benchmarks, markdown_table
 from megatron_dppo.rewards.math import VerifierPool
 from megatron_dppo.rollout.client import RolloutClient, SamplingParams
@@ -36,8 +39,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=1024)
     server = parser.add_mutually_exclusive_group(required=True)
     server.add_argument("--urls", nargs="+", help="rollout servers (SGLang /generate API)")
-    server.add_argument("--model-dir", help="HF model directory: start the embedded engine on it")
-    parser.add_argument("--tokenizer-dir", help="HF tokenizer directory (default: --model-dir)")
+    server.add_argument("--model-dir", metavar="DIR_OR_ORG/NAME",
+                        help="HF model directory or Hub name: start the embedded engine on it (CPU, fp32)")
+    parser.add_argument("--tokenizer-dir", metavar="DIR_OR_ORG/NAME",
+                        help="HF tokenizer directory or Hub name (default: --model-dir)")
     parser.add_argument("--output-dir", required=True, help="where results.json and results.md go")
     parser.add_argument("--apply-chat-template", action="store_true",
                         help="render prompts with the tokenizer's chat template (as the model was trained)")
@@ -57,6 +62,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--urls needs --tokenizer-dir (the tokenizer the servers' model uses)")
     if args.k < 1 or (args.limit is not None and args.limit < 1):
         parser.error(f"--k ({args.k}) and --limit ({args.limit}) must be >= 1")
+    try:  # Hub names become their snapshot folders (one line when one cannot be had)
+        for flag in ("--model-dir", "--tokenizer-dir"):
+            name = flag.removeprefix("--").replace("-", "_")
+            if getattr(args, name):
+                setattr(args, name, str(resolve_model(getattr(args, name), flag)))
+    except HubError as error:
+        sys.exit(f"evaluate.py: error: {error}")
     errors = hf_checkpoint_errors(args.model_dir, "--model-dir") if args.model_dir else []
     if errors:
         parser.error(errors[0])

@@ -1,6 +1,7 @@
 """The model folder and the prompt flags, checked before any process starts, and the defaults the data decides.
 
-    --hf-checkpoint DIR (tools/evaluate.py: --model-dir) ─► hf_checkpoint_errors: config.json, a tokenizer, weights
+    --hf-checkpoint DIR (a Hub name resolved by hub.py first; tools/evaluate.py: --model-dir) ─► hf_checkpoint_errors:
+        config.json, a tokenizer, weights
     the prompt flags ─► prompt_data_errors: the synthetic task takes none of a user's prompt flags, a built-in set
                         none of those naming fields ─► --reward-type against the data, a held-out set for the reward
                      ─► each source (--prompt-data, --eval-prompt-data): resolve_source (built-in files present, local
@@ -41,12 +42,12 @@ def default_eval_prompt_data(prompt_data: str, reward_type: str) -> str | None:
 
 
 def hf_checkpoint_errors(path: str, flag: str = "--hf-checkpoint") -> list[str]:
-    """--hf-checkpoint must be a local Hugging Face model folder: the trainer reads its config, tokenizer and weights,
-    and the rollout servers load it."""
+    """--hf-checkpoint must be a Hugging Face model folder (a Hub name is resolved to its snapshot first, by
+    megatron_dppo.hub): the trainer reads its config, tokenizer and weights, and the rollout servers load it."""
     directory = Path(path).expanduser()
     if not directory.is_dir():
         return [f"{flag} {path}: no such directory; pass the local folder of a Hugging Face model "
-                f"({HF_MODEL_FILES}), e.g. one written by save_pretrained or `huggingface-cli download --local-dir`"]
+                f"({HF_MODEL_FILES}), e.g. one written by save_pretrained, or its Hub name ORG/NAME"]
     missing = [what for what, present in (
         ("config.json", (directory / "config.json").is_file()),
         ("tokenizer (tokenizer.json or tokenizer_config.json)",

@@ -41,6 +41,7 @@ from megatron_dppo.flags import (
     FlagParser,
     require_domains,
 )
+from megatron_dppo.hub import HubError, resolve_model
 from megatron_dppo.platform import TRANSFORMER_IMPLS, transformer_impl_error
 from megatron_dppo.rollout.launcher import VLLM_PYTHON_VARIABLE, forward_sglang_args, sglang_flag_value
 
@@ -112,7 +113,10 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
                           help="--fp16: the dynamic loss scale at the start (Megatron-LM starts at 2^32 and halves "
                                "it after overflowing steps, which are skipped: here each skipped step throws a "
                                "rollout away)")
-    megatron.add_argument("--hf-checkpoint", help="HF model directory to start from (config.json + safetensors)")
+    megatron.add_argument("--hf-checkpoint", metavar="DIR_OR_ORG/NAME",
+                          help="the Hugging Face model to start from: a local folder (config.json, tokenizer, "
+                               "safetensors) or a Hub name such as Qwen/Qwen3-4B, downloaded into the Hugging Face "
+                               "cache (with HF_HUB_OFFLINE=1, taken from it)")
     megatron.add_argument("--load", help="resume from a Megatron checkpoint (save dir or iter_* dir)")
     megatron.add_argument("--save", help="directory for Megatron distributed checkpoints")
     megatron.add_argument("--save-interval", type=COUNT_OR_NONE, default=0,
@@ -533,11 +537,15 @@ def model_and_data_errors(args: argparse.Namespace, parser: argparse.ArgumentPar
     if not is_embedded_default(args) and not args.hf_checkpoint and not args.dry_run:
         reason = (f"--prompt-data {args.prompt_data}" if args.prompt_data != "synthetic"
                   else f"--rollout-backend {args.rollout_backend}")
-        errors.append(f"{reason} needs --hf-checkpoint DIR, the Hugging Face model to train and serve "
+        errors.append(f"{reason} needs --hf-checkpoint DIR or ORG/NAME, the Hugging Face model to train and serve "
                       f"({HF_MODEL_FILES}); only the embedded default (--prompt-data synthetic with the embedded "
                       "engine) runs without one, on its own tiny model")
     if args.hf_checkpoint and not args.dry_run:
-        errors.extend(hf_checkpoint_errors(args.hf_checkpoint))
+        try:  # a Hub name becomes its snapshot folder: the trainer and the servers it starts read a folder
+            args.hf_checkpoint = str(resolve_model(args.hf_checkpoint, "--hf-checkpoint"))
+            errors.extend(hf_checkpoint_errors(args.hf_checkpoint))
+        except HubError as error:
+            errors.append(str(error))
     return [*errors, *prompt_data_errors(args, changed_flags(args, parser, *PROMPT_FLAGS))]
 
 
