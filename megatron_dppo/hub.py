@@ -6,7 +6,7 @@
                        ─► the snapshot folder in the Hugging Face cache (HF_HOME / HF_HUB_CACHE)
            HF_HUB_OFFLINE=1 (or no Hub reachable) ─► the cached snapshot (refs/main ─► snapshots/<commit>)
            not cached ─► HubError: one line naming the model, the cache, and how to fill it
-    tools/prepare_data.py: a built-in set's public data set ─► download_dataset ─► (folder, commit), the same way
+    data/public_sources.py: a built-in set's public data set ─► download ─► Snapshot(folder, commit), the same way
 
 Invariants:
 - a name that exists on disk is never looked up on the Hub, so a local folder called Qwen/Qwen3-4B stays local;
@@ -57,17 +57,14 @@ def resolve_model(name: str, flag: str) -> Path:
     snapshot of the Hub model ORG/NAME, downloaded into the Hugging Face cache unless it is there already."""
     if not is_repo_id(name):
         return Path(name).expanduser()
-    return download(name, "model", flag, MODEL_FILES).folder
+    return download(name, "model", flag, MODEL_FILES, "or pass a local folder").folder
 
 
-def download_dataset(repo_id: str, what: str, allow_patterns: list[str], revision: str | None = None) -> Snapshot:
-    """The files of a Hub data set matching `allow_patterns`, downloaded or found in the cache; `what` names the
-    set in errors."""
-    return download(repo_id, "dataset", what, allow_patterns, revision)
-
-
-def download(repo_id: str, repo_type: str, what: str, allow_patterns: list[str],
+def download(repo_id: str, repo_type: str, what: str, allow_patterns: list[str], other_way: str,
              revision: str | None = None) -> Snapshot:
+    """The files of the Hub `repo_type` ("model" or "dataset") `repo_id` matching `allow_patterns`, downloaded or
+    found in the cache. Errors start with `what` (the flag or the set asking) and end with `other_way` to get
+    the files ("or pass a local folder")."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
@@ -79,12 +76,11 @@ def download(repo_id: str, repo_type: str, what: str, allow_patterns: list[str],
                   else f"the Hub could not be reached ({type(error.__cause__ or error).__name__})")
         raise HubError(f"{what} {repo_id}: the Hugging Face {repo_type} is not in the cache {hub_cache()} and "
                        f"{reason}: run `{command}` where the Hub is reachable, with the same HF_HOME (or copy its "
-                       f"{repo_type}s--{repo_id.replace('/', '--')} folder into that cache), or pass a local "
-                       "folder") from None
+                       f"{repo_type}s--{repo_id.replace('/', '--')} folder into that cache), {other_way}") from None
     except GatedRepoError:
         raise HubError(f"{what} {repo_id}: the Hugging Face {repo_type} is gated: accept its terms on the Hub and "
-                       "log in (`hf auth login`, or HF_TOKEN), or pass a local folder") from None
+                       f"log in (`hf auth login`, or HF_TOKEN), {other_way}") from None
     except RepositoryNotFoundError:
         raise HubError(f"{what} {repo_id}: no such Hugging Face {repo_type} (or it is private: log in with "
-                       "`hf auth login` or HF_TOKEN); check the name, or pass a local folder") from None
+                       f"`hf auth login` or HF_TOKEN); check the name, {other_way}") from None
     return Snapshot(Path(folder), repo_id, Path(folder).name)

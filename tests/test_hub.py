@@ -78,3 +78,54 @@ def test_a_hub_name_missing_offline_is_one_line_naming_the_model_and_the_cache(o
     assert finished.returncode == 2
     trainer_line = expected.replace("--hf-dir", "--hf-checkpoint")
     assert finished.stderr.splitlines()[0] == f"pretrain_dppo.py: error: {trainer_line}"
+
+
+def prepare_data(tmp_path, out: str, *flags: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "prepare_data.py"), "--out", str(tmp_path / out),
+                           *flags], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1", **env})
+
+
+def test_prepare_data_fetches_each_built_in_set_without_a_local_copy_from_its_public_source_as_the_local_copy_reads(
+        tmp_path):
+    """Offline, from a Hugging Face cache holding tiny copies of the public sources (their files, paths and field
+    types): every set is written, each line names the source and its commit, and each Parquet file equals the one
+    written from local copies of the same rows. Without the cache, one line names the set and the ways to get it."""
+    import pyarrow.parquet as pq
+
+    from megatron_dppo.data.datasets import DATASETS
+    from megatron_dppo.data.public_sources import PUBLIC_SOURCES
+    from tests.hub_cache import place_public_sources, write_local_copies
+
+    hf_home, local = tmp_path / "hf_home", tmp_path / "local"
+    place_public_sources(hf_home, tmp_path / "staging")
+    write_local_copies(local)
+    nowhere = str(tmp_path / "nowhere")
+    from_hub = prepare_data(tmp_path, "from_hub", "--skip-bad-rows", HF_HOME=str(hf_home), DPPO_DATA_DIR=nowhere)
+    assert from_hub.returncode == 0, from_hub.stderr[-3000:]
+    from_local = prepare_data(tmp_path, "from_local", "--skip-bad-rows", HF_HOME=str(tmp_path / "empty"),
+                              DPPO_DATA_DIR=str(local))
+    assert from_local.returncode == 0, from_local.stderr[-3000:]
+    hub_lines, local_lines = from_hub.stdout.splitlines(), from_local.stdout.splitlines()
+    assert len(hub_lines) == len(local_lines) == len(DATASETS)
+    for name, hub_line, local_line in zip(DATASETS, hub_lines, local_lines, strict=True):
+        commit = next((hf_home / "hub" / f"datasets--{PUBLIC_SOURCES[name].repo_id.replace('/', '--')}" /
+                       "snapshots").iterdir()).name
+        assert hub_line.startswith(name) and hub_line.endswith(
+            f"from https://huggingface.co/datasets/{PUBLIC_SOURCES[name].repo_id} at commit {commit})"), hub_line
+        assert local_line.endswith(f"from {local / DATASETS[name].relative_path})"), local_line
+        rows = pq.read_table(tmp_path / "from_hub" / f"{name}.parquet").to_pylist()
+        assert rows and rows == pq.read_table(tmp_path / "from_local" / f"{name}.parquet").to_pylist(), name
+    math_train = pq.read_table(tmp_path / "from_hub" / "math_train.parquet").to_pylist()
+    assert [row["label"] for row in math_train] == ["0", "2", "0", "2"]  # algebra's rows, then geometry's
+    assert pq.read_table(tmp_path / "from_hub" / "gsm8k_train.parquet").to_pylist()[0]["label"] == "1002"
+
+    offline = prepare_data(tmp_path, "offline", "--sets", "aime24", HF_HOME=str(tmp_path / "empty"),
+                           DPPO_DATA_DIR=nowhere)
+    assert offline.returncode == 1
+    assert offline.stderr.splitlines() == [
+        "prepare_data.py: error: aime24 (no local copy; its public source) HuggingFaceH4/aime_2024: the Hugging Face "
+        f"dataset is not in the cache {tmp_path / 'empty' / 'hub'} and HF_HUB_OFFLINE=1 forbids downloading it: run "
+        "`hf download HuggingFaceH4/aime_2024 --repo-type dataset` where the Hub is reachable, with the same HF_HOME "
+        "(or copy its datasets--HuggingFaceH4--aime_2024 folder into that cache), or put bench/aime24.jsonl under "
+        "DPPO_DATA_DIR (docs/data_and_rewards.md lists the files)"]

@@ -2,11 +2,16 @@
 `prompt` (the text the model is given, the request for a \\boxed{} answer included) and `label` (the reference final
 answer). Your own data in this layout needs no other flag; with other field names pass --input-key / --label-key.
 
-    <data dir>/math/train.jsonl, gsm8k/..., bench/... ──► load_dataset (each set's own fields, checked)
-        ──► OUT/<set>.parquet (prompt, label) ──► --prompt-data OUT/math_train.parquet, --eval-prompt-data ...
+    each set: its local copy, <data dir>/math/train.jsonl, gsm8k/..., bench/... (load_dataset)
+              or, where there is none, its public Hugging Face data set (data/public_sources.py: downloaded into the
+              Hugging Face cache; with HF_HUB_OFFLINE=1 read from it)
+        ──► the set's own fields, checked ──► OUT/<set>.parquet (prompt, label), the same rows either way
+        ──► --prompt-data OUT/math_train.parquet, --eval-prompt-data ...
 
 The data dir is DPPO_DATA_DIR, or ../shared/data beside the project, or --data-dir; docs/data_and_rewards.md lists
-its files and where they come from. MATH train has two rows without a final answer: pass --skip-bad-rows.
+its files and their public sources. Each line printed names the set's rows, its file and where they came from (the
+local file, or the Hub data set and the commit used). MATH train has two rows without a final answer: pass
+--skip-bad-rows.
 
 Example:
     python tools/prepare_data.py --out data --skip-bad-rows
@@ -16,7 +21,7 @@ Example:
 import argparse
 import sys
 
-from megatron_dppo.data.datasets import DATASETS, PromptDataError, load_dataset
+from megatron_dppo.data.datasets import DATASETS, load_dataset
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -25,7 +30,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sets", nargs="+", default=list(DATASETS), choices=list(DATASETS), metavar="SET",
                         help=f"which sets (default: all): {', '.join(DATASETS)}")
     parser.add_argument("--data-dir", default=None,
-                        help="folder of the built-in sets (default: DPPO_DATA_DIR or ../shared/data)")
+                        help="folder of the built-in sets' local copies (default: DPPO_DATA_DIR or ../shared/data); a "
+                             "set without one is downloaded from its public Hugging Face data set")
     parser.add_argument("--skip-bad-rows", action="store_true", help="leave out rows without a usable prompt or label")
     return parser.parse_args(argv)
 
@@ -36,18 +42,28 @@ def main(argv: list[str] | None = None) -> None:
 
     from datasets import Dataset, disable_progress_bars
 
+    from megatron_dppo.data.paths import data_dir
+    from megatron_dppo.data.public_sources import PUBLIC_SOURCES, download_builtin
+    from megatron_dppo.errors import UserInputError
+
     disable_progress_bars()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in args.sets:
+        local = Path(args.data_dir or data_dir()) / DATASETS[name].relative_path
         try:
-            examples = load_dataset(name, data_dir=args.data_dir, skip_bad_rows=args.skip_bad_rows)
-        except PromptDataError as error:
+            if local.is_file():
+                examples, origin = load_dataset(name, data_dir=args.data_dir, skip_bad_rows=args.skip_bad_rows), local
+            else:
+                examples, snapshot = download_builtin(name, skip_bad_rows=args.skip_bad_rows)
+                origin = f"{PUBLIC_SOURCES[name].url} at commit {snapshot.revision}"
+        except UserInputError as error:  # PromptDataError, HubError: one line naming the set and the fix
             sys.exit(f"prepare_data.py: error: {error}")
         path = out / f"{name}.parquet"
         table = Dataset.from_dict({"prompt": [e.prompt for e in examples], "label": [e.answer for e in examples]})
         table.to_parquet(str(path))
-        print(f"{name:14s} {len(examples):6d} rows  {path}  (--reward-type {DATASETS[name].reward_type})", flush=True)
+        print(f"{name:14s} {len(examples):6d} rows  {path}  (--reward-type {DATASETS[name].reward_type}; from "
+              f"{origin})", flush=True)
 
 
 if __name__ == "__main__":

@@ -249,7 +249,7 @@ def resolve_source(source: str, flag: str = "--prompt-data", directory: str | Pa
 
 
 # ------------------------------------------------------------------------------------------------ reading tables
-def _read_file(path: Path):
+def read_table(path: Path):
     """One local file as a datasets.Dataset; an unreadable file names itself (and, for JSON, the bad line)."""
     import datasets as hf_datasets
 
@@ -322,11 +322,11 @@ def _tables(source: Source, split: str, flag: str) -> Iterator[tuple[str, object
         yield f"{source.name} [{split}]", _read_hub(source.name, split, flag)
         return
     for path in source.files:
-        yield str(path), _read_file(path)
+        yield str(path), read_table(path)
 
 
-def _parse_tables(tables: Iterator[tuple[str, object]], parse_row: Callable[[dict, str, int], Example],
-                  required_fields: Sequence[tuple[str, str]], skip_bad_rows: bool, limit: int | None) -> list[Example]:
+def parse_tables(tables: Iterator[tuple[str, object]], parse_row: Callable[[dict, str, int], Example],
+                 required_fields: Sequence[tuple[str, str]], skip_bad_rows: bool, limit: int | None) -> list[Example]:
     """Parse rows of each table in order; a bad row raises (file, row, fix) or, when skipped, is counted."""
     examples: list[Example] = []
     for name, table in tables:
@@ -376,7 +376,7 @@ def load_prompt_data(source: str, input_key: str = "prompt", label_key: str = "l
         raise ValueError(f"unknown reward type {reward_type!r}; choose one of {REWARD_TYPES}")
     resolved = resolve_source(source, flag, data_dir, training)
     if resolved.kind == "builtin":
-        return _parse_tables(_tables(resolved, split, flag), DATASETS[resolved.name].parse_row, (), skip_bad_rows,
+        return parse_tables(_tables(resolved, split, flag), DATASETS[resolved.name].parse_row, (), skip_bad_rows,
                              limit)
 
     def parse_row(row: dict, name: str, number: int) -> Example:
@@ -385,7 +385,7 @@ def load_prompt_data(source: str, input_key: str = "prompt", label_key: str = "l
                        number, difficulty=difficulty)
 
     required = ((input_key, "--input-key"), (label_key, "--label-key"))
-    examples = _parse_tables(_tables(resolved, split, flag), parse_row, required, skip_bad_rows, limit)
+    examples = parse_tables(_tables(resolved, split, flag), parse_row, required, skip_bad_rows, limit)
     if not examples:
         raise PromptDataError(f"{flag} {source}: no usable rows" + (" (every row was bad and skipped)"
                                                                      if skip_bad_rows else ""))
