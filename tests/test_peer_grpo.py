@@ -175,7 +175,8 @@ def test_peer_rewards_are_our_task_score_on_our_decoding_over_the_socket_pair():
         return Prompt(prompt_id, tokenizer.encode("Q:1+1=?A:"), reference)
 
     train, heldout = [prompt(0, "12$"), prompt(1, "7$")], [prompt(-1, "30$")]
-    task = Task(train, heldout, lambda responses, refs: [float(r == ref) for r, ref in zip(responses, refs)], seed=0)
+    task = Task(train, heldout, lambda responses, refs, fields: [float(r == ref) for r, ref in zip(responses, refs)],
+                seed=0)
     pool = {p.prompt_id: p for p in train + heldout}
     completions = [tokenizer.encode("12$"), tokenizer.encode("30$"), tokenizer.encode("7")]
     parent_end, child_end = socket.socketpair()

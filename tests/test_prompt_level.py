@@ -148,7 +148,8 @@ class ScriptedTokenizer:
 
 def scripted_maker(flags: list[str], patterns: list[list[float]]) -> tuple[ExperienceMaker, ScriptedClient]:
     prompts = [Prompt(i, [i], "right", difficulty="cell") for i in range(len(patterns))]
-    task = Task(prompts, [], lambda responses, refs: [float(r == ref) for r, ref in zip(responses, refs)], seed=0)
+    task = Task(prompts, [], lambda responses, refs, fields: [float(r == ref) for r, ref in zip(responses, refs)],
+                seed=0)
     args = parse_args(["--n-samples-per-prompt", str(G), "--rollout-batch-size", "4", *flags])
     client = ScriptedClient(dict(enumerate(patterns)))
     return ExperienceMaker(args, task, ScriptedTokenizer(), client), client

@@ -17,6 +17,7 @@ Invariants
 - Nothing here imports torch or, until a table is read, the `datasets` library: argument checks use it.
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -57,6 +58,7 @@ class Example:
     row: int  # 1-based row in that file: for JSON lines, the n-th JSON object
     solution: str | None = None  # worked solution, where the data has one
     difficulty: str = ""  # a stratum known before rollout (MATH: "Level 3/Algebra"); DPPO's prior for unseen prompts
+    fields: dict = dataclasses.field(default_factory=dict, compare=False)  # the row as read (a custom reward's)
 
     @property
     def location(self) -> str:
@@ -341,7 +343,7 @@ def parse_tables(tables: Iterator[tuple[str, object]], parse_row: Callable[[dict
             if limit is not None and len(examples) >= limit:
                 break
             try:
-                examples.append(parse_row(row, name, number))
+                examples.append(dataclasses.replace(parse_row(row, name, number), fields=row))
             except DataFormatError as error:
                 message = f"{row_location(name, number)}: {error}"
                 if not skip_bad_rows:

@@ -26,6 +26,7 @@ from megatron_dppo.data.checks import (
     prompt_data_errors,
 )
 from megatron_dppo.data.synthetic import TASKS as SYNTHETIC_TASKS
+from megatron_dppo.errors import UserInputError
 from megatron_dppo.flags import (
     ABOVE_ONE,
     AT_LEAST_ONE,
@@ -290,7 +291,26 @@ def reward_flags(parser: argparse.ArgumentParser) -> None:
                         help="how a response is scored against its label: math (math-verify), gsm8k (final number), "
                              "synthetic (exact '<integer>$'); default: the one of the built-in --prompt-data set, "
                              "math for your own prompts")
-    reward.add_argument("--reward-timeout-s", type=POSITIVE, default=5.0)
+    reward.add_argument("--reward-timeout-s", type=POSITIVE, default=5.0,
+                        help="deadline of one reward check (math-verify, or one --custom-reward-function call); past "
+                             "it the response scores 0")
+    reward.add_argument("--custom-reward-function", type=custom_reward_spec, default=None, metavar="PATH.py:NAME",
+                        help="your own reward in place of --reward-type's (as verl's custom_reward_function, slime's "
+                             "--custom-rm-path): NAME(response, label, **fields) -> float, plain or async, where "
+                             "fields are the prompt's row; a call that raises, returns no finite number or runs past "
+                             "--reward-timeout-s scores 0, with a warning line")
+
+
+def custom_reward_spec(text: str) -> str:
+    """--custom-reward-function's argparse type: PATH.py:NAME loads (file, module, a callable taking (response,
+    label, ...)), or parsing stops with one line saying what is wrong; the run loads it again where it scores."""
+    from megatron_dppo.rewards.custom import load_reward_function
+
+    try:
+        load_reward_function(text)
+    except UserInputError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--custom-reward-function ")) from None
+    return text
 
 
 def data_flags(parser: argparse.ArgumentParser) -> None:

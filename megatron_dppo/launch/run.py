@@ -42,10 +42,16 @@ def load_tokenizer(model_dir: Path):
 
 
 def build_task(args, tokenizer) -> Task:
-    """The synthetic task, or prompts and held-out prompts read by load_prompt_data and scored by --reward-type."""
+    """The synthetic task, or prompts and held-out prompts read by load_prompt_data and scored by --reward-type; a
+    --custom-reward-function scores either instead."""
+    scorer = None
+    if args.custom_reward_function:
+        from megatron_dppo.rewards.custom import CustomReward
+
+        scorer = CustomReward(args.custom_reward_function, args.reward_timeout_s)
     if args.prompt_data == "synthetic":
         return synthetic_task(tokenizer, args.rl_seed, args.data_train_size, args.eval_size, args.data_synthetic_cells,
-                              args.synthetic_task)
+                              args.synthetic_task, scorer)
     from megatron_dppo.data.datasets import load_prompt_data
 
     fields = dict(input_key=args.input_key, label_key=args.label_key, reward_type=args.reward_type,
@@ -54,7 +60,7 @@ def build_task(args, tokenizer) -> Task:
     heldout = load_prompt_data(args.eval_prompt_data, split=args.eval_prompt_data_split, limit=args.eval_size,
                                flag="--eval-prompt-data", **fields)
     return dataset_task(train, heldout, tokenizer, args.rl_seed, args.reward_type, args.apply_chat_template,
-                        args.reward_timeout_s)
+                        args.reward_timeout_s, scorer)
 
 
 def embedded_engine_options(args, local_processes: int) -> dict:

@@ -310,7 +310,8 @@ class ExperienceMaker:
         group = self.args.n_samples_per_prompt
         responses = [self.tokenizer.decode(ids) for ids in output_ids]
         references = [p.reference for p in prompts for _ in range(group)]
-        rewards = torch.tensor(self.task.score(responses, references), dtype=torch.float64).view(-1, group)
+        fields = [p.fields for p in prompts for _ in range(group)]
+        rewards = torch.tensor(self.task.score(responses, references, fields), dtype=torch.float64).view(-1, group)
         stats = {"groups_rolled_out": float(len(prompts)),
                  "zero_variance_groups_rolled_out": float(zero_variance_groups(rewards).sum()), **(stats or {})}
         return Rollouts(prompts=prompts, prompt_decision=decision, output_ids=output_ids,

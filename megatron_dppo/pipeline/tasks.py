@@ -1,7 +1,8 @@
 """What the trainer trains on: a prompt source (ids, token ids, references) and its reward, behind one interface.
 
     task.next_prompts(n) → [Prompt(prompt_id, input_ids, reference)]   resumable (state_dict)
-    task.score(responses, references) → [float]                        the reward of each decoded response
+    task.score(responses, references, fields) → [float]                the reward of each decoded response (fields:
+                                                                       each prompt's row, for a custom reward)
     task.heldout(n) → [Prompt]                                         never trained on
 
 Prompt ids are stable integers (the row index in the data set, or the index in the synthetic training pool), so
@@ -9,7 +10,7 @@ DPPO's prompt history recognises a prompt when it comes back in a later epoch.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_dppo.data.datasets import Example, PromptSampler
 
@@ -23,6 +24,7 @@ class Prompt:
     reference: object
     text: str = ""
     difficulty: str = ""  # a stratum known before rollout (synthetic cell, MATH level/type): DPPO's prior
+    fields: dict = field(default_factory=dict)  # the prompt's row (Example.fields): a custom reward's keywords
 
 
 class Task:
@@ -38,8 +40,8 @@ class Task:
     def heldout(self, count: int) -> list[Prompt]:
         return self.heldout_prompts[:count]
 
-    def score(self, responses: list[str], references: list) -> list[float]:
-        return self.scorer(responses, references)
+    def score(self, responses: list[str], references: list, fields: list[dict] | None = None) -> list[float]:
+        return self.scorer(responses, references, fields if fields is not None else [{}] * len(responses))
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict()}
@@ -48,42 +50,46 @@ class Task:
         self.sampler.load_state_dict(state["sampler"])
 
 
-def synthetic_task(tokenizer, seed: int, train_size: int, heldout_size: int, cells=None, task: str = "worked") -> Task:
+def synthetic_task(tokenizer, seed: int, train_size: int, heldout_size: int, cells=None, task: str = "worked",
+                   scorer=None) -> Task:
     """A recurring pool of `train_size` synthetic problems (so prompts come back and history can prune them; drawn
     from a stream apart from the warm start's, data.synthetic.rl_pool_seed), and the fixed held-out split (seed
     12345, never in training), over `cells` (default: the task's). A prompt carries only its final answer, the
-    reward's reference: the worked solutions are the warm start's alone."""
+    reward's reference: the worked solutions are the warm start's alone. `scorer`: a custom reward in place of the
+    task's own."""
     from megatron_dppo.data.synthetic import TASK_CELLS, SyntheticArithmetic, check_task, rl_pool_seed
 
     generator = SyntheticArithmetic(rl_pool_seed(seed), cells or TASK_CELLS[check_task(task)])
 
     def as_prompt(index, problem):
-        return Prompt(index, tokenizer.encode(problem.prompt), problem.answer, problem.prompt, problem.cell)
+        return Prompt(index, tokenizer.encode(problem.prompt), problem.answer, problem.prompt, problem.cell,
+                      {"prompt": problem.prompt, "cell": problem.cell})
 
     train = [as_prompt(i, p) for i, p in enumerate(generator.sample(train_size))]
     heldout = [as_prompt(-1 - i, p) for i, p in enumerate(generator.heldout(heldout_size))]
-    return Task(train, heldout, reward_scorer(SYNTHETIC_REWARDS[task]), seed)
+    return Task(train, heldout, scorer or reward_scorer(SYNTHETIC_REWARDS[task]), seed)
 
 
 def dataset_task(train: Sequence[Example], heldout: Sequence[Example], tokenizer, seed: int, reward_type: str,
-                 apply_chat_template: bool = False, timeout_s: float = 5.0) -> Task:
+                 apply_chat_template: bool = False, timeout_s: float = 5.0, scorer=None) -> Task:
     """Training and held-out prompts from loaded examples (megatron_dppo.data.datasets.load_prompt_data), encoded
-    with or without the tokenizer's chat template and scored by `reward_type`. Training ids are the row order
-    (0, 1, ...), held-out ids are negative (-1, -2, ...)."""
+    with or without the tokenizer's chat template and scored by `reward_type` (or `scorer`, a custom reward).
+    Training ids are the row order (0, 1, ...), held-out ids are negative (-1, -2, ...)."""
     from megatron_dppo.data.datasets import encode_examples
 
     def as_prompts(examples, ids):
         encoded = encode_examples(examples, apply_chat_template, tokenizer)
-        return [Prompt(prompt_id, input_ids, example.answer, tokenizer.decode(input_ids), example.difficulty)
+        return [Prompt(prompt_id, input_ids, example.answer, tokenizer.decode(input_ids), example.difficulty,
+                       example.fields)
                 for prompt_id, input_ids, example in zip(ids, encoded, examples)]
 
     return Task(as_prompts(train, range(len(train))), as_prompts(heldout, range(-1, -1 - len(heldout), -1)),
-                reward_scorer(reward_type, timeout_s), seed)
+                scorer or reward_scorer(reward_type, timeout_s), seed)
 
 
 def reward_scorer(reward_type: str, timeout_s: float = 5.0):
-    """`scorer(responses, references) -> [float]` for a name of REWARD_FUNCTIONS; math checks go to one verifier
-    pool per batch (with its per-check timeout) instead of one call at a time."""
+    """`scorer(responses, references, fields) -> [float]` for a name of REWARD_FUNCTIONS (which read no fields); math
+    checks go to one verifier pool per batch (with its per-check timeout) instead of one call at a time."""
     from megatron_dppo.rewards import REWARD_FUNCTIONS
 
     if reward_type not in REWARD_FUNCTIONS:
@@ -92,7 +98,7 @@ def reward_scorer(reward_type: str, timeout_s: float = 5.0):
         from megatron_dppo.rewards.math import VerifierPool, score_batch
 
         pool = VerifierPool(timeout_s=timeout_s)
-        return lambda responses, refs: [result.score for result in score_batch(responses, [str(a) for a in refs],
-                                                                                pool=pool)]
+        return lambda responses, refs, fields=None: [
+            result.score for result in score_batch(responses, [str(a) for a in refs], pool=pool)]
     compute_score = REWARD_FUNCTIONS[reward_type]
-    return lambda responses, refs: [compute_score(r, str(a)) for r, a in zip(responses, refs)]
+    return lambda responses, refs, fields=None: [compute_score(r, str(a)) for r, a in zip(responses, refs)]
