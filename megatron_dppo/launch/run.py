@@ -26,7 +26,7 @@ from megatron_dppo.convert.hf_checkpoint import HFCheckpoint, read_config
 from megatron_dppo.convert.mapping import model_shape
 from megatron_dppo.launch.arguments import is_embedded_default
 from megatron_dppo.launch.launch_plan import weight_sync_backend
-from megatron_dppo.metrics import MetricsLogger
+from megatron_dppo.metrics import MetricsLogger, WandbRun
 from megatron_dppo.pipeline.tasks import Task, dataset_task, synthetic_task
 from megatron_dppo.pipeline.trainer import Trainer
 from megatron_dppo.platform import is_cpu
@@ -115,6 +115,16 @@ def start_rollout(args, model_dir: Path):
     return pool, client, syncer
 
 
+def wandb_run(args) -> WandbRun | None:
+    """The Weights & Biases run of --wandb-project (rank 0 logs to it), with the run's flags as its config."""
+    if not args.wandb_project:
+        return None
+    config = {key: value for key, value in vars(args).items()
+              if value is None or isinstance(value, (str, int, float, bool, list, tuple))}
+    return WandbRun(args.wandb_project, args.wandb_exp_name,
+                    Path(args.wandb_save_dir or Path(args.log_dir) / "wandb"), config)
+
+
 def budget_spent(budget_s: float | None, elapsed_s: float) -> bool:
     """Rank 0's clock decides for every rank: ranks that stopped at different steps would deadlock."""
     if budget_s is None:
@@ -179,7 +189,7 @@ def run(args) -> dict:
         before = resumed.get("eval_before") or trainer.evaluate(args.eval_size)
         elapsed_before = resumed.get("seconds_rl", 0.0)
         prompts = resumed.get("prompt_totals") or {"prompts_drawn": 0.0, "prompts_pruned": 0.0}
-        metrics = MetricsLogger(args.log_dir, rank0, args.train_iters, trainer.step, prompts)
+        metrics = MetricsLogger(args.log_dir, rank0, args.train_iters, trainer.step, prompts, wandb_run(args))
         rl_start, eval_seconds = time.perf_counter(), 0.0
 
         def rl_seconds() -> float:  # RL time so far: the periodic evaluations do not count against the budget
