@@ -5,6 +5,7 @@ imports nothing of the package but platform/process.py, nor torch.
 
     text of a flag ─► its Domain (argparse `type`) ─► value, or `argument --flag: VALUE is out of range; give RULE`
     every error ─► FlagParser.error ─► one line on rank 0, exit 2 on every rank
+    --help ─► DefaultsShownFormatter: every flag's help ends in its default (and a mode's replacement of it)
 
 Invariants:
 - every numeric flag of a parser built here declares a Domain (require_domains refuses one without);
@@ -12,6 +13,7 @@ Invariants:
 """
 
 import argparse
+import copy
 import math
 from dataclasses import dataclass
 
@@ -75,9 +77,57 @@ SEED = Domain("an integer in [0, 2**63)", int, 0, 2**63 - 1)
 RATE_OR_AUTO = Domain("auto or a number in [0, 1)", float, 0, 1, high_open=True, words=("auto",))
 
 
+def shown_default(value) -> str:
+    """A default as --help says it: 1e-06, 0.25 0.75, on / off for switches, none."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None or value == [] or value == ():
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+class DefaultsShownFormatter(argparse.HelpFormatter):
+    """--help with every flag's default, added once here rather than in each help string: `(default: X)` after the
+    help, unless the help already says its default in words (a default that depends on other flags); and where the
+    parser's `default_notes` has the flag (its dest), the note too (`the embedded default: 0.0001`)."""
+
+    default_notes: dict[str, str] = {}
+    NO_HELP = "\0"  # stands in for a flag's missing help, which argparse would print nothing for
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.option_strings and not action.help:
+            action = copy.copy(action)
+            action.help = self.NO_HELP
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help.removeprefix(self.NO_HELP).replace(" (default: %(default)s)", "")  # BooleanOptionalAction's
+        if action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        shown = [] if "default" in text else [f"default: {shown_default(action.default)}"]
+        if action.dest in self.default_notes:
+            shown.append(self.default_notes[action.dest])
+        added = "; ".join(shown).replace("%", "%%")  # help strings are %-formatted; what is added is plain text
+        return f"{text} ({added})".strip() if shown else text
+
+
 class FlagParser(argparse.ArgumentParser):
     """argparse, whose errors (a value out of its domain, an unknown flag, a bad combination) end the run with one
-    line per problem, said once under torchrun, without the usage block that would bury it."""
+    line per problem, said once under torchrun, without the usage block that would bury it; and whose --help shows
+    every flag's default (DefaultsShownFormatter), with `default_notes[dest]` beside the flag's own where a mode
+    of the program replaces it."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsShownFormatter)
+        self.default_notes: dict[str, str] = {}  # before argparse's own init, which formats -h's help
+        super().__init__(*args, **kwargs)
+
+    def _get_formatter(self) -> argparse.HelpFormatter:
+        formatter = super()._get_formatter()
+        formatter.default_notes = self.default_notes
+        return formatter
 
     def error(self, message: str):
         exit_saying_once(2, f"{self.prog}: error: {message}\n(--help lists every flag)")

@@ -18,6 +18,9 @@ TEXT_FLAGS = {
     "--weight-sync-master-address", "--prompt-data", "--prompt-data-split", "--eval-prompt-data",
     "--eval-prompt-data-split", "--input-key", "--label-key", "--data-synthetic-cells", "--warm-start-cells",
     "--cache-dir", "--difficulty-key",
+    # checked by their argparse type: the reward file loads (rewards/custom.py), the wandb package is installed
+    "--custom-reward-function", "--wandb-project",
+    "--wandb-exp-name", "--wandb-save-dir",  # free text: W&B's run name, a folder
 }
 
 

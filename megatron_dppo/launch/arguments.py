@@ -41,6 +41,7 @@ from megatron_dppo.flags import (
     TOP_K,
     FlagParser,
     require_domains,
+    shown_default,
 )
 from megatron_dppo.hub import HubError, resolve_model
 from megatron_dppo.platform import TRANSFORMER_IMPLS, transformer_impl_error
@@ -75,11 +76,6 @@ EMBEDDED_TASK_DEFAULTS = {
 EMBEDDED_HEAD_DIM = 32  # the tiny model's attention heads: --embedded-hidden-size / 32 of them
 
 
-def _by_task(key: str) -> str:
-    """'worked: 600, answer: 900': a warm-start flag's embedded defaults, for its --help."""
-    return ", ".join(f"{task}: {defaults[key]}" for task, defaults in EMBEDDED_TASK_DEFAULTS.items())
-
-
 def is_embedded_default(args) -> bool:
     """The tiny model and synthetic task of the no-argument run, served by the embedded engine or by vLLM."""
     return args.rollout_backend in ("embedded", "vllm") and not args.hf_checkpoint and args.prompt_data == "synthetic"
@@ -95,7 +91,21 @@ def build_parser() -> FlagParser:
                       operation_flags):
         add_flags(parser)
     require_domains(parser)
+    parser.default_notes = embedded_default_notes(parser)
     return parser
+
+
+def embedded_default_notes(parser: FlagParser) -> dict[str, str]:
+    """--help's note on each flag whose value the embedded default replaces (EMBEDDED_DEFAULTS, and by task
+    EMBEDDED_TASK_DEFAULTS), where it differs from the flag's own default."""
+    notes = {key: f"the embedded default: {shown_default(value)}" for key, value in EMBEDDED_DEFAULTS.items()
+             if parser.get_default(key) != value}
+    for key in EMBEDDED_TASK_DEFAULTS["worked"]:
+        by_task = {task: defaults[key] for task, defaults in EMBEDDED_TASK_DEFAULTS.items()}
+        if any(value != parser.get_default(key) for value in by_task.values()):
+            notes[key] = "the embedded default: " + ", ".join(f"{task} task {shown_default(value)}"
+                                                             for task, value in by_task.items())
+    return notes
 
 
 def megatron_flags(parser: argparse.ArgumentParser) -> None:
@@ -108,8 +118,9 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron.add_argument("--fp16", action="store_true")
     megatron.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default=None,
                           help="the layer implementation: transformer_engine (Transformer Engine's layers; the "
-                               "default on a GPU) or local (megatron-core's own layers with SDPA attention over "
-                               "packed sequences; the default and only choice on the CPU, and a GPU without TE)")
+                               "default on every GPU, and a GPU without TE installed stops at start-up saying so: "
+                               "pass local there) or local (megatron-core's own layers with SDPA attention over "
+                               "packed sequences; the default and only choice on the CPU)")
     megatron.add_argument("--initial-loss-scale", type=POSITIVE, default=2.0**16,
                           help="--fp16: the dynamic loss scale at the start (Megatron-LM starts at 2^32 and halves "
                                "it after overflowing steps, which are skipped: here each skipped step throws a "
@@ -222,6 +233,14 @@ def rollout_flags(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--partial-rollout-max-staleness", type=COUNT_OR_NONE, default=1,
                          help="--partial-rollout: how many weight versions a carried token may be older than the "
                               "weights that train on it (cohorts open at once: this + 1; 0: synchronous)")
+    parser.add_argument_group(
+        "sglang (forwarded)",
+        "--sglang-FLAG [VALUE]: any flag of `python -m sglang.launch_server` (SGLang 0.5.23), given to the servers "
+        "that --rollout-backend sglang starts without the prefix: --sglang-mem-fraction-static 0.7 → "
+        "--mem-fraction-static 0.7, --sglang-context-length 8192, --sglang-tp-size 2 (= --rollout-server-gpus 2), "
+        "--sglang-attention-backend fa3. The launcher sets --model-path, --host and --port itself, and adds "
+        "--enable-deterministic-inference and --tp-size (--rollout-server-gpus) where they are not given; "
+        "--dry-run prints each server's command line.")
 
 
 def algorithm_flags(parser: argparse.ArgumentParser) -> None:
@@ -367,14 +386,12 @@ def embedded_flags(parser: argparse.ArgumentParser) -> None:
                            help="worked: the response writes each intermediate result, then '#', the final answer and "
                                 "'$' (the reward reads the final answer only); answer: the answer and '$' alone")
     warm = parser.add_argument_group("embedded default (tiny model, supervised warm start; defaults by task)")
-    warm.add_argument("--warm-start-steps", type=COUNT_OR_NONE, default=None,
-                      help=f"supervised steps ({_by_task('warm_start_steps')})")
-    warm.add_argument("--warm-start-lr", type=POSITIVE, default=None, help=f"peak lr ({_by_task('warm_start_lr')})")
-    warm.add_argument("--warm-start-batch-size", type=COUNT, default=None,
-                      help=f"problems per supervised step ({_by_task('warm_start_batch_size')})")
+    warm.add_argument("--warm-start-steps", type=COUNT_OR_NONE, default=None, help="supervised steps")
+    warm.add_argument("--warm-start-lr", type=POSITIVE, default=None, help="peak lr")
+    warm.add_argument("--warm-start-batch-size", type=COUNT, default=None, help="problems per supervised step")
     warm.add_argument("--warm-start-problems", type=COUNT_OR_NONE, default=None,
                       help="the warm start's worked solutions come from a fixed pool of this many problems, revisited "
-                           f"in epochs; 0: a fresh problem every step ({_by_task('warm_start_problems')})")
+                           "in epochs; 0: a fresh problem every step")
     warm.add_argument("--warm-start-cells", nargs="+", default=None, metavar="OxD",
                       help="cells of the warm start's problems (default: the RL cells, --data-synthetic-cells)")
     warm.add_argument("--embedded-hidden-size", type=COUNT, default=128,

@@ -1,0 +1,59 @@
+"""`pretrain_dppo.py --help` as a user reads it: every flag shows its default (added once, by the parser's formatter,
+so a flag added later shows its own without a word in its help), the embedded default's replacements beside them,
+the --sglang-* pass-through, and the truth about --transformer-impl."""
+
+import os
+import re
+import subprocess
+import sys
+
+from megatron_dppo.flags import COUNT, FlagParser
+from megatron_dppo.launch.arguments import EMBEDDED_DEFAULTS, build_parser
+from tests.launch import REPO_ROOT
+
+
+def trainer_help() -> str:
+    finished = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / "pretrain_dppo.py"), "--help"],
+                              capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "COLUMNS": "250"})
+    assert finished.returncode == 0, finished.stderr
+    return finished.stdout
+
+
+def flag_help(text: str, flag: str) -> str:
+    """The help of `flag` (its line, and the lines under it up to the next flag or section)."""
+    match = re.search(rf"^  {re.escape(flag)}\b.*?(?=^  -|^\S|\Z)", text, re.MULTILINE | re.DOTALL)
+    assert match, f"{flag} is not in --help"
+    return " ".join(match.group(0).split())
+
+
+def test_help_lists_the_new_flags_and_every_default_with_the_embedded_defaults_beside():
+    text = trainer_help()
+    assert flag_help(text, "--lr").endswith("(default: 1e-06; the embedded default: 0.0001)")
+    assert "(default: runs/dppo; the embedded default: runs/embedded)" in flag_help(text, "--log-dir")
+    assert "(default: 1024; the embedded default: worked task 176, answer task 8)" in flag_help(
+        text, "--rollout-max-response-len")
+    assert "(default: off; the embedded default: on)" in flag_help(text, "--dapo-filter")
+    assert "NAME(response, label, **fields) -> float" in flag_help(text, "--custom-reward-function")
+    assert "Weights & Biases" in flag_help(text, "--wandb-project")
+    assert "default on every GPU" in flag_help(text, "--transformer-impl")
+    assert "--sglang-FLAG [VALUE]: any flag of `python -m sglang.launch_server`" in " ".join(text.split())
+    parser = build_parser()
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert "default" in flag_help(text, action.option_strings[0]), action.option_strings[0]
+    for key in EMBEDDED_DEFAULTS:  # each replacement is named, except where it equals the flag's own default
+        flag = next(a.option_strings[0] for a in parser._actions if a.dest == key)
+        assert ("the embedded default" in flag_help(text, flag)) == (parser.get_default(key) != EMBEDDED_DEFAULTS[key])
+
+
+def test_a_flag_added_without_help_shows_its_default_from_the_formatter():
+    parser = FlagParser(prog="p")
+    group = parser.add_argument_group("a later group")
+    group.add_argument("--recompute-layers", type=COUNT, default=3)
+    group.add_argument("--no-load-optim", action="store_true")
+    group.add_argument("--rate", type=COUNT, default=5, help="a rate of 5%% or so")
+    text = parser.format_help()
+    assert "--recompute-layers RECOMPUTE_LAYERS\n                        (default: 3)" in text
+    assert "--no-load-optim       (default: off)" in text
+    assert "a rate of 5% or so (default: 5)" in text
