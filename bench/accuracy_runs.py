@@ -69,8 +69,8 @@ PAIRING_FLAGS = ("--prompt-data", "--synthetic-task", "--data-synthetic-cells", 
 # Every method runs with these flags, so the page records them (the embedded defaults may change under us).
 # The paper's regime: a pool of 256 training problems comes back every 32 GRPO steps (batch 8), so within the
 # 75 s budget every prompt is visited about 7 times by GRPO and about 3x as often drawn by DPPO's refill: the prompt
-# level has a history to act on, as over the paper's 15 epochs (research notes: every method that wins before rollout
-# revisits its prompts 10-60 times).
+# level has a history to act on, as over the paper's 15 epochs (the published methods that prune before rollout
+# revisit their prompts many times).
 # --dapo-filter (drop zero-variance groups, exact) is the embedded default, kept for every method but grpo-paper.
 # The MATH runs go without it: there each pruner meets them itself.
 # --lr and --rollout-batch-size are GRPO's own best (--tune-grpo, docs/results.md): the grid was run from a batch of

@@ -3,7 +3,7 @@
 #
 #   HF_CHECKPOINT=/models/Qwen3-4B WORK_DIR=/scratch/qwen3-4b-dppo bash examples/configs/qwen3_4b_math_dppo.sh
 #
-# [paper] = recorded in docs/research/algorithms.md (second-hand reading of the paper: Qwen3-4B, MATH train,
+# [paper] = the DPPO paper as read second-hand (its abstract and reports of it: Qwen3-4B, MATH train,
 #           5 rollouts per prompt, 1024-token responses, 15 epochs, 8 x H100, pass@1 on six math benchmarks).
 # [inferred] = not reported by the paper (or not found): our choice. The paper's default pruning rates, batch size,
 #           learning rate and the names of its six benchmarks were not found.

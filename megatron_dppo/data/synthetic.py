@@ -32,7 +32,7 @@ TASK_CELLS = {
     # 14 to ~160 response tokens: chains of 2 to 16 one-digit operations, and short chains of two-digit ones (a
     # 0.8M-parameter model learns one-digit steps within minutes; wider numbers mostly cost it accuracy, not length)
     "worked": ("2x1", "3x1", "4x1", "6x1", "8x1", "12x1", "16x1", "2x2", "3x2", "4x2"),
-    # research/calibration.md: a 0.6M-parameter model starts low after a short warm start, with room for RL
+    # chosen by calibration: a 0.6M-parameter model starts low after a short warm start, with room for RL
     "answer": ("2x1", "2x2", "2x3", "3x1", "3x2", "4x1", "4x2"),
 }
 DEFAULT_HELDOUT_SEED = 12345

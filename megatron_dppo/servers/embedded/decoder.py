@@ -10,8 +10,9 @@ finished rows ──► keep(rows): the cache shrinks to the rows still generati
 
 Why not the HF module's forward: at the engine's batch sizes on CPU, HF's generic path (a causal mask built per
 call, a DynamicCache that concatenates every layer's K/V at every step, module dispatch) costs more than the
-matmuls. A cache sliced to its filled part would be a strided operand, which CPU batched matmul copies first (2-4x
-slower than the contiguous case, measured); so the cache grows in blocks and attention reads all of it. The arithmetic
+matmuls. A cache sliced to its filled part would be a strided operand, which CPU batched matmul copies first (slower
+than the contiguous case: docs/rollout.md gives the command and its figure); so the cache grows in blocks and
+attention reads all of it. The arithmetic
 here is HF's own, op for op: RMSNorm in fp32 then cast, q/k norms (Qwen3), the model's own
 rotary module (so every RoPE type HF implements), SDPA with a boolean mask for the prefill, softmax(q·kᵀ·scale)·v
 for single-position steps, SiLU-gated MLP. tests/test_rollout_decoder.py checks it against HF's forward.
