@@ -1,6 +1,7 @@
 """Evaluate a model on the math benchmarks, or on your own prompt files: pass@1 (mean over k samples) and maj@k.
 
-    --benchmarks: built-in names (from DPPO_DATA_DIR or ../shared/data, or --data-dir), .jsonl/.json/.parquet files,
+    --benchmarks: built-in names (from DPPO_DATA_DIR or ../shared/data, or --data-dir; else downloaded from their
+                  public Hugging Face data sets, as tools/prepare_data.py does), .jsonl/.json/.parquet files,
                   directories of them, or Hugging Face data set names; all read and checked before any server starts
     --urls (SGLang or any compatible server; --tokenizer-dir the servers' model) or --model-dir (starts the embedded
     engine on the CPU, in fp32: for small models); a model is a folder or a Hub name (megatron_dppo.hub)
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from megatron_dppo.data.checks import hf_checkpoint_errors
 from megatron_dppo.data.datasets import BENCHMARKS, PromptDataError
+from megatron_dppo.errors import UserInputError
 from megatron_dppo.hub import HubError, resolve_model
 from megatron_dppo.pipeline.evaluation import EVALUATION_REWARDS, evaluate, load_benchmarks, markdown_table
 from megatron_dppo.rewards.math import VerifierPool
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # read every benchmark before a server starts, so a bad file stops the run at once
         benchmarks = load_benchmarks(args.benchmarks, args.reward_type, args.input_key, args.label_key, args.split,
                                      args.limit, args.skip_bad_rows, args.data_dir)
-    except PromptDataError as error:
+    except UserInputError as error:  # PromptDataError, or HubError for a built-in set neither local nor cached
         sys.exit(f"evaluate.py: error: {error}")
     from transformers import AutoTokenizer
 

@@ -21,7 +21,7 @@ Example:
 import argparse
 import sys
 
-from megatron_dppo.data.datasets import DATASETS, load_dataset
+from megatron_dppo.data.datasets import DATASETS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,21 +42,15 @@ def main(argv: list[str] | None = None) -> None:
 
     from datasets import Dataset, disable_progress_bars
 
-    from megatron_dppo.data.paths import data_dir
-    from megatron_dppo.data.public_sources import PUBLIC_SOURCES, download_builtin
+    from megatron_dppo.data.public_sources import load_builtin
     from megatron_dppo.errors import UserInputError
 
     disable_progress_bars()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in args.sets:
-        local = Path(args.data_dir or data_dir()) / DATASETS[name].relative_path
         try:
-            if local.is_file():
-                examples, origin = load_dataset(name, data_dir=args.data_dir, skip_bad_rows=args.skip_bad_rows), local
-            else:
-                examples, snapshot = download_builtin(name, skip_bad_rows=args.skip_bad_rows)
-                origin = f"{PUBLIC_SOURCES[name].url} at commit {snapshot.revision}"
+            examples, origin = load_builtin(name, args.data_dir, args.skip_bad_rows)
         except UserInputError as error:  # PromptDataError, HubError: one line naming the set and the fix
             sys.exit(f"prepare_data.py: error: {error}")
         path = out / f"{name}.parquet"

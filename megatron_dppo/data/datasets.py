@@ -231,7 +231,8 @@ def resolve_source(source: str, flag: str = "--prompt-data", directory: str | Pa
                 f"{flag} {source}: the built-in set is read from {path}, which does not exist ({where}). Put the "
                 f"data files there (docs/data_and_rewards.md lists them and their public sources) or set "
                 f"{DATA_DIR_VARIABLE} to the folder holding them; or pass your own prompts as a .parquet or .jsonl "
-                "file or a directory of them (tools/prepare_data.py writes that layout)")
+                "file or a directory of them (tools/prepare_data.py writes that layout, and writes the built-in sets "
+                "in it, downloaded from their public sources)")
         return Source("builtin", name, (path,))
     path = Path(source).expanduser()
     if path.is_dir():

@@ -1,5 +1,7 @@
 """Where each built-in set comes from on the Hugging Face Hub, and its download where no local copy exists.
 
+    load_builtin(name) ─► its local copy (<data dir>/<file>, datasets.load_dataset), where there is one
+                       ─► else download_builtin(name):
     built-in name ─► PUBLIC_SOURCES[name]: a Hub data set, the files of it that hold the set, the fields read
         ─► megatron_dppo.hub.download (the Hugging Face cache; HF_HUB_OFFLINE=1: the cache only) ─► Snapshot
         ─► its files, sorted by path ─► the fields checked ─► the set's own row parser (datasets.DATASETS)
@@ -14,9 +16,10 @@ never parsed into empty rows.
 
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from pathlib import Path
 
-from megatron_dppo.data.datasets import DATASETS, Example, PromptDataError, parse_tables, read_table
-from megatron_dppo.data.paths import DATA_DIR_VARIABLE
+from megatron_dppo.data.datasets import DATASETS, Example, PromptDataError, load_dataset, parse_tables, read_table
+from megatron_dppo.data.paths import DATA_DIR_VARIABLE, data_dir
 from megatron_dppo.hub import Snapshot, download
 
 
@@ -68,3 +71,15 @@ def download_builtin(name: str, skip_bad_rows: bool = False) -> tuple[list[Examp
             raise PromptDataError(f"{name}: {label} has no field {missing[0]!r} (its fields: {table.column_names}): "
                                   f"the source has changed; put {local_file} under {DATA_DIR_VARIABLE} instead")
     return parse_tables(iter(tables), DATASETS[name].parse_row, (), skip_bad_rows, None), snapshot
+
+
+def load_builtin(name: str, directory: str | Path | None = None, skip_bad_rows: bool = False,
+                 limit: int | None = None) -> tuple[list[Example], str]:
+    """Built-in set `name` from its local copy (in `directory`, else DPPO_DATA_DIR or ../shared/data) where there is
+    one, else from its public source; and where the rows came from, in words (the file, or the data set's page and
+    commit). tools/prepare_data.py and tools/evaluate.py read the built-in sets through it."""
+    local = Path(directory or data_dir()) / DATASETS[name].relative_path
+    if local.is_file():
+        return load_dataset(name, data_dir=directory, skip_bad_rows=skip_bad_rows, limit=limit), str(local)
+    examples, snapshot = download_builtin(name, skip_bad_rows)
+    return examples[:limit], f"{PUBLIC_SOURCES[name].url} at commit {snapshot.revision}"

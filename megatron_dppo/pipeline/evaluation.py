@@ -1,6 +1,7 @@
 """Benchmark evaluation: pass@1 (mean over k samples) and maj@k on the six math benchmarks or any prompt source.
 
-    load_benchmarks: built-in name or file / directory / hub set (load_prompt_data)[:limit] ──► encode_examples
+    load_benchmarks: built-in name (its local copy, else its public source: load_builtin) or file / directory / hub
+                     set (load_prompt_data)[:limit] ──► encode_examples
         ──► RolloutClient.agenerate(n=k) (progress bar) ──► decode
         ──► score each sample (math: math-verify pool; gsm8k: exact number) ──► aggregate
         ──► {"benchmarks": {name: {pass@1, maj@k, problems: [...]}}} and a markdown table
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from megatron_dppo.data.datasets import DATASETS, Example, encode_examples, load_prompt_data
+from megatron_dppo.data.public_sources import load_builtin
 from megatron_dppo.rewards import gsm8k as gsm8k_reward
 from megatron_dppo.rewards.math import VerifierPool, normalize_answer, score_batch
 from megatron_dppo.rollout.client import Completion, RolloutClient, SamplingParams
@@ -119,15 +121,18 @@ def load_benchmarks(sources: Sequence[str], reward_type: str = "math", input_key
                     label_key: str = "label", split: str = "test", limit: int | None = None,
                     skip_bad_rows: bool = False, data_dir: str | None = None) -> dict[str, Benchmark]:
     """Each source's first `limit` problems and its reward: a built-in set's own (gsm8k for GSM8K, math for the
-    others), `reward_type` for the user's files and hub data sets (read with `input_key` / `label_key`)."""
+    others; its local copy, else its public source), `reward_type` for the user's files and hub data sets (read
+    with `input_key` / `label_key`)."""
     if reward_type not in EVALUATION_REWARDS:
         raise ValueError(f"unknown evaluation reward {reward_type!r}; choose one of {EVALUATION_REWARDS}")
     benchmarks = {}
     for source in sources:
-        reward = DATASETS[source].reward_type if source in DATASETS else reward_type
-        benchmarks[source] = Benchmark(
-            load_prompt_data(source, input_key, label_key, reward, split, skip_bad_rows, limit, "--benchmarks",
-                             data_dir), reward)
+        if source in DATASETS:
+            examples, _ = load_builtin(source, data_dir, skip_bad_rows, limit)
+            benchmarks[source] = Benchmark(examples, DATASETS[source].reward_type)
+        else:
+            benchmarks[source] = Benchmark(load_prompt_data(source, input_key, label_key, reward_type, split,
+                                                            skip_bad_rows, limit, "--benchmarks"), reward_type)
     return benchmarks
 
 

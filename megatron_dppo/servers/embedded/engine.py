@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = FlagParser(prog="megatron_dppo.servers.embedded", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", required=True, help="saved HF model directory (config.json + weights)")
+    parser.add_argument("--model-dir", "--model-path", required=True,
+                        help="saved HF model directory (config.json + weights); --model-path as SGLang names it")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=Domain("a TCP port in [1, 65535]", int, 1, 65535), default=30000)
     parser.add_argument("--api-key", default=os.environ.get("MEGATRON_DPPO_ENGINE_API_KEY"),
