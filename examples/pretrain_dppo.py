@@ -1,7 +1,7 @@
 """DPPO / GRPO-family RL on Megatron-Core. Launch with torchrun; see `--help` and the README.
 
     torchrun --nproc-per-node 2 examples/pretrain_dppo.py            # the embedded CPU default
-    torchrun --nproc-per-node 8 examples/pretrain_dppo.py --hf-checkpoint Qwen3-4B --prompt-data math \\
+    torchrun --nproc-per-node 8 examples/pretrain_dppo.py --hf-checkpoint Qwen/Qwen3-4B --prompt-data math \\
         --apply-chat-template --rollout-backend external --rollout-urls http://node2:30000 ...  # a real run
 
 The last line printed by rank 0 is a JSON summary.

@@ -1,4 +1,4 @@
-"""bf16 and fp16 runs save, stop and resume exactly, as the README's real run does (`--bf16 --save`), on the local spec.
+"""bf16 and fp16 runs save, stop and resume exactly, as the README's cluster run does (`--bf16 --save`), local spec.
 
     tiny Qwen3 (HF, random) ──► tools/convert_hf_to_megatron.py --dtype bf16|fp16 ──► torchrun 2 ranks
         straight:  --load converted, 4 steps, --save-interval 2                        ──► straight/iter_0000004
