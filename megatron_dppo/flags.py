@@ -124,6 +124,18 @@ class FlagParser(argparse.ArgumentParser):
         self.default_notes: dict[str, str] = {}  # before argparse's own init, which formats -h's help
         super().__init__(*args, **kwargs)
 
+    def note_replaced_defaults(self, mode: str, values: dict, values_by_case: dict[str, dict], case_flag: str) -> None:
+        """Note in --help, beside a flag's own default, the value `mode` gives it where that differs: one for every
+        case (`values`, by dest), or one per value of `case_flag` (`values_by_case`: {case: {dest: value}})."""
+        for dest, value in values.items():
+            if self.get_default(dest) != value:
+                self.default_notes[dest] = f"{mode}: {shown_default(value)}"
+        for dest in next(iter(values_by_case.values())):
+            by_case = {case: case_values[dest] for case, case_values in values_by_case.items()}
+            if any(value != self.get_default(dest) for value in by_case.values()):
+                self.default_notes[dest] = f"{mode}, by {case_flag}: " + ", ".join(
+                    f"{case} {shown_default(value)}" for case, value in by_case.items())
+
     def _get_formatter(self) -> argparse.HelpFormatter:
         formatter = super()._get_formatter()
         formatter.default_notes = self.default_notes

@@ -15,6 +15,8 @@ from the checkpoint of step s, both files keep steps 1..s only (later lines came
 hold), so a resumed run's files read as if the run had never stopped.
 """
 
+import argparse
+import importlib.util
 import json
 import math
 from dataclasses import dataclass, field
@@ -30,6 +32,14 @@ def _truncate_after(path: Path, start_step: int) -> None:
     kept = [line for line in path.read_text().splitlines()
             if line.strip() and json.loads(line).get("step", -1) <= start_step]
     path.write_text("".join(line + "\n" for line in kept))
+
+
+def wandb_project_flag(text: str) -> str:
+    """--wandb-project's argparse type: the project, when the wandb package is there to log to it."""
+    if importlib.util.find_spec("wandb") is None:
+        raise argparse.ArgumentTypeError("logging to Weights & Biases needs the wandb package, which is not "
+                                         "installed: pip install -e '.[wandb]' (or drop --wandb-project)")
+    return text
 
 
 @dataclass(frozen=True)

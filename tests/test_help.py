@@ -31,7 +31,7 @@ def test_help_lists_the_new_flags_and_every_default_with_the_embedded_defaults_b
     text = trainer_help()
     assert flag_help(text, "--lr").endswith("(default: 1e-06; the embedded default: 0.0001)")
     assert "(default: runs/dppo; the embedded default: runs/embedded)" in flag_help(text, "--log-dir")
-    assert "(default: 1024; the embedded default: worked task 176, answer task 8)" in flag_help(
+    assert "(default: 1024; the embedded default, by --synthetic-task: worked 176, answer 8)" in flag_help(
         text, "--rollout-max-response-len")
     assert "(default: off; the embedded default: on)" in flag_help(text, "--dapo-filter")
     assert "NAME(response, label, **fields) -> float" in flag_help(text, "--custom-reward-function")

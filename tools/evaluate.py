@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_dppo.data.checks import hf_checkpoint_errors
+from megatron_dppo.data.checks import hf_model_folder
 from megatron_dppo.data.datasets import BENCHMARKS, PromptDataError
 from megatron_dppo.errors import UserInputError
 from megatron_dppo.hub import HubError, resolve_model
@@ -64,16 +64,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--urls needs --tokenizer-dir (the tokenizer the servers' model uses)")
     if args.k < 1 or (args.limit is not None and args.limit < 1):
         parser.error(f"--k ({args.k}) and --limit ({args.limit}) must be >= 1")
-    try:  # Hub names become their snapshot folders (one line when one cannot be had)
-        for flag in ("--model-dir", "--tokenizer-dir"):
-            name = flag.removeprefix("--").replace("-", "_")
-            if getattr(args, name):
-                setattr(args, name, str(resolve_model(getattr(args, name), flag)))
+    try:  # a Hub name becomes its snapshot folder
+        args.tokenizer_dir = args.tokenizer_dir and str(resolve_model(args.tokenizer_dir, "--tokenizer-dir"))
     except HubError as error:
         sys.exit(f"evaluate.py: error: {error}")
-    errors = hf_checkpoint_errors(args.model_dir, "--model-dir") if args.model_dir else []
-    if errors:
-        parser.error(errors[0])
+    if args.model_dir:
+        args.model_dir, errors = hf_model_folder(args.model_dir, "--model-dir")
+        if errors:
+            sys.exit(f"evaluate.py: error: {errors[0]}")
     return args
 
 

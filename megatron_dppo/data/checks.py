@@ -1,7 +1,7 @@
 """The model folder and the prompt flags, checked before any process starts, and the defaults the data decides.
 
-    --hf-checkpoint DIR (a Hub name resolved by hub.py first; tools/evaluate.py: --model-dir) ─► hf_checkpoint_errors:
-        config.json, a tokenizer, weights
+    --hf-checkpoint DIR or ORG/NAME (tools/evaluate.py: --model-dir) ─► hf_model_folder: a Hub name resolved to its
+        snapshot (hub.py) ─► hf_checkpoint_errors: config.json, a tokenizer, weights
     the prompt flags ─► prompt_data_errors: the synthetic task takes none of a user's prompt flags, a built-in set
                         none of those naming fields ─► --reward-type against the data, a held-out set for the reward
                      ─► each source (--prompt-data, --eval-prompt-data): resolve_source (built-in files present, local
@@ -20,6 +20,7 @@ import argparse
 from pathlib import Path
 
 from megatron_dppo.data.datasets import DATASETS, HELDOUT_SETS, TRAINING_SETS, PromptDataError, resolve_source
+from megatron_dppo.hub import HubError, resolve_model
 
 HF_MODEL_FILES = "config.json, tokenizer files and *.safetensors"
 # the fields (and hub split) of a user's own prompts: neither the synthetic task nor a built-in set takes them
@@ -39,6 +40,16 @@ def default_reward_type(prompt_data: str) -> str:
 def default_eval_prompt_data(prompt_data: str, reward_type: str) -> str | None:
     """The held-out set of the reward (math500, gsm8k_test); the synthetic task has its own."""
     return None if prompt_data == "synthetic" else HELDOUT_SETS.get(reward_type)
+
+
+def hf_model_folder(name: str, flag: str = "--hf-checkpoint") -> tuple[str, list[str]]:
+    """(the model's folder, its problems): a Hub name resolved to its snapshot (megatron_dppo.hub: downloaded, or
+    from the cache offline), then the folder checked by hf_checkpoint_errors."""
+    try:
+        folder = str(resolve_model(name, flag))
+    except HubError as error:
+        return name, [str(error)]
+    return folder, hf_checkpoint_errors(folder, flag)
 
 
 def hf_checkpoint_errors(path: str, flag: str = "--hf-checkpoint") -> list[str]:

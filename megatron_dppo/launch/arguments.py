@@ -22,11 +22,10 @@ from megatron_dppo.data.checks import (
     PROMPT_FLAGS,
     default_eval_prompt_data,
     default_reward_type,
-    hf_checkpoint_errors,
+    hf_model_folder,
     prompt_data_errors,
 )
 from megatron_dppo.data.synthetic import TASKS as SYNTHETIC_TASKS
-from megatron_dppo.errors import UserInputError
 from megatron_dppo.flags import (
     ABOVE_ONE,
     AT_LEAST_ONE,
@@ -41,11 +40,16 @@ from megatron_dppo.flags import (
     TOP_K,
     FlagParser,
     require_domains,
-    shown_default,
 )
-from megatron_dppo.hub import HubError, resolve_model
+from megatron_dppo.metrics import wandb_project_flag
 from megatron_dppo.platform import TRANSFORMER_IMPLS, transformer_impl_error
-from megatron_dppo.rollout.launcher import VLLM_PYTHON_VARIABLE, forward_sglang_args, sglang_flag_value
+from megatron_dppo.rewards.custom import reward_function_flag
+from megatron_dppo.rollout.launcher import (
+    SGLANG_PASSTHROUGH_HELP,
+    VLLM_PYTHON_VARIABLE,
+    forward_sglang_args,
+    sglang_flag_value,
+)
 
 ALGORITHMS = ("grpo", "dppo", "cppo", "d3s")
 # Clip ranges (eps_low, eps_high): DAPO's clip-higher for token-level ratios; a sequence-level (GSPO) ratio is the
@@ -91,21 +95,9 @@ def build_parser() -> FlagParser:
                       operation_flags):
         add_flags(parser)
     require_domains(parser)
-    parser.default_notes = embedded_default_notes(parser)
+    parser.note_replaced_defaults("the embedded default", EMBEDDED_DEFAULTS, EMBEDDED_TASK_DEFAULTS,
+                                  "--synthetic-task")
     return parser
-
-
-def embedded_default_notes(parser: FlagParser) -> dict[str, str]:
-    """--help's note on each flag whose value the embedded default replaces (EMBEDDED_DEFAULTS, and by task
-    EMBEDDED_TASK_DEFAULTS), where it differs from the flag's own default."""
-    notes = {key: f"the embedded default: {shown_default(value)}" for key, value in EMBEDDED_DEFAULTS.items()
-             if parser.get_default(key) != value}
-    for key in EMBEDDED_TASK_DEFAULTS["worked"]:
-        by_task = {task: defaults[key] for task, defaults in EMBEDDED_TASK_DEFAULTS.items()}
-        if any(value != parser.get_default(key) for value in by_task.values()):
-            notes[key] = "the embedded default: " + ", ".join(f"{task} task {shown_default(value)}"
-                                                             for task, value in by_task.items())
-    return notes
 
 
 def megatron_flags(parser: argparse.ArgumentParser) -> None:
@@ -125,10 +117,8 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
                           help="--fp16: the dynamic loss scale at the start (Megatron-LM starts at 2^32 and halves "
                                "it after overflowing steps, which are skipped: here each skipped step throws a "
                                "rollout away)")
-    megatron.add_argument("--hf-checkpoint", metavar="DIR_OR_ORG/NAME",
-                          help="the Hugging Face model to start from: a local folder (config.json, tokenizer, "
-                               "safetensors) or a Hub name such as Qwen/Qwen3-4B, downloaded into the Hugging Face "
-                               "cache (with HF_HUB_OFFLINE=1, taken from it)")
+    megatron.add_argument("--hf-checkpoint", metavar="DIR_OR_ORG/NAME", help="the HF model to start from: a folder, "
+                          "or a Hub name (Qwen/Qwen3-4B) downloaded to the HF cache (HF_HUB_OFFLINE=1: read from it)")
     megatron.add_argument("--load", help="resume from a Megatron checkpoint (save dir or iter_* dir)")
     megatron.add_argument("--save", help="directory for Megatron distributed checkpoints")
     megatron.add_argument("--save-interval", type=COUNT_OR_NONE, default=0,
@@ -157,26 +147,13 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron.add_argument("--max-tokens-per-gpu", type=COUNT, default=8192, help="token budget of one micro-batch")
     megatron.add_argument("--packing-window", type=COUNT, default=256, help="Dense Prompt Packing window W")
     megatron.add_argument("--log-dir", default="runs/dppo", help="metrics.jsonl and TensorBoard events")
-    megatron.add_argument("--wandb-project", type=wandb_project, default=None,
-                          help="also log every step's metrics (those TensorBoard gets) to this Weights & Biases "
-                               "project, from rank 0 (needs pip install -e '.[wandb]'; WANDB_MODE=offline keeps the "
-                               "run on disk for `wandb sync`)")
-    megatron.add_argument("--wandb-exp-name", default=None, help="the W&B run's name (default: W&B picks one)")
-    megatron.add_argument("--wandb-save-dir", default=None, help="where W&B keeps the run's files (default: "
-                                                                 "--log-dir/wandb)")
+    megatron.add_argument("--wandb-project", type=wandb_project_flag, help="also log the metrics TensorBoard gets to "
+                          "this Weights & Biases project (pip install -e '.[wandb]'; WANDB_MODE=offline: on disk)")
+    megatron.add_argument("--wandb-exp-name", help="the W&B run's name (default: W&B picks one)")
+    megatron.add_argument("--wandb-save-dir", help="where W&B keeps the run's files (default: --log-dir/wandb)")
     megatron.add_argument("--time-budget-s", type=POSITIVE, default=None,
                           help="stop RL once this many seconds of it have passed (after the current step); held-out "
                                "evaluations (--eval-interval) are not counted")
-
-
-def wandb_project(text: str) -> str:
-    """--wandb-project's argparse type: the project, when the wandb package is there to log to it."""
-    import importlib.util
-
-    if importlib.util.find_spec("wandb") is None:
-        raise argparse.ArgumentTypeError("logging to Weights & Biases needs the wandb package, which is not "
-                                         "installed: pip install -e '.[wandb]' (or drop --wandb-project)")
-    return text
 
 
 def rollout_flags(parser: argparse.ArgumentParser) -> None:
@@ -233,14 +210,7 @@ def rollout_flags(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--partial-rollout-max-staleness", type=COUNT_OR_NONE, default=1,
                          help="--partial-rollout: how many weight versions a carried token may be older than the "
                               "weights that train on it (cohorts open at once: this + 1; 0: synchronous)")
-    parser.add_argument_group(
-        "sglang (forwarded)",
-        "--sglang-FLAG [VALUE]: any flag of `python -m sglang.launch_server` (SGLang 0.5.23), given to the servers "
-        "that --rollout-backend sglang starts without the prefix: --sglang-mem-fraction-static 0.7 → "
-        "--mem-fraction-static 0.7, --sglang-context-length 8192, --sglang-tp-size 2 (= --rollout-server-gpus 2), "
-        "--sglang-attention-backend fa3. The launcher sets --model-path, --host and --port itself, and adds "
-        "--enable-deterministic-inference and --tp-size (--rollout-server-gpus) where they are not given; "
-        "--dry-run prints each server's command line.")
+    parser.add_argument_group("sglang (forwarded)", SGLANG_PASSTHROUGH_HELP)
 
 
 def algorithm_flags(parser: argparse.ArgumentParser) -> None:
@@ -330,23 +300,10 @@ def reward_flags(parser: argparse.ArgumentParser) -> None:
     reward.add_argument("--reward-timeout-s", type=POSITIVE, default=5.0,
                         help="deadline of one reward check (math-verify, or one --custom-reward-function call); past "
                              "it the response scores 0")
-    reward.add_argument("--custom-reward-function", type=custom_reward_spec, default=None, metavar="PATH.py:NAME",
-                        help="your own reward in place of --reward-type's (as verl's custom_reward_function, slime's "
-                             "--custom-rm-path): NAME(response, label, **fields) -> float, plain or async, where "
-                             "fields are the prompt's row; a call that raises, returns no finite number or runs past "
-                             "--reward-timeout-s scores 0, with a warning line")
-
-
-def custom_reward_spec(text: str) -> str:
-    """--custom-reward-function's argparse type: PATH.py:NAME loads (file, module, a callable taking (response,
-    label, ...)), or parsing stops with one line saying what is wrong; the run loads it again where it scores."""
-    from megatron_dppo.rewards.custom import load_reward_function
-
-    try:
-        load_reward_function(text)
-    except UserInputError as error:
-        raise argparse.ArgumentTypeError(str(error).removeprefix("--custom-reward-function ")) from None
-    return text
+    reward.add_argument("--custom-reward-function", type=reward_function_flag, default=None, metavar="PATH.py:NAME",
+                        help="your reward in place of --reward-type's: NAME(response, label, **fields) -> float, "
+                             "plain or async, fields the prompt's row; a call that raises, returns no finite number or "
+                             "overruns --reward-timeout-s scores 0, with a warning line")
 
 
 def data_flags(parser: argparse.ArgumentParser) -> None:
@@ -594,12 +551,9 @@ def model_and_data_errors(args: argparse.Namespace, parser: argparse.ArgumentPar
         errors.append(f"{reason} needs --hf-checkpoint DIR or ORG/NAME, the Hugging Face model to train and serve "
                       f"({HF_MODEL_FILES}); only the embedded default (--prompt-data synthetic with the embedded "
                       "engine) runs without one, on its own tiny model")
-    if args.hf_checkpoint and not args.dry_run:
-        try:  # a Hub name becomes its snapshot folder: the trainer and the servers it starts read a folder
-            args.hf_checkpoint = str(resolve_model(args.hf_checkpoint, "--hf-checkpoint"))
-            errors.extend(hf_checkpoint_errors(args.hf_checkpoint))
-        except HubError as error:
-            errors.append(str(error))
+    if args.hf_checkpoint and not args.dry_run:  # the trainer and the servers it starts read the model's folder
+        args.hf_checkpoint, model_errors = hf_model_folder(args.hf_checkpoint)
+        errors.extend(model_errors)
     return [*errors, *prompt_data_errors(args, changed_flags(args, parser, *PROMPT_FLAGS))]
 
 

@@ -20,6 +20,7 @@ Invariants (the math reward's rule for its timeouts and dead workers):
   process at exit.
 """
 
+import argparse
 import asyncio
 import importlib.util
 import inspect
@@ -68,6 +69,16 @@ def load_reward_function(spec: str) -> Callable:
         raise UserInputError(f"{FLAG} {spec}: {name}{inspect.signature(function)} cannot be called as "
                              f"{name}(response, label): give it the signature (response, label, **fields)") from None
     return function
+
+
+def reward_function_flag(text: str) -> str:
+    """--custom-reward-function's argparse type: PATH.py:NAME loads, or parsing stops with one line saying what is
+    wrong (the run loads it again on each rank that scores)."""
+    try:
+        load_reward_function(text)
+    except UserInputError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix(f"{FLAG} ")) from None
+    return text
 
 
 class CustomReward:

@@ -191,6 +191,15 @@ def start_all(handles: list[ServerHandle]) -> list[ServerHandle]:
     return started
 
 
+# --help's section on the --sglang-* pass-through (forward_sglang_args, sglang_command)
+SGLANG_PASSTHROUGH_HELP = (
+    "--sglang-FLAG [VALUE]: any flag of `python -m sglang.launch_server` (SGLang 0.5.23), given to the servers that "
+    "--rollout-backend sglang starts without the prefix: --sglang-mem-fraction-static 0.7 → --mem-fraction-static "
+    "0.7, --sglang-context-length 8192, --sglang-tp-size 2 (= --rollout-server-gpus 2), --sglang-attention-backend "
+    "fa3. The launcher sets --model-path, --host and --port itself, and adds --enable-deterministic-inference and "
+    "--tp-size (--rollout-server-gpus) where they are not given; --dry-run prints each server's command line.")
+
+
 def forward_sglang_args(argv: list[str]) -> list[str]:
     """Pick the --sglang-* flags (and their values) out of a command line, without the prefix:
     `--sglang-tp-size 2 --lr 1e-6 --sglang-mem-fraction-static=0.8` → `--tp-size 2 --mem-fraction-static=0.8`."""
