@@ -17,6 +17,7 @@ servers    servers/embedded/ (the SGLang-compatible CPU engine), servers/vllm_ex
            runs in a rollout server's process; the trainer reaches them over HTTP and the weight-update group only
 
 leaves     flags.py (domains, the parser), weight_update_protocol.py (what the syncer and the servers say to each
-           other), metrics.py (the per-step log, its reader and curves), answers.py, errors.py, convert/ (HF <->
-           Megatron tables), platform/ (device, collectives, processes), data/ (prompts, tokenizers)
+           other), metrics.py (the per-step log, its reader and curves), hub.py (Hub names to local snapshots),
+           answers.py, errors.py, convert/ (HF <-> Megatron tables), platform/ (device, collectives, processes),
+           data/ (prompts, tokenizers, the built-in sets' public sources)
 """
