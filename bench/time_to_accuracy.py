@@ -78,9 +78,16 @@ from bench.accuracy_runs import (  # noqa: E402
     run_control,
     run_grpo_tuning,
     run_math_methods,
+    run_order,
     run_rl,
 )
-from bench.results_page import grpo_tuning_report, results_report, write_page  # noqa: E402
+from bench.results_page import (  # noqa: E402
+    DECIDED_WIDTH,
+    grpo_tuning_report,
+    headline_decided,
+    results_report,
+    write_page,
+)
 from bench.training_run import finished  # noqa: E402
 
 
@@ -94,10 +101,14 @@ def main(argv: list[str] | None = None) -> None:
         if settings.page:
             write_page(settings.page, "grpo-tuning", report)
         return
-    for seed in settings.seeds:  # seed by seed, so that a change in the machine's load falls on every method alike
-        for method in settings.methods:
-            if finished(run_rl(settings, method, seed, warm_start)):
-                print(f"finished {method} seed {seed} ({time.perf_counter() - started:.0f} s so far)", flush=True)
+    for seed in settings.seeds:  # seed by seed, methods interleaved: a change in the machine's load falls on all alike
+        run_seed(settings, seed, warm_start, started)
+    # seeds until the headline decides: one more paired seed at a time, up to --max-seeds
+    while not settings.analyse_only and len(settings.seeds) < settings.max_seeds and not headline_decided(settings):
+        settings.seeds.append(max(settings.seeds) + 1)
+        print(f"the headline intervals are not yet narrower than {DECIDED_WIDTH}: adding seed {settings.seeds[-1]}",
+              flush=True)
+        run_seed(settings, settings.seeds[-1], warm_start, started)
     control = run_control(settings, sft_steps_per_second) if settings.control else None
     math_model = run_math_methods(settings) if settings.math_budget_s > 0 else None
     report, last_lines = results_report(settings, sft_steps_per_second, control, math_model, started)
@@ -105,6 +116,13 @@ def main(argv: list[str] | None = None) -> None:
     if settings.page:
         write_page(settings.page, page_block(settings.task, settings.quick), report)
     print(last_lines)
+
+
+def run_seed(settings, seed: int, warm_start: Path, started: float) -> None:
+    """Every method's run with `seed`, in the seed's own random order (run_order)."""
+    for method in run_order(settings, seed):
+        if finished(run_rl(settings, method, seed, warm_start)):
+            print(f"finished {method} seed {seed} ({time.perf_counter() - started:.0f} s so far)", flush=True)
 
 
 if __name__ == "__main__":
