@@ -95,7 +95,8 @@ def results_report(settings: Settings, sft_steps_per_second: float, control: tup
     sections += [
         f"### The work each step did, and the machine (mean per step over every seed)\n\n{work_table(groups)}",
         f"### The prompt level at work (all seeds; epochs over the {pool_size()}-problem pool)\n\n"
-        f"{prompt_level_table(settings.out_dir / 'runs', groups, pool_size())}",
+        f"{prompt_level_table(settings.out_dir / 'runs', groups, pool_size())}\n\n"
+        f"{prompt_level_cap(settings.out_dir / 'runs', groups)}",
         f"### Where the time goes (mean per step, ms and share of the step)\n\n{phase_table(flat)}",
         f"### Fewer steps or shorter steps (to {HEADLINE_BASELINE}'s {100 * TARGET_FRACTIONS[-1]:.0f}% target)\n\n"
         f"{decomposition_table(groups, target_times, HEADLINE_BASELINE, cost)}",
@@ -528,6 +529,26 @@ def prompt_level_table(root: Path, runs: dict[str, dict[int, Run]], pool: int) -
               "rolled-out groups zero-variance", "prediction precision", "prediction recall",
               "Brier (base rate's)"]
     return markdown(header, rows)
+
+
+def prompt_level_cap(root: Path, groups: dict[str, dict[int, Run]], reference: str = "grpo",
+                     method: str = HEADLINE_METHOD) -> str:
+    """What the prompt level buys DPPO and what would cap it: its keep rule replayed on `reference`'s outcomes (every
+    drawn group rolled out) at `method`'s mean kept fraction of drawn prompts (prompt_prediction.keep_rule_gain)."""
+    if reference not in groups or method not in groups:
+        return f"(needs finished runs of {reference} and {method})"
+    keep_fraction = statistics.fmean(float(r.get("kept_fraction_prompts", 1.0)) for run in groups[method].values()
+                                     for r in run.records[1:])
+    runs = [prompt_prediction.read_outcomes(root / reference / f"seed_{seed}") for seed in groups[reference]]
+    gain = prompt_prediction.keep_rule_gain(runs, keep_fraction)
+    return (f"{method}'s keep rule replayed on {reference}'s steps (every drawn group rolled out; "
+            f"`prompt_prediction.keep_rule_gain`), keeping {keep_fraction:.2f} of the drawn prompts as {method} did: "
+            f"{100 * gain.informative_share:.0f}% of the kept groups have varied rewards against "
+            f"{100 * gain.base_share:.0f}% of all drawn, and the step's gradient variance is "
+            f"**{gain.variance_gain:.2f}x lower** than keeping the same number uniformly at random. A predictor that "
+            f"knew every outcome would make it {gain.oracle_gain:.2f}x lower. With refill, DPPO rolls out as many "
+            "groups as GRPO and its step estimates the gradient of all the prompts it drew: the history's prediction "
+            "is the whole of its lever against the filtered GRPO.")
 
 
 def write_page(page: Path, block: str, generated: str) -> None:
