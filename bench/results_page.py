@@ -73,7 +73,6 @@ DECIDED_WIDTH = 0.5  # an interval narrower than this decides a headline
 # full batch's normaliser): grpo's speed-up over grpo-paper is known in advance, their step-time ratio
 FILTER_CHECK = ("grpo-paper", "grpo")
 NOT_REACHED = "†"  # a time (and cost) to a target the curve never reached: its budget stands in
-COST_KEYS = ("tokens_generated_total", "tokens_trained_total", "flops_total")
 
 
 def results_report(settings: Settings, sft_steps_per_second: float, control: tuple[Path, int] | None,
