@@ -17,10 +17,11 @@ import argparse
 import gzip
 import hashlib
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.training_run import REPO, command_for, finished, launch_unless_finished
+from bench.training_run import MACHINE_FILE, REPO, command_for, finished, launch_unless_finished
 from megatron_dppo.metrics import OUTCOMES_FILE
 
 # The two baselines, each at its own settings (every method's speed-up is read against both): GRPO as the DPPO paper
@@ -29,21 +30,25 @@ from megatron_dppo.metrics import OUTCOMES_FILE
 BASELINES = {
     "grpo-paper": ["--algorithm", "grpo", "--no-dapo-filter"],
     "grpo": ["--algorithm", "grpo"],
+    # what many users run (and what GRESO measured its 2.0x against): rounds of prompts until the batch holds B groups
+    # with varied rewards, trained as the batch
+    "dapo-dynamic-sampling": ["--algorithm", "grpo", "--dapo-dynamic-sampling"],
 }
-# Run by default, every one with every seed (seed s of each shares GRPO's seed s: PAIRING_FLAGS)
-METHODS = {
-    **BASELINES,
+# DPPO's two forms, run with every seed like the baselines: the headline's
+HEADLINE_METHODS = {
     # DPPO's defaults (docs/algorithms.md): the predictive prompt level, refill, 1/p weights, the completion level
     "dppo": ["--algorithm", "dppo"],
     "dppo-no-refill": ["--algorithm", "dppo", "--no-dppo-refill"],  # the paper's form: the batch shrinks as it prunes
+}
+# Run by default with the first Settings.secondary_seeds seeds only (seed s of each shares GRPO's seed s)
+SECONDARY_METHODS = {
     "dppo-deterministic": ["--algorithm", "dppo", "--dppo-mode", "deterministic"],  # the paper's Algorithm 1
     "cppo": ["--algorithm", "cppo", "--cppo-refill"],  # with its paper's refill: batch / (1 - P) prompts drawn
     "d3s": ["--algorithm", "d3s"],
-    # what many users run: rounds of prompts until the batch holds B groups with varied rewards, trained as the batch
-    "dapo-dynamic-sampling": ["--algorithm", "grpo", "--dapo-dynamic-sampling"],
     # rollouts that do not wait for the longest response (cohorts carried over one step)
     "grpo-partial": ["--algorithm", "grpo", "--partial-rollout"],
 }
+METHODS = {**BASELINES, **HEADLINE_METHODS, **SECONDARY_METHODS}
 # Available with --methods (the same seeds and settings), not run by default
 VARIANTS = {
     # the same prompt level without the 1/p correction: the shortcut history-skipping methods (GRESO) take
@@ -75,10 +80,10 @@ PAIRING_FLAGS = ("--prompt-data", "--synthetic-task", "--data-synthetic-cells", 
 # The MATH runs go without it: there each pruner meets them itself.
 # --lr and --rollout-batch-size are GRPO's own best (--tune-grpo, docs/results.md): the grid was run from a batch of
 # 16, whose neighbours scored within 0.005 of each other (lr 2e-4 lower), and the batch of 8 scored best.
-RL_FLAGS = ["--lr", "1e-4", "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
+RL_FLAGS = ["--lr", "1e-4", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
             "--rollout-temperature", "1.0", "--max-tokens-per-gpu", "4096",
             "--loss-agg-mode", "token-mean", "--eps-clip", "0.2", "--eps-clip-high", "0.28", "--kl-coef", "0",
-            "--ppo-epochs", "1", "--data-train-size", "256", "--dapo-filter"]
+            "--ppo-epochs", "1", "--data-train-size", "2048", "--dapo-filter"]
 MATH_FLAGS = ["--prompt-data", "math", "--reward-type", "math", "--lr", "1e-4", "--rollout-batch-size", "8",
               "--n-samples-per-prompt", "8", "--rollout-max-response-len", "32", "--rollout-temperature", "1.0",
               "--max-tokens-per-gpu", "8192", "--eval-size", "16", "--skip-bad-rows"]
@@ -134,6 +139,8 @@ class Settings:
     quick: bool
     page: Path | None
     figures_dir: Path
+    secondary_seeds: int = 3  # SECONDARY_METHODS run with the first this many seeds
+    max_seeds: int = 0  # seeds are added after `seeds` until the headline decides or there are this many
     tune_grpo: bool = False
     analyse_only: bool = False  # --analyse-only: the page from the finished runs, none started
     records_dir: Path | None = None  # RECORDS_DIR, read back from; None: --no-records, --quick, another task
@@ -143,6 +150,14 @@ class Settings:
 def page_block(task: str, quick: bool) -> str:
     """The name of a run's generated block on the page (and of its figures folder): quick / full, per task."""
     return ("quick" if quick else "full") + ("" if task == "worked" else f"-{task}")
+
+
+def run_order(settings: Settings, seed: int) -> list[str]:
+    """The methods run with `seed`, in a random order of their own (seeded by the seed): the methods compared are
+    interleaved, so that a slow stretch of the shared machine falls on no method more than another."""
+    methods = [m for m in settings.methods
+               if m not in SECONDARY_METHODS or seed in settings.seeds[:settings.secondary_seeds]]
+    return random.Random(seed).sample(methods, len(methods))
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -222,9 +237,9 @@ def run_grpo_tuning(settings: Settings, warm_start: Path) -> dict[str, list[Path
     """GRPO at each of grpo_settings() over the seeds: label -> its run directories, seed by seed."""
     run_dirs = {}
     for label, extra in grpo_settings():
-        run_dirs[label] = [launch_unless_finished(
-            [*rl_flags(settings, "grpo", seed, warm_start), *extra],
-            settings.out_dir / "tuning" / label.replace(" ", "_").lstrip("-") / f"seed_{seed}", settings.processes)
+        run_dirs[label] = [launch_recorded(
+            settings, [*rl_flags(settings, "grpo", seed, warm_start), *extra],
+            settings.out_dir / "tuning" / label.replace(" ", "_").lstrip("-") / f"seed_{seed}")
             for seed in settings.seeds]
     return run_dirs
 
@@ -266,7 +281,7 @@ def run_math_methods(settings: Settings) -> Path:
 # setting is a new command, recorded beside the old ones, which stay valid for their own command. The warm start
 # itself is rebuilt (deterministic on the CPU build).
 RECORDS_DIR = REPO / "bench" / "records" / "time_to_accuracy"
-RECORD_FILES = ("summary.json", "metrics.jsonl", OUTCOMES_FILE)  # stored gzipped, + command.txt
+RECORD_FILES = ("summary.json", "metrics.jsonl", OUTCOMES_FILE, MACHINE_FILE)  # stored gzipped, + command.txt
 
 
 def portable_command(command: str, out_dir: Path) -> str:
@@ -345,7 +360,13 @@ def parse_args(argv: list[str] | None, description: str = "") -> Settings:
                         help="default: METHODS (both baselines, DPPO and its paper's forms, CPPO, D3S, DAPO's dynamic "
                              "sampling, GRPO with partial rollouts); the baselines are always added")
     parser.add_argument("--seeds", nargs="+", type=int, default=None,
-                        help="RL seeds, every method with every one (default 1 2 3 4 5; quick: 1)")
+                        help="RL seeds (default 1 to 6; quick: 1): the baselines and DPPO's two forms run with every "
+                             "one, the other methods with the first --secondary-seeds")
+    parser.add_argument("--max-seeds", type=int, default=None,
+                        help="after --seeds, add one paired seed at a time until every headline interval (wall or "
+                             "cost-model time) is narrower than 0.5, up to this many seeds (default 12; quick: 1)")
+    parser.add_argument("--secondary-seeds", type=int, default=3,
+                        help=f"how many of the seeds {', '.join(SECONDARY_METHODS)} run with (default 3)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="RL time per run, evaluations excluded (default 75; quick 25)")
     parser.add_argument("--synthetic-task", choices=list(TASK_SETTINGS), default="worked",
@@ -385,10 +406,12 @@ def parse_args(argv: list[str] | None, description: str = "") -> Settings:
     page = Path(args.write_page) if args.write_page else None
     settings = Settings(
         out_dir=out_dir, methods=[*BASELINES, *[m for m in args.methods if m not in BASELINES]],
-        seeds=pick(args.seeds, [1, 2, 3, 4, 5], [1]), budget_s=pick(args.budget_s, 75.0, 25.0), task=task,
+        seeds=pick(args.seeds, [1, 2, 3, 4, 5, 6], [1]), secondary_seeds=args.secondary_seeds,
+        max_seeds=pick(args.max_seeds, 12, 1),
+        budget_s=pick(args.budget_s, 240.0, 25.0), task=task,
         warm_start_steps=pick(args.warm_start_steps, TASK_SETTINGS[task]["warm_start_steps"], 200),
-        eval_interval=pick(args.eval_interval, 6, 6),
-        eval_size=pick(args.eval_size, 256, 128), control=not args.no_control,
+        eval_interval=pick(args.eval_interval, 24, 6),
+        eval_size=pick(args.eval_size, 512, 128), control=not args.no_control,
         math_budget_s=pick(args.math_budget_s, 0.0, 0.0), processes=args.processes, quick=quick, page=page,
         figures_dir=Path(args.figures_dir) if args.figures_dir else (
             (page.parent if page else out_dir) / "figures" / page_block(task, quick)), tune_grpo=args.tune_grpo,

@@ -24,6 +24,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dppo.algo.history import PromptHistory  # noqa: E402
@@ -89,6 +91,50 @@ def replay(runs: list[list[dict]], decay: float, prior: float) -> dict[str, tupl
             history.update(ids, [0.0] * len(ids), [r["response_length_mean"] for r in visits],
                            rewards=[r["rewards"] for r in visits], difficulties=difficulties)
     return kinds
+
+
+@dataclass
+class KeepRuleGain:
+    variance_gain: float  # the step's gradient variance with uniform keep probabilities / with the rule's
+    informative_share: float  # expected share of rolled-out groups whose rewards vary, under the rule
+    base_share: float  # that share among all drawn groups (uniform keeping, GRPO)
+    oracle_gain: float  # variance_gain of the rule fed the outcomes themselves (z = 0 or 1): what prediction could buy
+
+
+def keep_rule_gain(runs: list[list[dict]], keep_fraction: float, p_min: float = 0.2, decay: float = DEFAULT_DECAY,
+                   prior: float = DEFAULT_PRIOR) -> KeepRuleGain:
+    """DPPO's prompt level replayed on GRPO runs' steps (every drawn group rolled out): at each step the drawn prompts
+    get the stochastic keep probabilities p_i = clip(c · sqrt(1 - z_i), p_min, 1) with mean `keep_fraction`, from
+    the history's prediction z_i before the step. A group whose rewards vary carries gradient, so the 1/p-weighted
+    estimate of the drawn batch's gradient has variance ∝ Σ_informative 1/p_i; uniform keeping (p = keep_fraction:
+    the same expected rollouts) has Σ_informative 1/keep_fraction. Their ratio is what the history buys; the same
+    rule fed the true outcomes gives the ceiling that a perfect predictor would reach."""
+    from megatron_dppo.algo.pruning import proportional_keep_probs
+
+    uniform = predicted = oracle = kept = informative_kept = informative = drawn = 0.0
+    for records in runs:
+        history = PromptHistory(decay, prior)
+        for step in sorted({r["step"] for r in records}):
+            visits = [r for r in records if r["step"] == step]
+            ids = [r["prompt_id"] for r in visits]
+            difficulties = [r["difficulty"] for r in visits]
+            z = history.zero_variance_probability(ids, difficulties)
+            varied = torch.tensor([0.0 if r["zero_variance"] else 1.0 for r in visits], dtype=torch.float64)
+            if not torch.isnan(z).any():
+                keep = proportional_keep_probs((1 - z).clamp(min=0).sqrt(), keep_fraction, p_min)
+                perfect = proportional_keep_probs(varied, keep_fraction, p_min)
+                uniform += float(varied.sum()) / keep_fraction
+                predicted += float((varied / keep).sum())
+                oracle += float((varied / perfect).sum())
+                kept += float(keep.sum())
+                informative_kept += float((keep * varied).sum())
+                informative += float(varied.sum())
+                drawn += len(visits)
+            history.update(ids, [0.0] * len(ids), [r["response_length_mean"] for r in visits],
+                           rewards=[r["rewards"] for r in visits], difficulties=difficulties)
+    if not predicted:
+        raise ValueError("no step with a prediction and a group with varied rewards: the runs are too short")
+    return KeepRuleGain(uniform / predicted, informative_kept / kept, informative / drawn, uniform / oracle)
 
 
 def recorded_quality(records: list[dict], after_step: int = 0) -> Quality:

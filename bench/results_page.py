@@ -16,13 +16,12 @@ from pathlib import Path
 
 from bench import prompt_prediction
 from bench.accuracy_curves import (
-    FINAL_WINDOW,
     PAPER_TARGET,
     TARGET_FRACTIONS,
     accuracy_points,
     compare_paired,
     final_accuracy,
-    mean_curve,
+    seed_mean_curve,
     seed_mean_runs,
 )
 from bench.accuracy_runs import (
@@ -32,11 +31,13 @@ from bench.accuracy_runs import (
     HEADLINE_METHOD,
     PAIRING_FLAGS,
     RL_FLAGS,
+    SECONDARY_METHODS,
     Settings,
     pool_size,
     task_flags,
     warm_start_flags,
 )
+from bench.estimator_check import calibration, calibration_table
 from bench.markdown_table import markdown
 from bench.run_costs import (
     PHASES,
@@ -49,17 +50,29 @@ from bench.run_costs import (
     steps_at,
     token_dependent_seconds,
     value_at,
+    with_cost_model,
     with_costs,
 )
 from bench.training_run import finished
 from megatron_dppo.metrics import Run, load_run, plot_runs
 
+CALIBRATION_RATIOS = (1.0, 1.5, 2.37)  # the known speed-ups the page reads simulated benches at (2.37: the paper's)
+CALIBRATION_DATASETS = 300  # simulated benches per ratio
 BASELINE_NAMES = {"grpo-paper": "GRPO as the DPPO paper ran it, every group trained",
-                  "grpo": "GRPO with the DAPO filter, zero-variance groups dropped"}
-# The bench's last lines: DPPO's defaults against each baseline, the headline, then the paper's definition
-LAST_LINE_NAMES = {"grpo-paper": "dppo_speedup_vs_grpo", "grpo": "dppo_speedup_vs_grpo_filtered"}
+                  "grpo": "GRPO with the DAPO filter, zero-variance groups dropped",
+                  "dapo-dynamic-sampling": "GRPO with DAPO's dynamic sampling, rounds until the batch is varied"}
+# The bench's last lines: DPPO's defaults against each baseline, the headline then the paper's definition
+LAST_LINE_NAMES = {"grpo-paper": "dppo_speedup_vs_grpo", "grpo": "dppo_speedup_vs_grpo_filtered",
+                   "dapo-dynamic-sampling": "dppo_speedup_vs_grpo_dynamic_sampling"}
+# What a speed-up is read on: any cumulative cost of the runs (run_costs), the headline on the first
+AXES = {"seconds_steps": "RL wall time", "cost_model_seconds": "cost-model time",
+        "tokens_generated_total": "generated tokens", "tokens_trained_total": "trained tokens", "flops_total": "FLOPs"}
+WALL, COST_MODEL = "seconds_steps", "cost_model_seconds"
+DECIDED_WIDTH = 0.5  # an interval narrower than this decides a headline
+# grpo and grpo-paper are the same optimiser step by step (the filter drops only zero-advantage groups and keeps the
+# full batch's normaliser): grpo's speed-up over grpo-paper is known in advance, their step-time ratio
+FILTER_CHECK = ("grpo-paper", "grpo")
 NOT_REACHED = "†"  # a time (and cost) to a target the curve never reached: its budget stands in
-COST_KEYS = ("tokens_generated_total", "tokens_trained_total", "flops_total")
 
 
 def results_report(settings: Settings, sft_steps_per_second: float, control: tuple[Path, int] | None,
@@ -67,28 +80,25 @@ def results_report(settings: Settings, sft_steps_per_second: float, control: tup
     """The generated block of the page, from the finished runs, and the bench's last lines. `control`: the control's
     run directory and its extra supervised steps (run_control); `math_model`: the MATH runs' model (None: none)."""
     size = model_size(next((settings.out_dir / "cache" / "init").glob("embedded_*/init")))
-    groups = load_groups(settings.out_dir / "runs", dict.fromkeys(settings.methods, settings.seeds), size)
-    missing = [baseline for baseline in BASELINES if baseline not in groups]
-    if missing:
-        raise ValueError(f"no finished run of the baseline(s) {missing}: every speed-up is read against both "
-                         f"baselines; run them (bench/time_to_accuracy.py always adds them to --methods)")
-    curves = {method: {seed: accuracy_points(run, "seconds_steps") for seed, run in by_seed.items()}
-              for method, by_seed in groups.items()}
-    comparisons = {baseline: {method: compare_paired(curves[baseline], points) for method, points in curves.items()}
-                   for baseline in BASELINES}
+    groups, cost = load_analysed(settings, size)
+    comparisons = compare_all(groups)
     flat = {method: list(by_seed.values()) for method, by_seed in groups.items()}
-    sections = [settings_section(settings, groups, size)]
-    sections += [speedup_section(baseline, groups, curves[baseline], comparisons[baseline]) for baseline in BASELINES]
-    headline = comparisons[HEADLINE_BASELINE]
+    wall = comparisons[WALL]
+    sections = [settings_section(settings, groups, size),
+                f"### The estimator where the answer is known\n\n{known_ratio_section(groups, comparisons, settings)}"]
+    sections += [speedup_section(baseline, groups, comparisons) for baseline in BASELINES]
+    headline = wall[HEADLINE_BASELINE]
     target_times = {method: result["estimate"]["times"][TARGET_FRACTIONS[-1]][0]
                     if result["estimate"] and result["estimate"]["times"][TARGET_FRACTIONS[-1]][1] else None
                     for method, result in headline.items()}
     sections += [
+        f"### The work each step did, and the machine (mean per step over every seed)\n\n{work_table(groups)}",
         f"### The prompt level at work (all seeds; epochs over the {pool_size()}-problem pool)\n\n"
-        f"{prompt_level_table(settings.out_dir / 'runs', groups, pool_size())}",
+        f"{prompt_level_table(settings.out_dir / 'runs', groups, pool_size())}\n\n"
+        f"{prompt_level_cap(settings.out_dir / 'runs', groups)}",
         f"### Where the time goes (mean per step, ms and share of the step)\n\n{phase_table(flat)}",
         f"### Fewer steps or shorter steps (to {HEADLINE_BASELINE}'s {100 * TARGET_FRACTIONS[-1]:.0f}% target)\n\n"
-        f"{decomposition_table(groups, target_times, HEADLINE_BASELINE)}",
+        f"{decomposition_table(groups, target_times, HEADLINE_BASELINE, cost)}",
         f"### Projection for Qwen3-4B on MATH, 8 H100s (on paper, not measured)\n\n"
         f"{projection(groups, target_times, HEADLINE_BASELINE)}",
     ]
@@ -97,25 +107,109 @@ def results_report(settings: Settings, sft_steps_per_second: float, control: tup
     sections.append(figures_section(settings, groups))
     if math_model:
         sections.append(math_section(settings, math_model))
-    lines = last_lines(comparisons)
+    lines = last_lines(comparisons, groups)
     sections.append(f"Bench wall time (runs not already finished + analysis): {time.perf_counter() - started:.0f} s. "
                     "Last lines:\n\n" + "\n".join(f"    {line}" for line in lines))
     return "\n\n".join(sections), "\n".join(lines)
 
 
-def last_lines(comparisons: dict[str, dict[str, dict]]) -> list[str]:
-    """`name: X [low, high]` of DPPO's defaults against each baseline: the headline speed-ups, then the paper's
-    definition (time to the baseline's final accuracy); `name: nan` where a run or the baseline's gain is missing."""
+def load_analysed(settings: Settings, size: ModelSize) -> tuple[dict[str, dict[int, Run]], dict]:
+    """Every finished run (method -> seed -> run, each method with the seeds it has) with its cost columns, the
+    cost-model time among them, and the step-cost fit that priced it (one fit over every step of every run)."""
+    seeds = {m: settings.seeds if m not in SECONDARY_METHODS else settings.seeds[:settings.secondary_seeds]
+             for m in settings.methods}
+    groups = load_groups(settings.out_dir / "runs", seeds, size)
+    missing = [baseline for baseline in BASELINES if baseline not in groups]
+    if missing:
+        raise ValueError(f"no finished run of the baseline(s) {missing}: every speed-up is read against every "
+                         f"baseline; run them (bench/time_to_accuracy.py always adds them to --methods)")
+    cost = fit_step_cost([run for by_seed in groups.values() for run in by_seed.values()])
+    return {m: {s: with_cost_model(run, cost) for s, run in by_seed.items()} for m, by_seed in groups.items()}, cost
+
+
+def compare_all(groups: dict[str, dict[int, Run]]) -> dict[str, dict[str, dict[str, dict]]]:
+    """axis -> baseline -> method -> compare_paired over the seeds both ran; an axis that some run does not count
+    (FLOPs without a model size) is left out."""
+    out = {}
+    for axis in AXES:
+        if any(run.records[-1].get(axis, 0.0) <= 0 for by_seed in groups.values() for run in by_seed.values()):
+            continue
+        curves = {m: {s: accuracy_points(run, axis) for s, run in by_seed.items()} for m, by_seed in groups.items()}
+        out[axis] = {b: {m: compare_paired(curves[b], points) for m, points in curves.items()} for b in BASELINES}
+    return out
+
+
+def interval_text(result: dict | None, kind: str = "headline") -> str:
+    """`X [low, high]`, or nan where a run, the baseline's gain or an interval (fewer than 3 seeds) is missing."""
+    if not result or not result["estimate"] or not result[f"{kind}_interval"]:
+        return "nan"
+    low, high = result[f"{kind}_interval"]
+    return f"{result['estimate'][kind]:.2f} [{low:.2f}, {high:.2f}]"
+
+
+def step_time_ratio(groups: dict[str, dict[int, Run]], baseline: str, method: str, axis: str) -> float:
+    """The baseline's x (RL time) to take the first K steps over the method's, summed over the seeds both ran (K:
+    the fewest steps any of their runs took): the speed-up two methods that learn alike step by step must show."""
+    seeds = sorted(set(groups[baseline]) & set(groups[method]))
+    steps = min(len(groups[name][seed].records) for name in (baseline, method) for seed in seeds)
+    return (sum(groups[baseline][s].records[steps - 1][axis] for s in seeds)
+            / sum(groups[method][s].records[steps - 1][axis] for s in seeds))
+
+
+def check_lines(groups: dict[str, dict[int, Run]], comparisons: dict) -> list[str]:
+    """grpo against grpo-paper, whose speed-up is their step-time ratio: on wall time and on cost-model time."""
+    baseline, method = FILTER_CHECK
+    if baseline not in groups or method not in groups:
+        return ["grpo_filter_check: nan"]
+    return [f"grpo_filter_check{'' if axis == WALL else '_cost_model'}: "
+            f"{interval_text(comparisons[axis][baseline][method])}, step-time ratio "
+            f"{step_time_ratio(groups, baseline, method, axis):.2f}" for axis in (WALL, COST_MODEL)]
+
+
+def last_lines(comparisons: dict, groups: dict[str, dict[int, Run]]) -> list[str]:
+    """DPPO's defaults against each baseline: `name: X [low, high]` on wall time, then on cost-model time, then the
+    paper's definition (time to the baseline's final accuracy); then the known-ratio check."""
     lines = []
-    for kind, suffix in (("headline", ""), ("paper", "_paper_definition")):
-        for baseline, name in LAST_LINE_NAMES.items():
-            result = comparisons.get(baseline, {}).get(HEADLINE_METHOD)
-            interval = result[f"{kind}_interval"] if result else None
-            if result and result["estimate"] and interval:
-                lines.append(f"{name}{suffix}: {result['estimate'][kind]:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]")
-            else:
-                lines.append(f"{name}{suffix}: nan")
-    return lines
+    for baseline, name in LAST_LINE_NAMES.items():
+        lines.append(f"{name}: {interval_text(comparisons[WALL].get(baseline, {}).get(HEADLINE_METHOD))}")
+        lines.append(f"{name}_cost_model: "
+                     f"{interval_text(comparisons[COST_MODEL].get(baseline, {}).get(HEADLINE_METHOD))}")
+    for baseline, name in LAST_LINE_NAMES.items():
+        lines.append(f"{name}_paper_definition: "
+                     f"{interval_text(comparisons[WALL].get(baseline, {}).get(HEADLINE_METHOD), 'paper')}")
+    return lines + check_lines(groups, comparisons)
+
+
+def decided(comparisons: dict) -> bool:
+    """Every headline interval of DPPO against a baseline narrower than DECIDED_WIDTH, on wall time or, where not
+    there, on cost-model time (bench/time_to_accuracy.py adds seeds until this holds)."""
+    def width(axis: str, baseline: str) -> float:
+        result = comparisons[axis].get(baseline, {}).get(HEADLINE_METHOD)
+        interval = result["headline_interval"] if result else None
+        return interval[1] - interval[0] if interval else float("inf")
+
+    return all(min(width(WALL, b), width(COST_MODEL, b)) < DECIDED_WIDTH for b in LAST_LINE_NAMES)
+
+
+def headline_decided(settings: Settings) -> bool:
+    """decided() on the runs finished so far with settings.seeds."""
+    size = model_size(next((settings.out_dir / "cache" / "init").glob("embedded_*/init")))
+    return decided(compare_all(load_analysed(settings, size)[0]))
+
+
+def known_ratio_section(groups: dict[str, dict[int, Run]], comparisons: dict, settings: Settings) -> str:
+    """The estimator's calibration on simulated curves of known ratio (bench/estimator_check.py) at this bench's
+    seed count, and its reading of grpo against grpo-paper, whose ratio is their step-time ratio."""
+    seeds = max(len(by_seed) for by_seed in groups.values())
+    rows = calibration(list(CALIBRATION_RATIOS), seeds, CALIBRATION_DATASETS)
+    return (f"Simulated benches of {seeds} paired seeds whose true speed-up is set in advance (`python "
+            f"bench/estimator_check.py --seeds {seeds}`: the curve, noise and step times of the "
+            f"embedded default's runs; {CALIBRATION_DATASETS} benches per ratio), read by this page's estimator:\n\n"
+            f"{calibration_table(rows, seeds)}\n\n"
+            "On the runs: grpo and grpo-paper are the same optimiser step by step (the filter drops only "
+            "zero-advantage groups and keeps the full batch's normaliser), so grpo's speed-up over grpo-paper must "
+            "read their step-time ratio (the RL time of their first K steps, K the fewest steps any of their runs "
+            "took):\n\n" + "\n".join(f"    {line}" for line in check_lines(groups, comparisons)))
 
 
 def settings_section(settings: Settings, groups: dict[str, dict[int, Run]], size: ModelSize) -> str:
@@ -152,8 +246,8 @@ def figures_section(settings: Settings, groups: dict[str, dict[int, Run]]) -> st
                         ("heldout_accuracy", "reward_mean"), ("seconds_steps",), smooth=10,
                         title=f"{settings.task} synthetic task: all methods, all seeds")
     figures += plot_runs(seed_mean_runs(groups), settings.figures_dir / "seed_mean", ("heldout_accuracy",),
-                         ("seconds_steps",), title=f"{settings.task} synthetic task: mean over seeds, trailing mean of "
-                                                   f"{FINAL_WINDOW} evaluations")
+                         ("seconds_steps",), title=f"{settings.task} synthetic task: mean over seeds, each evaluation "
+                                                   "centred on its neighbours")
     link_root = settings.page.parent if settings.page else settings.out_dir
     return "\n".join(f"![{path.parent.name}/{path.stem}]({os.path.relpath(path, link_root)})" for path in figures)
 
@@ -173,9 +267,11 @@ def grpo_tuning_report(settings: Settings, run_dirs: dict[str, list[Path]]) -> s
     rows = []
     for label, dirs in run_dirs.items():
         runs = [with_costs(load_run(run_dir, label), None, False) for run_dir in dirs]
-        curve = mean_curve([accuracy_points(run, "seconds_steps") for run in runs])
+        points = [accuracy_points(run, "seconds_steps") for run in runs]
+        curve = seed_mean_curve(points)
         area = sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(curve, curve[1:]))
-        rows.append([label, f"{area / max(curve[-1][0], 1e-9):.3f}", f"{final_accuracy(curve):.3f}",
+        final = statistics.fmean(final_accuracy(seed_points) for seed_points in points)
+        rows.append([label, f"{area / max(curve[-1][0], 1e-9):.3f}", f"{final:.3f}",
                      f"{statistics.fmean(len(run.records) for run in runs):.0f}"])
     best = max(rows, key=lambda row: float(row[1]))
     return (markdown(["GRPO setting", "mean held-out accuracy over the budget", "final accuracy", "steps"], rows)
@@ -192,79 +288,62 @@ def fmt_count(value: float | None) -> str:
     return f"{value:.0f}"
 
 
-def fmt_speedup(value: float, reached: bool, interval: tuple[float, float] | None, reached_share: float,
-                usable: float) -> str:
-    """`**X**x [low, high]`, marked where the point estimate counted a budget, with the share of bootstrap draws
-    that reached every target where some did not, and of draws left out (no gain) where there were any."""
-    notes = [f"{100 * reached_share:.0f}% of draws reach"] * (reached_share < 0.999)
-    notes += [f"{100 * (1 - usable):.0f}% of draws without a gain left out"] * (usable < 0.999)
-    bounds = f"{interval[0]:.2f}, {interval[1]:.2f}" if interval else "-"
-    return f"**{value:.2f}x**{'' if reached else NOT_REACHED} [{', '.join([bounds, *notes])}]"
-
-
-def costs_at(runs: dict[int, Run], seeds: list[int], seconds: float) -> dict[str, float]:
-    """Mean over `seeds` of each run's cumulative tokens and FLOPs at `seconds` of RL time (its whole run's when
-    it ends earlier)."""
-    return {key: statistics.fmean(value_at(runs[seed], key, "seconds_steps", seconds) for seed in seeds)
-            for key in COST_KEYS}
+def fmt_speedup(result: dict, kind: str = "headline") -> str:
+    """`**X**x [low, high]`, marked † where a seed-mean curve never reached a target and its end stood in."""
+    estimate = result["estimate"]
+    if estimate is None:
+        return "no gain"
+    reached = estimate["reached_all"] if kind == "headline" else estimate["reached_paper"]
+    interval = result[f"{kind}_interval"]
+    bounds = f"{interval[0]:.2f}, {interval[1]:.2f}" if interval else "fewer than 3 seeds"
+    return f"**{estimate[kind]:.2f}x**{'' if reached else NOT_REACHED} [{bounds}]"
 
 
 def target_label(fraction: float, accuracy: float) -> str:
     return f"{'final' if fraction == PAPER_TARGET else f'{100 * fraction:.0f}%'} ({accuracy:.3f})"
 
 
-def speedup_section(baseline: str, groups: dict[str, dict[int, Run]], baseline_points: dict[int, list],
-                    comparisons: dict[str, dict]) -> str:
-    """Every method against one baseline (comparisons: compare_paired per method): the targets, a summary (final
-    accuracy, the headline and the paper's speed-ups with their paired intervals, costs to the last headline target
-    against the baseline's) and a table per target (RL time, speed-up, tokens and FLOPs to it)."""
+def speedup_section(baseline: str, groups: dict[str, dict[int, Run]], comparisons: dict) -> str:
+    """Every method against one baseline: per method its final accuracy and its speed-ups on every axis (wall time,
+    cost-model time, tokens, FLOPs) with their intervals, then the RL time and speed-up to each target."""
     title = f"### Time to accuracy against {baseline} ({BASELINE_NAMES[baseline]})"
-    reference = comparisons[baseline]["estimate"]  # the baseline against itself, over all its seeds
+    wall = comparisons[WALL][baseline]
+    reference = wall[baseline]["estimate"]  # the baseline against itself, over all its seeds
     if reference is None:
         return f"{title}\n\n{baseline}'s final accuracy is not above the warm start's: no rising part to time."
-    targets, last = reference["targets"], TARGET_FRACTIONS[-1]
-    warm, final = reference["warm_start"], reference["final"]
+    last = TARGET_FRACTIONS[-1]
     last_time = reference["baseline_times"][last][0]
-    evaluations = sum(0 < x <= last_time for x, _ in mean_curve(list(baseline_points.values())))
+    evaluations = statistics.fmean(sum(0 < x <= last_time for x, _ in accuracy_points(run, WALL))
+                                   for run in groups[baseline].values())
     summary, per_target = [], []
-    for method, result in comparisons.items():
-        estimate, seeds = result["estimate"], result["seeds"]
-        if estimate is None:  # the baseline over these seeds gained nothing
-            summary.append([method, str(len(seeds)), f"{result['final_mean']:.3f} ± {result['final_se']:.3f}",
-                            "no gain", "no gain", "-"])
+    for method, result in wall.items():
+        summary.append([method, str(len(result["seeds"])), f"{result['final_mean']:.3f} ± {result['final_se']:.3f}",
+                        *[fmt_speedup(comparisons[axis][baseline][method]) for axis in comparisons],
+                        fmt_speedup(result, "paper")])
+        estimate = result["estimate"]
+        if estimate is None or method == baseline:
             continue
-        base_costs = costs_at(groups[baseline], seeds, estimate["baseline_times"][last][0])
-        costs = costs_at(groups[method], seeds, estimate["times"][last][0])
-        summary.append([
-            method, str(len(seeds)), f"{result['final_mean']:.3f} ± {result['final_se']:.3f}",
-            fmt_speedup(estimate["headline"], estimate["reached_all"], result["headline_interval"],
-                        result["reached_all"], result["usable"]),
-            fmt_speedup(estimate["paper"], estimate["reached_paper"], result["paper_interval"],
-                        result["reached_paper"], result["usable"]),
-            " / ".join(f"{costs[key] / base_costs[key]:.2f}" if base_costs[key] else "-" for key in COST_KEYS)])
         for fraction, (seconds, reached) in estimate["times"].items():
-            costs = costs_at(groups[method], seeds, seconds)
             per_target.append([method, target_label(fraction, estimate["targets"][fraction]),
+                               f"{estimate['baseline_times'][fraction][0]:.1f}"
+                               f"{'' if estimate['baseline_times'][fraction][1] else NOT_REACHED}",
                                f"{seconds:.1f}{'' if reached else NOT_REACHED}",
-                               f"{estimate['speedups'][fraction]:.2f}x", *[fmt_count(costs[key]) for key in COST_KEYS]])
+                               f"{estimate['speedups'][fraction]:.2f}x"])
     summary_header = ["method", "seeds", "final accuracy (mean ± SE)",
-                      "speed-up: geometric mean of 50/75/90% [95% paired interval]",
-                      "speed-up to the final accuracy (paper's definition) [95% paired interval]",
-                      f"cost to the {100 * last:.0f}% target vs {baseline} (gen / trained / FLOPs)"]
-    target_header = ["method", "target (accuracy)", "RL s to target", f"speed-up vs {baseline}",
-                     "tokens generated", "tokens trained", "FLOPs"]
+                      *[f"speed-up in {AXES[axis]} [95% interval]" for axis in comparisons],
+                      "wall time to the baseline's final accuracy (paper's definition)"]
+    target_header = ["method", "target (accuracy)", f"{baseline}'s RL s to it", "method's RL s to it",
+                     "speed-up (wall)"]
     return (
-        f"{title}\n\nTargets on {baseline}'s seed-mean curve: its gain is its final accuracy {final:.3f} (mean of "
-        f"its last {FINAL_WINDOW} evaluations) minus the warm start's {warm:.3f}, and the targets are the warm start "
-        f"plus 50/75/90% of it: " + " / ".join(f"{targets[f]:.3f}" for f in TARGET_FRACTIONS) + f". {baseline} "
-        f"reaches its {100 * last:.0f}% target after {last_time:.1f} s of RL and {evaluations} evaluations.\n\n"
+        f"{title}\n\n{baseline} reaches its {100 * last:.0f}% target (against itself) after {last_time:.1f} s of RL, "
+        f"after {evaluations:.1f} evaluations on average per seed.\n\n"
         f"{markdown(summary_header, summary)}\n\n{markdown(target_header, per_target)}\n\n"
-        f"Speed-up = {baseline}'s RL time to a target / the method's, on seed-mean curves over the seeds both ran "
-        "(seed s of each shares the pool, its order and the held-out set); the headline is the geometric mean of the "
-        "50/75/90% speed-ups. 95% intervals: bootstrap draws of seed pairs, each draw recomputing the targets and "
-        f"both curves from the same seeds. {NOT_REACHED} never reached within the budget: the budget (the seed-mean "
-        "RL time of the last evaluation) stands in for the time and the whole run's tokens and FLOPs for the costs, "
-        "so the speed-up there is an upper bound.")
+        f"Speed-up = {baseline}'s cost to a target / the method's (the headline: the geometric mean over the 50/75/90% "
+        "targets), read on seed-mean curves over the seeds both ran (seed s of each shares the pool, its order and "
+        "the held-out set). Targets: the warm start plus 50/75/90% of the lower of the two methods' gains. 95% "
+        "intervals: jackknife over seed pairs, t quantiles, on the log speed-up. "
+        f"{NOT_REACHED}: a seed-mean curve never reached a target within its budget; its end stood in, so that "
+        "speed-up is a bound.")
 
 
 def phase_table(groups: dict[str, list[Run]]) -> str:
@@ -281,11 +360,56 @@ def phase_table(groups: dict[str, list[Run]]) -> str:
     return markdown(header, rows)
 
 
-def decomposition_table(runs: dict[str, dict[int, Run]], times: dict[str, float | None], baseline: str) -> str:
+def work_table(groups: dict[str, dict[int, Run]]) -> str:
+    """Per method, the mean step's logged work (rollout rounds, decode iterations, groups rolled out and how many of
+    them had varied rewards, generated and trained tokens), its speed (µs per generated token in the rollout phase),
+    informative groups per second of RL time and of cost-model time, and what else the machine did meanwhile."""
+    rows = []
+    for method, by_seed in groups.items():
+        records = [r for run in by_seed.values() for r in run.records]
+        mean = step_means(records)
+        informative = mean("groups_rolled_out") - mean("zero_variance_groups_rolled_out")
+        rl_seconds = sum(run.records[-1]["seconds_steps"] for run in by_seed.values())
+        model_seconds = sum(run.records[-1]["cost_model_seconds"] for run in by_seed.values())
+        microseconds = 1e6 * sum(float(r.get("seconds_rollout", 0)) for r in records) / max(
+            sum(float(r.get("tokens_generated", 0)) for r in records), 1)
+        others = [machine["other_cores_busy"] for machine in (machine_record(run) for run in by_seed.values())
+                  if machine and machine.get("other_cores_busy") is not None]
+        rows.append([method, f"{mean('dapo_rounds', 1.0):.2f}", f"{mean('decode_iterations'):.0f}",
+                     f"{mean('groups_rolled_out'):.1f}", f"{informative:.1f}",
+                     f"{informative / max(mean('groups_rolled_out'), 1e-9):.2f}",
+                     fmt_count(mean("tokens_generated")), fmt_count(mean("tokens_trained")), f"{microseconds:.0f}",
+                     f"{informative * len(records) / rl_seconds:.1f}",
+                     f"{informative * len(records) / model_seconds:.1f}",
+                     f"{statistics.fmean(others):.2f} (max {max(others):.2f})" if others else "-"])
+    header = ["method", "rollout rounds", "decode iterations", "groups rolled out", "informative groups",
+              "informative share", "tokens generated", "tokens trained", "rollout µs per generated token",
+              "informative groups per RL s", "informative groups per cost-model s",
+              "other processes' cores busy during its runs (mean, max)"]
+    return (markdown(header, rows) + "\n\nInformative: a group whose rewards vary (the others have zero advantage "
+            "and no gradient). Cores busy: the machine's busy CPU time during each run minus the run's own, per "
+            "second of the run (`machine.json` beside each run): the load the shared machine added.")
+
+
+def step_means(records: list[dict]):
+    """mean(key, default): the mean of a logged value over `records` (default where a step does not log it)."""
+    def mean(key: str, default: float = 0.0) -> float:
+        return statistics.fmean(float(r.get(key, default)) for r in records)
+
+    return mean
+
+
+def machine_record(run: Run) -> dict | None:
+    """The run's machine.json (what else the machine did while it ran; run_costs.load_groups reads it), if any."""
+    return (run.summary or {}).get("machine")
+
+
+def decomposition_table(runs: dict[str, dict[int, Run]], times: dict[str, float | None], baseline: str,
+                        cost: dict) -> str:
     """Speed-up = fewer steps x shorter steps at the seed-mean times to one target (`times`: method -> RL seconds,
-    None where never reached), and a token cost model of the step fitted on every run's steps."""
+    None where never reached), and the step-cost fit `cost` (fitted on every run's steps) split into its fixed and
+    token-dependent parts."""
     parts = speedup_decomposition(runs, times, baseline)
-    cost = fit_step_cost([run for by_seed in runs.values() for run in by_seed.values()])
     token_cost = {}
     for method, by_seed in runs.items():
         phases = phase_breakdown(list(by_seed.values()))
@@ -303,7 +427,8 @@ def decomposition_table(runs: dict[str, dict[int, Run]], times: dict[str, float 
               f"shorter steps: {baseline} s/step / s/step", "fixed / token-dependent ms per step (fit)",
               f"{baseline} token-dependent time / method's"]
     fit = (f"Fit over every step of every run (R² {cost['r_squared']:.2f}): step ≈ {1000 * cost['fixed']:.0f} ms "
-           f"+ {1000 * cost['per_iteration']:.2f} ms per decode iteration + {1e6 * cost['per_generated']:.0f} µs per "
+           f"+ {1000 * cost['per_round']:.0f} ms per rollout round"
+           f" + {1000 * cost['per_iteration']:.2f} ms per decode iteration + {1e6 * cost['per_generated']:.0f} µs per "
            f"generated token + {1e6 * cost['per_trained']:.0f} µs per trained token. Of {baseline}'s mean step "
            f"({1000 * base_step:.0f} ms) the part that does not scale with tokens (fixed and decode iterations) is "
            f"{100 * (base_step - base_tokens) / base_step:.0f}%.")
@@ -403,6 +528,26 @@ def prompt_level_table(root: Path, runs: dict[str, dict[int, Run]], pool: int) -
               "rolled-out groups zero-variance", "prediction precision", "prediction recall",
               "Brier (base rate's)"]
     return markdown(header, rows)
+
+
+def prompt_level_cap(root: Path, groups: dict[str, dict[int, Run]], reference: str = "grpo",
+                     method: str = HEADLINE_METHOD) -> str:
+    """What the prompt level buys DPPO and what would cap it: its keep rule replayed on `reference`'s outcomes (every
+    drawn group rolled out) at `method`'s mean kept fraction of drawn prompts (prompt_prediction.keep_rule_gain)."""
+    if reference not in groups or method not in groups:
+        return f"(needs finished runs of {reference} and {method})"
+    keep_fraction = statistics.fmean(float(r.get("kept_fraction_prompts", 1.0)) for run in groups[method].values()
+                                     for r in run.records[1:])
+    runs = [prompt_prediction.read_outcomes(root / reference / f"seed_{seed}") for seed in groups[reference]]
+    gain = prompt_prediction.keep_rule_gain(runs, keep_fraction)
+    return (f"{method}'s keep rule replayed on {reference}'s steps (every drawn group rolled out; "
+            f"`prompt_prediction.keep_rule_gain`), keeping {keep_fraction:.2f} of the drawn prompts as {method} did: "
+            f"{100 * gain.informative_share:.0f}% of the kept groups have varied rewards against "
+            f"{100 * gain.base_share:.0f}% of all drawn, and the step's gradient variance is "
+            f"**{gain.variance_gain:.2f}x lower** than keeping the same number uniformly at random. A predictor that "
+            f"knew every outcome would make it {gain.oracle_gain:.2f}x lower. With refill, DPPO rolls out as many "
+            "groups as GRPO and its step estimates the gradient of all the prompts it drew: the history's prediction "
+            "is the whole of its lever against the filtered GRPO.")
 
 
 def write_page(page: Path, block: str, generated: str) -> None:

@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.training_run import finished
+from bench.training_run import MACHINE_FILE, finished
 from megatron_dppo.metrics import Run, load_run
 
 PHASES = ("seconds_rollout", "seconds_reward", "seconds_logprobs", "seconds_update", "seconds_sync")
@@ -94,7 +94,10 @@ def load_groups(root: Path, seeds_by_method: dict[str, list[int]], size: ModelSi
             run_dir = root / method / f"seed_{seed}"
             if finished(run_dir):
                 old_pass = method == "d3s"  # the trainer's only old-log-prob pass with one on-policy epoch
-                by_seed[seed] = with_costs(load_run(run_dir, method), size, old_pass)
+                run = with_costs(load_run(run_dir, method), size, old_pass)
+                if (run_dir / MACHINE_FILE).is_file():  # what else the machine did meanwhile (training_run.launch)
+                    run.summary = {**(run.summary or {}), "machine": json.loads((run_dir / MACHINE_FILE).read_text())}
+                by_seed[seed] = run
         if by_seed:
             groups[method] = by_seed
     return groups
@@ -139,19 +142,22 @@ def speedup_decomposition(runs: dict[str, dict[int, Run]], times: dict[str, floa
 
 
 def fit_step_cost(runs: list[Run]) -> dict[str, float]:
-    """Least squares over every step: seconds_step ≈ fixed + per_iteration · decode_iterations + per_generated ·
-    tokens_generated + per_trained · tokens_trained (decode_iterations: the engine's decode loop iterations, as many
-    as the step's longest response, or the chunks' under partial rollouts; left out for runs that do not log it).
-    Returns the coefficients (seconds, seconds per iteration or token) and the fit's R²."""
+    """Least squares over every step: seconds_step ≈ fixed + per_round · rollout rounds + per_iteration ·
+    decode_iterations + per_generated · tokens_generated + per_trained · tokens_trained (decode_iterations: the
+    engine's decode loop iterations, as many as the step's longest response, or the chunks' under partial rollouts,
+    summed over DAPO's dynamic-sampling rounds; a term is left out where a run does not log it or it never varies).
+    Returns the coefficients (seconds, seconds per round, iteration or token) and the fit's R²."""
     import torch
 
     records = [r for run in runs for r in run.records]
     iterations = all("decode_iterations" in r for r in records)
-    terms = ("decode_iterations",) * iterations + ("tokens_generated", "tokens_trained")
+    rounds = len({float(r.get("dapo_rounds", 1.0)) for r in records}) > 1
+    terms = (("dapo_rounds",) * rounds + ("decode_iterations",) * iterations
+             + ("tokens_generated", "tokens_trained"))
     if len(records) < 1 + len(terms):
         raise ValueError(f"{len(records)} step records cannot fit a {1 + len(terms)}-term cost model: run longer or "
                          "more runs")
-    design = torch.tensor([[1.0] + [float(r.get(term, 0)) for term in terms] for r in records], dtype=torch.float64)
+    design = torch.tensor([[1.0] + [work(r, term) for term in terms] for r in records], dtype=torch.float64)
     target = torch.tensor([float(r.get("seconds_step", 0.0)) for r in records], dtype=torch.float64)
     coefficients = torch.linalg.lstsq(design, target.unsqueeze(1)).solution.squeeze(1)
     residual = target - design @ coefficients
@@ -159,9 +165,33 @@ def fit_step_cost(runs: list[Run]) -> dict[str, float]:
     r_squared = float(1 - (residual ** 2).sum() / total) if total > 0 else 0.0
     fixed, *values = coefficients.tolist()
     per_term = dict(zip(terms, values))
-    return {"fixed": fixed, "per_iteration": per_term.get("decode_iterations", 0.0),
+    return {"fixed": fixed, "per_round": per_term.get("dapo_rounds", 0.0),
+            "per_iteration": per_term.get("decode_iterations", 0.0),
             "per_generated": per_term["tokens_generated"], "per_trained": per_term["tokens_trained"],
             "r_squared": r_squared}
+
+
+def work(record: dict, term: str) -> float:
+    """One step's amount of a cost term (a step without DAPO's dynamic sampling is one rollout round)."""
+    return float(record.get(term, 1.0 if term == "dapo_rounds" else 0.0))
+
+
+def predicted_step_seconds(record: dict, cost: dict) -> float:
+    """The step-cost fit applied to one step's logged work: its time on a machine of the fit's average speed."""
+    return (cost["fixed"] + cost["per_round"] * work(record, "dapo_rounds")
+            + cost["per_iteration"] * work(record, "decode_iterations")
+            + cost["per_generated"] * work(record, "tokens_generated")
+            + cost["per_trained"] * work(record, "tokens_trained"))
+
+
+def with_cost_model(run: Run, cost: dict) -> Run:
+    """The run with cost_model_seconds added to every record: the cumulative predicted_step_seconds of its steps,
+    RL time with the shared machine's speed taken out (every method's steps priced by one fit)."""
+    total, records = 0.0, []
+    for record in run.records:
+        total += predicted_step_seconds(record, cost)
+        records.append({**record, "cost_model_seconds": total})
+    return Run(run.label, records, run.summary)
 
 
 def token_dependent_seconds(cost: dict, phases: dict) -> float:

@@ -8,6 +8,9 @@ bench is finished over several sittings); a run cut short is started again from 
 any folder above a run's directory holds the bench before that run starts, never during a run.
 """
 
+import json
+import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -15,8 +18,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PAUSE_FILE = "pause"  # runs/<bench>/pause: hold before the next run (a run in progress is never disturbed)
+PAUSE_FILE = "pause"  # runs/<bench>/pause (or pause.<anything>: one per holder): hold before the next run
 PAUSE_POLL_S = 5.0
+MACHINE_FILE = "machine.json"  # beside a run's summary: what else the machine did while the run ran
 
 
 def command_for(flags: list[str], log_dir: Path, processes: int) -> list[str]:
@@ -31,6 +35,7 @@ def launch(flags: list[str], log_dir: Path, processes: int) -> float:
     log_dir.mkdir(parents=True)
     command = command_for(flags, log_dir, processes)
     (log_dir / "command.txt").write_text(" ".join(command[1:]) + "\n")
+    busy_before, children_before = machine_busy_seconds(), children_cpu_seconds()
     start = time.perf_counter()
     with open(log_dir / "stdout.log", "w") as log:
         result = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -38,7 +43,31 @@ def launch(flags: list[str], log_dir: Path, processes: int) -> float:
     if result.returncode != 0:
         raise RuntimeError(f"training run failed (exit {result.returncode}); its output is in {log_dir / 'stdout.log'}"
                            f" and its command in {log_dir / 'command.txt'}")
+    own = children_cpu_seconds() - children_before
+    busy = machine_busy_seconds() - busy_before
+    (log_dir / MACHINE_FILE).write_text(json.dumps({
+        "wall_seconds": seconds, "run_cpu_seconds": own, "machine_busy_seconds": busy,
+        "other_cores_busy": max(busy - own, 0.0) / seconds if busy is not None else None,
+        "cores": os.cpu_count()}))
     return seconds
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds (user + system) of every finished child process of the bench (torchrun and all it waited for)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU seconds the whole machine spent busy since boot (every core; /proc/stat's non-idle time), None where the
+    kernel does not expose it. Beside children_cpu_seconds it says how much of a run's machine others used: the
+    noise a shared machine adds to its wall time."""
+    try:
+        fields = [float(value) for value in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except OSError:
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # user nice system idle iowait irq softirq steal
 
 
 def finished(run_dir: Path, flags: list[str] | None = None, processes: int = 0) -> bool:
@@ -51,13 +80,19 @@ def finished(run_dir: Path, flags: list[str] | None = None, processes: int = 0) 
     return recorded == " ".join(command_for(flags, run_dir, processes)[1:])
 
 
+def pause_files(run_dir: Path) -> list[Path]:
+    """Every PAUSE_FILE (or PAUSE_FILE.<holder>) in a folder above `run_dir`."""
+    return [path for folder in run_dir.parents for path in folder.glob(f"{PAUSE_FILE}*") if path.is_file()]
+
+
 def hold_while_paused(run_dir: Path) -> None:
-    """Wait while a file named PAUSE_FILE is in any folder above `run_dir` up to runs/: a long benchmark is held
-    between runs, so that the machine can do other work without disturbing a timed run."""
-    folders = [folder for folder in run_dir.parents if (folder / PAUSE_FILE).is_file()]
-    if folders:
-        print(f"holding before {run_dir}: remove {folders[0] / PAUSE_FILE} to go on", flush=True)
-    while any((folder / PAUSE_FILE).is_file() for folder in run_dir.parents):
+    """Wait while a pause file is in any folder above `run_dir` up to runs/: a long benchmark is held between runs,
+    so that the machine can do other work without disturbing a timed run. Several holders may each keep their own
+    pause.<name>; the bench goes on when the last is removed."""
+    held = pause_files(run_dir)
+    if held:
+        print(f"holding before {run_dir}: remove {', '.join(map(str, held))} to go on", flush=True)
+    while pause_files(run_dir):
         time.sleep(PAUSE_POLL_S)
 
 

@@ -214,3 +214,23 @@ def test_prompt_prediction_bench_replays_outcomes_through_the_trainers_history(t
     seen = bench.quality(*kinds["seen"])
     assert seen.visits == 80 and seen.precision == 1.0 and seen.recall == 1.0 and seen.brier < seen.base_brier
     assert kinds["first"] == ([], [])  # every first visit came before any group: no prior, no prediction
+
+
+def test_keep_rule_gain_measures_what_the_history_buys_against_uniform_keeping_and_a_perfect_predictor():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "prompt_prediction.py"
+    spec = importlib.util.spec_from_file_location("prompt_prediction", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # prompts 0-9 always all-right (no gradient), 10-19 always mixed: once seen, the history tells them apart
+    learnable = [{"step": step, "prompt_id": i, "difficulty": "c", "rewards": ALL_RIGHT if i < 10 else MIXED,
+                  "zero_variance": i < 10, "response_length_mean": 10.0} for step in range(6) for i in range(20)]
+    gain = bench.keep_rule_gain([learnable], keep_fraction=0.5)
+    assert gain.base_share == 0.5 and gain.informative_share > 0.6
+    assert 1.2 < gain.variance_gain <= gain.oracle_gain + 1e-9
+    # outcomes that no history predicts (each prompt alternates): nothing to buy over uniform keeping
+    coin = [{**r, "rewards": MIXED if (r["step"] + r["prompt_id"]) % 2 else ALL_RIGHT,
+             "zero_variance": not (r["step"] + r["prompt_id"]) % 2} for r in learnable]
+    assert bench.keep_rule_gain([coin], keep_fraction=0.5).variance_gain < 1.05

@@ -1,0 +1,106 @@
+"""The time-to-accuracy estimator run where its answer is known in advance: simulated paired runs whose true speed-up
+is set, read by bench/accuracy_curves.compare_paired, so that the page can say what the estimator reads for a true
+1.0, 1.5 and 2.37 and how often its interval covers the truth.
+
+    CurveModel (a baseline seed: warm start, gain, rise, and the noise the records show) ─► simulate_pair: seed s's
+    baseline run and method run, the method taking every step `ratio` times faster (the same learning per step, as
+    grpo against grpo-paper) ─► compare_paired over n seeds ─► calibration: per true ratio, the median estimate, the
+    share of intervals that hold the true ratio and their median width
+
+The noise, per run: a level shift of its final accuracy (seeds differ in how far they get; independent between a
+pair's two runs, as the records showed), a slow wobble of the curve (an autoregressive process over evaluations),
+the binomial noise of evaluating a fixed number of held-out problems, and the shared machine's speed (each run's step
+time scaled by a lognormal factor). python bench/estimator_check.py prints the table.
+"""
+
+import argparse
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.accuracy_curves import compare_paired  # noqa: E402
+from bench.markdown_table import markdown  # noqa: E402
+
+
+@dataclass(frozen=True)
+class CurveModel:
+    """A baseline run of the embedded default's regime (defaults read off the recorded runs: docs/results.md)."""
+
+    warm_start: float = 0.232  # held-out accuracy before RL
+    gain: float = 0.17  # the plateau's distance above the warm start
+    rise_s: float = 60.0  # RL seconds for the baseline to cover 1 - 1/e of the gain
+    step_s: float = 0.45  # the baseline's seconds per step
+    budget_s: float = 240.0
+    eval_interval: int = 24  # steps
+    eval_size: int = 512  # held-out problems: the binomial noise of one evaluation
+    level_sd: float = 0.016  # a run's final accuracy shifted by this much (SD)
+    wobble_sd: float = 0.016  # the curve's slow wobble (SD) ...
+    wobble_steps: float = 20.0  # ... correlated over this many steps
+    speed_sd: float = 0.15  # SD of the log of a run's step-time factor (the shared machine)
+
+
+def simulate_run(model: CurveModel, rng: np.random.Generator, ratio: float) -> list[tuple[float, float]]:
+    """One run's (RL seconds, held-out accuracy) points: the warm start at 0, then one evaluation every
+    eval_interval steps until the budget; `ratio` > 1 makes every step that many times shorter."""
+    step_s = model.step_s / ratio * math.exp(rng.normal(0.0, model.speed_sd))
+    steps = int(model.budget_s / step_s)
+    level = model.gain + rng.normal(0.0, model.level_sd)
+    correlation = math.exp(-model.eval_interval / model.wobble_steps)
+    points, wobble = [(0.0, model.warm_start)], rng.normal(0.0, model.wobble_sd)
+    for step in range(model.eval_interval, steps + 1, model.eval_interval):
+        wobble = correlation * wobble + math.sqrt(1 - correlation ** 2) * rng.normal(0.0, model.wobble_sd)
+        # learning follows the steps, not the seconds: the same step learns alike at any speed
+        progress = 1 - math.exp(-step * model.step_s / model.rise_s)
+        truth = min(max(model.warm_start + level * progress + wobble, 0.0), 1.0)
+        points.append((step * step_s, rng.binomial(model.eval_size, truth) / model.eval_size))
+    return points
+
+
+def calibration(ratios: list[float], seeds: int, datasets: int, model: CurveModel = CurveModel(),
+                seed: int = 0) -> list[dict]:
+    """Per true ratio: `datasets` simulated benches of `seeds` paired seeds, each read by compare_paired; the median
+    headline estimate, the share whose interval holds the true ratio, and the intervals' median width."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for ratio in ratios:
+        estimates, covered, widths = [], [], []
+        for _ in range(datasets):
+            baseline = {s: simulate_run(model, rng, 1.0) for s in range(seeds)}
+            method = {s: simulate_run(model, rng, ratio) for s in range(seeds)}
+            result = compare_paired(baseline, method)
+            if result["estimate"] is None or result["headline_interval"] is None:
+                continue
+            low, high = result["headline_interval"]
+            estimates.append(result["estimate"]["headline"])
+            covered.append(low <= ratio <= high)
+            widths.append(high - low)
+        rows.append({"ratio": ratio, "median": statistics.median(estimates), "coverage": statistics.fmean(covered),
+                     "width": statistics.median(widths), "datasets": len(estimates)})
+    return rows
+
+
+def calibration_table(rows: list[dict], seeds: int) -> str:
+    return markdown(["true speed-up", f"median estimate ({seeds} seeds)", "95% interval holds the truth",
+                     "median interval width", "simulated benches"],
+                    [[f"{r['ratio']:.2f}", f"{r['median']:.2f}", f"{100 * r['coverage']:.0f}%", f"{r['width']:.2f}",
+                      str(r["datasets"])] for r in rows])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ratios", nargs="+", type=float, default=[1.0, 1.5, 2.37])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[6, 12], help="paired seeds per simulated bench")
+    parser.add_argument("--datasets", type=int, default=400, help="simulated benches per ratio")
+    args = parser.parse_args(argv)
+    for seeds in args.seeds:
+        print(calibration_table(calibration(args.ratios, seeds, args.datasets), seeds), flush=True)
+
+
+if __name__ == "__main__":
+    main()
