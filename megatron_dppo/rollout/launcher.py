@@ -421,7 +421,7 @@ class ServerPool:
                                          "here; restart it (e.g. its Slurm job) and retry")
             handle.restart()
             if self.weight_syncer is not None and self.weight_syncer.group is not None:
-                self.weight_syncer.reconnect()
+                self.weight_syncer.init_group()  # the old group lost a member
             if self.resync is not None:
                 self.resync()
 
