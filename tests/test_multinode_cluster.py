@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dppo.launch.arguments import EMBEDDED_DEFAULTS, EMBEDDED_TASK_DEFAULTS
-from tests.launch import REPO_ROOT, run_torchrun
+from tests.launch import REPO_ROOT
 from tests.test_trainer import ENTRY, SHORT, read_metrics
 
 CLUSTER_SCRIPT = REPO_ROOT / "tests" / "cluster" / "cluster.sh"
@@ -93,12 +93,16 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def warm_start(tmp_path_factory) -> tuple[Path, Path]:
-    """(HF model dir, model-only warm-start checkpoint) of the embedded default's tiny model, from one process here:
-    the model the rollout nodes serve (the trainer's first sync replaces its weights) and the trainer starts from."""
+def warm_start(cluster, tmp_path_factory) -> tuple[Path, Path]:
+    """(HF model dir, model-only warm-start checkpoint) of the embedded default's tiny model, from one process on
+    trainer-0 (its own network: no port another test takes meanwhile): the model the rollout nodes serve (the
+    trainer's first sync replaces its weights) and the trainer starts from."""
     cache = tmp_path_factory.mktemp("warm_start")
-    run_torchrun(ENTRY, 1, [*SHORT, "--train-iters", 0, "--cache-dir", cache, "--log-dir", cache / "log"],
-                 timeout=LAUNCH_TIMEOUT_S)
+    result = cluster.run("trainer-0", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", 1,
+                                       "--master-addr", "127.0.0.1", "--master-port", RDZV_PORT, ENTRY, *SHORT,
+                                       "--train-iters", 0, "--cache-dir", cache, "--log-dir", cache / "log"],
+                         timeout=LAUNCH_TIMEOUT_S)
+    assert result.returncode == 0, f"the warm start failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     (root,) = cache.glob("embedded_*")
     return root / "init", root / "warm_start"
 
