@@ -1,13 +1,14 @@
 """Multi-node for real on one machine: three hosts made of namespaces (tests/cluster/cluster.sh), each with its own
 host name, address and Debian-style /etc/hosts (its own name on 127.0.1.1).
 
-    warm start (the embedded default's tiny model, run once here) ─► HF model dir + model-only checkpoint
+    warm start (the embedded default's tiny model, one process on trainer-0) ─► HF model dir + model-only checkpoint
     rollout-0: rollout_node.sh, two embedded engines (ROLLOUT_ENGINE=embedded), http://rollout-0:30000 and :30001
     trainer-0 + trainer-1: torchrun --nnodes 2 --nproc-per-node 1, c10d rendezvous on trainer-0, gloo
         ─► 3 DPPO steps, weights synced across hosts, a save at step 3 ─► every process of trainer-1 killed
         ─► trainer-0 ends on its own ─► both resume from the save to step 5 ─► the servers report version 5
     Slurm: slurmctld on trainer-0 and a slurmd per host; examples/slurm/dppo.sbatch as shipped with
-        `sbatch --nodes 3`, ROLLOUT_NODES=1: the trainer on two nodes, the engines on the third
+        `sbatch --nodes 3`, ROLLOUT_NODES=1: Slurm orders the nodes by name, so the trainer runs on rollout-0 and
+        trainer-0 and the engine on trainer-1
 
 What this proves and what it cannot (NCCL, InfiniBand, GPUs): docs/multinode.md. Namespaces need root and iproute2
 (cluster.sh installs it with apt-get when missing); where they cannot be made the tests fail with the reason: this is
@@ -27,10 +28,10 @@ import pytest
 
 from megatron_dppo.launch.arguments import EMBEDDED_DEFAULTS, EMBEDDED_TASK_DEFAULTS
 from tests.launch import REPO_ROOT
+from tests.test_slurm import running_slurm
 from tests.test_trainer import ENTRY, SHORT, read_metrics
 
 CLUSTER_SCRIPT = REPO_ROOT / "tests" / "cluster" / "cluster.sh"
-LOCAL_SLURM = REPO_ROOT / "tests" / "slurm" / "local_slurm.sh"
 ROLLOUT_NODE = REPO_ROOT / "examples" / "slurm" / "rollout_node.sh"
 WAIT_HEALTHY = REPO_ROOT / "examples" / "slurm" / "wait_healthy.py"
 SBATCH = REPO_ROOT / "examples" / "slurm" / "dppo.sbatch"
@@ -112,7 +113,8 @@ def trainer_args(warm_start: tuple[Path, Path]) -> list:
     model, checkpoint = warm_start
     sizes = {**EMBEDDED_DEFAULTS, **EMBEDDED_TASK_DEFAULTS["worked"]}
     return [*SHORT, "--hf-checkpoint", model, "--load", checkpoint, "--max-tokens-per-gpu", sizes["max_tokens_per_gpu"],
-            "--rollout-max-response-len", sizes["rollout_max_response_len"]]
+            "--rollout-max-response-len", sizes["rollout_max_response_len"],
+            "--rollout-timeout-s", 60]  # a fault (a group that cannot form) fails in a minute, not ten
 
 
 def torchrun_on(cluster: Cluster, host: str, run_id: str, args: list, log: Path) -> subprocess.Popen:
@@ -181,8 +183,7 @@ def test_torchrun_across_two_hosts_syncs_to_a_third_survives_a_killed_host_and_r
         healthy = cluster.run("trainer-0", [sys.executable, WAIT_HEALTHY, "--timeout-s", 120, *URLS], timeout=180)
         assert healthy.returncode == 0, f"{healthy.stderr}\n{tail(logs / 'rollout-0.log')}"
         common = [*trainer_args(warm_start), "--rollout-backend", "external", "--rollout-urls", *URLS,
-                  "--rollout-timeout-s", 60, "--train-iters", 5, "--save-interval", 3, "--save", tmp_path / "ckpt",
-                  "--log-dir", tmp_path / "run"]
+                  "--train-iters", 5, "--save-interval", 3, "--save", tmp_path / "ckpt", "--log-dir", tmp_path / "run"]
         hosts = ("trainer-0", "trainer-1")
         first_logs = {host: logs / f"{host}.first.log" for host in hosts}
         first = {host: torchrun_on(cluster, host, "first", common, first_logs[host]) for host in hosts}
@@ -228,20 +229,11 @@ def test_torchrun_across_two_hosts_syncs_to_a_third_survives_a_killed_host_and_r
 
 @pytest.fixture(scope="module")
 def slurm(cluster):
-    """A real Slurm on the three hosts: munged here, slurmctld on trainer-0, `slurmd -N <host>` on each host."""
-    directory = Path(tempfile.mkdtemp(prefix="dppo-slurm-"))  # short: Slurm keeps sockets under it
+    """A real Slurm on the three hosts: munged here, slurmctld on the first host, `slurmd -N <host>` on each."""
     env = {**os.environ, "NODES": " ".join(cluster.nodes), "CPUS": "2",
            "ON_NODE": f"bash {CLUSTER_SCRIPT} exec {cluster.directory}"}
-    try:
-        started = subprocess.run(["bash", str(LOCAL_SLURM), "start", str(directory)], env=env, capture_output=True,
-                                 text=True, timeout=600)
-        if started.returncode != 0:
-            pytest.fail(f"could not start a three-node Slurm (slurm-wlm + munge) with {LOCAL_SLURM}:\n"
-                        f"{started.stdout}\n{started.stderr}", pytrace=False)
+    with running_slurm(env, "a three-node Slurm") as directory:
         yield directory / "slurm.conf"
-    finally:
-        subprocess.run(["bash", str(LOCAL_SLURM), "stop", str(directory)], env=env, timeout=60)
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_dppo_sbatch_as_shipped_trains_on_two_slurm_nodes_with_servers_on_the_third(cluster, slurm, warm_start,

@@ -45,7 +45,8 @@ def bind_gloo_across_nodes() -> None:
     """A run over several nodes: every gloo group of this process (the CPU's default group, Megatron's gloo groups,
     the weight-sync group) binds the interface the other nodes reach, where torch would bind the address this host's
     name resolves to and that is loopback (Debian's 127.0.1.1): see platform/network.py."""
-    if os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE"):
+    local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's processes on this node
+    if local is None or local == os.environ.get("WORLD_SIZE"):
         return  # one node: loopback serves
     interface = gloo_interface(os.environ.get("MASTER_ADDR", "127.0.0.1"), members_elsewhere=True)
     if interface is not None:
