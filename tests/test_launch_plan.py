@@ -278,3 +278,33 @@ def test_plan_prints_the_commands_rollout_node_sh_runs_on_a_rollout_node(monkeyp
     text = format_plan(plan)
     assert "commands examples/slurm/rollout_node.sh runs on each rollout node:" in text
     assert "server 7: CUDA_VISIBLE_DEVICES=6,7 on gpu04" in text
+
+
+def test_plan_prints_the_embedded_engines_rollout_node_sh_runs_with_rollout_engine_embedded(monkeypatch, tmp_path):
+    """ROLLOUT_ENGINE=embedded: rollout_node.sh starts one embedded CPU engine per "GPU" of the node (TP 1) with the
+    command the plan prints, and the weight-sync group is gloo; any other TP is refused by both."""
+    from megatron_dppo.launch.launch_plan import RolloutNodeServers
+
+    record = tmp_path / "started"
+    python = tmp_path / "python"
+    python.write_text(f'#!/usr/bin/env bash\necho "$0 $*" >> {record}\nsleep 3\n')
+    python.chmod(0o755)
+    extra = ("--threads", "1")
+    env = {**os.environ, "SLURMD_NODENAME": "gpu03", "ROLLOUT_ENGINE": "embedded"}
+    subprocess.run(["bash", str(REPO / "examples" / "slurm" / "rollout_node.sh"), "/models/tiny", "2", "1", "30000",
+                    str(tmp_path / "logs"), str(python), *extra], env=env, capture_output=True, text=True, timeout=60)
+    urls = [f"http://{node}:{30000 + i}" for node in ("gpu03", "gpu04") for i in range(2)]
+    args = four_node_args(monkeypatch, urls=urls, sglang_tp=1)
+    servers = RolloutNodeServers(str(python), "/models/tiny", extra, engine="embedded")
+    plan = build_plan(args, NODES, trainer_nodes=2, rollout_nodes=2, gpus_per_node=2, node_servers=servers)
+    printed = sorted(shlex.join(server.command) for server in plan.servers if server.node == "gpu03")
+    assert sorted(record.read_text().splitlines()) == printed and len(printed) == 2
+    assert all(server.gpus == () and server.sync_ranks == 1 for server in plan.servers)
+    assert plan.weight_sync.backend == "gloo"
+    refused = subprocess.run(["bash", str(REPO / "examples" / "slurm" / "rollout_node.sh"), "/models/tiny", "2", "2",
+                              "30000", str(tmp_path / "logs"), str(python)], env=env, capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2 and "SGLANG_TP=1" in refused.stderr
+    with pytest.raises(ValueError, match="SGLANG_TP=1"):
+        build_plan(four_node_args(monkeypatch, urls=urls[:1], sglang_tp=2), NODES, trainer_nodes=2, rollout_nodes=2,
+                   gpus_per_node=2, node_servers=servers)

@@ -8,6 +8,7 @@ The tests at the end need no daemons: stand-in srun / sbatch / scontrol record w
 of Slurm (containers, GPUs, the trainer's command) on allocations a one-node cluster cannot have.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,21 +26,30 @@ LOCAL_SLURM = REPO / "tests" / "slurm" / "local_slurm.sh"
 SBATCH = REPO / "examples" / "slurm" / "dppo.sbatch"
 
 
-@pytest.fixture(scope="module")
-def slurm():
-    """(directory, environment for sbatch) of a running one-node cluster; the daemons stop afterwards."""
+@contextlib.contextmanager
+def running_slurm(env: dict, what: str):
+    """The cluster local_slurm.sh starts with `env` (its settings: NODES, ON_NODE, CPUS, ports), running in the
+    block, which gets its directory; the daemons stop afterwards, also on failure. A cluster that cannot start fails
+    the test with local_slurm.sh's reason (`what`: the cluster, for that message)."""
     directory = Path(tempfile.mkdtemp(prefix="dppo-slurm-"))  # short: Slurm keeps sockets under it
-    env = {**os.environ, "SLURMCTLD_PORT": str(free_port()), "SLURMD_PORT": str(free_port()), "CPUS": "2"}
     try:
         started = subprocess.run(["bash", str(LOCAL_SLURM), "start", str(directory)], env=env, capture_output=True,
                                  text=True, timeout=600)
         if started.returncode != 0:
-            pytest.fail(f"could not start a local Slurm (slurm-wlm + munge) with {LOCAL_SLURM}:\n"
+            pytest.fail(f"could not start {what} (slurm-wlm + munge) with {LOCAL_SLURM}:\n"
                         f"{started.stdout}\n{started.stderr}", pytrace=False)
-        yield directory, {**env, "SLURM_CONF": str(directory / "slurm.conf")}
+        yield directory
     finally:
         subprocess.run(["bash", str(LOCAL_SLURM), "stop", str(directory)], env=env, timeout=60)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """(directory, environment for sbatch) of a running one-node cluster; the daemons stop afterwards."""
+    env = {**os.environ, "SLURMCTLD_PORT": str(free_port()), "SLURMD_PORT": str(free_port()), "CPUS": "2"}
+    with running_slurm(env, "a local Slurm") as directory:
+        yield directory, {**env, "SLURM_CONF": str(directory / "slurm.conf")}
 
 
 def sbatch(slurm_env: dict, log_root: Path, trainer_args: list[str], timeout_s: float) -> tuple[str, Path, str]:

@@ -57,11 +57,13 @@ MODEL_PLACEHOLDER, EMBEDDED_MODEL = "HF_CHECKPOINT", "EMBEDDED_MODEL"
 
 @dataclass(frozen=True)
 class RolloutNodeServers:
-    """How examples/slurm/rollout_node.sh starts the SGLang servers of a rollout node (dppo.sbatch exports these as
-    DPPO_SGLANG_PYTHON, DPPO_HF_CHECKPOINT, DPPO_SGLANG_ARGS); their TP size is --rollout-server-gpus."""
+    """How examples/slurm/rollout_node.sh starts the servers of a rollout node (dppo.sbatch exports these as
+    DPPO_SGLANG_PYTHON, DPPO_HF_CHECKPOINT, DPPO_SGLANG_ARGS, DPPO_ROLLOUT_ENGINE); an SGLang server's TP size is
+    --rollout-server-gpus; engine "embedded": the embedded CPU engine (one per "GPU" of the node, TP 1)."""
     python: str = "python3"
     model: str = MODEL_PLACEHOLDER
     sglang_args: tuple[str, ...] = ()
+    engine: str = "sglang"
 
 
 @dataclass(frozen=True)
@@ -160,10 +162,18 @@ def weight_sync_backend(args, cpu: bool) -> str:
 def _rollout_servers(args, nodes: list[str], rollout_nodes: list[str], gpus_per_node: int, processes_per_node: int,
                      rollout_port: int, node_servers: RolloutNodeServers) -> list[dict]:
     """The servers' fields (RolloutServer's, without the weight-sync offset)."""
-    from megatron_dppo.rollout.launcher import local_servers, sglang_command
+    from megatron_dppo.rollout.launcher import embedded_engine_command, local_servers, sglang_command
 
     sglang_tp = args.rollout_server_gpus
-    if rollout_nodes:
+    if rollout_nodes and node_servers.engine == "embedded":
+        _check(sglang_tp == 1, f"--rollout-server-gpus {sglang_tp}: the embedded engine on rollout nodes "
+               "(ROLLOUT_ENGINE=embedded) serves on the CPU without TP: SGLANG_TP=1")
+        servers = [dict(node=node, gpus=(), port=rollout_port + i, url=f"http://{node}:{rollout_port + i}", tp=1,
+                        command=(*embedded_engine_command(node_servers.model, "0.0.0.0", rollout_port + i,
+                                                          node_servers.python, enable_deterministic_inference=True),
+                                 *node_servers.sglang_args))
+                   for node in rollout_nodes for i in range(gpus_per_node)]
+    elif rollout_nodes:
         _check(gpus_per_node % sglang_tp == 0,
                f"--rollout-server-gpus {sglang_tp} (SGLang TP) does not divide the {gpus_per_node} GPUs of a rollout "
                "node: pick a TP size that divides GPUs per node")
@@ -174,6 +184,7 @@ def _rollout_servers(args, nodes: list[str], rollout_nodes: list[str], gpus_per_
                                                      node_servers.python)),
                         cuda_visible_devices=",".join(map(str, range(i * sglang_tp, (i + 1) * sglang_tp))))
                    for node in rollout_nodes for i in range(gpus_per_node // sglang_tp)]
+    if rollout_nodes:
         given = [url.rstrip("/") for url in args.rollout_urls]
         _check(not given or given == [server["url"] for server in servers],
                f"--rollout-urls {' '.join(given)} differ from the servers started on the rollout nodes "
@@ -247,8 +258,9 @@ def build_plan(args, nodes: list[str], trainer_nodes: int, rollout_nodes: int, g
                       processes_per_node=processes_per_node, tp=tp, pp=pp, dp=dp,
                       rendezvous=f"{nodes[0]}:{rdzv_port}", ranks=tuple(ranks),
                       rollout_backend="external" if serving else args.rollout_backend, servers=tuple(servers),
-                      weight_sync=WeightSyncGroup(nodes[0], weight_sync_backend(args, cpu=not gpus_per_node),
-                                                  sync_world))
+                      weight_sync=WeightSyncGroup(nodes[0], weight_sync_backend(
+                          args, cpu=not gpus_per_node or bool(serving) and node_servers.engine == "embedded"),
+                          sync_world))
 
 
 def _env_int(env, name: str, default: int | None) -> int | None:
@@ -281,7 +293,8 @@ def plan_from_environment(args, env=None) -> LaunchPlan:
         gpus_per_node = len(visible_gpus(env))
     node_servers = RolloutNodeServers(env.get("DPPO_SGLANG_PYTHON") or "python3",
                                       env.get("DPPO_HF_CHECKPOINT") or args.hf_checkpoint or MODEL_PLACEHOLDER,
-                                      tuple(shlex.split(env.get("DPPO_SGLANG_ARGS", ""))))
+                                      tuple(shlex.split(env.get("DPPO_SGLANG_ARGS", ""))),
+                                      env.get("DPPO_ROLLOUT_ENGINE") or "sglang")
     return build_plan(args, nodes, trainer_nodes, rollout_nodes, gpus_per_node,
                       rollout_port=_env_int(env, "DPPO_ROLLOUT_PORT", DEFAULT_ROLLOUT_PORT),
                       rdzv_port=_env_int(env, "DPPO_RDZV_PORT", DEFAULT_RDZV_PORT), processes_per_node=processes,

@@ -13,9 +13,9 @@ The last line on rank 0 is a JSON summary.
 import contextlib
 import json
 import os
-import socket
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch.distributed as dist
 
@@ -30,6 +30,7 @@ from megatron_dppo.metrics import MetricsLogger, WandbRun
 from megatron_dppo.pipeline.tasks import Task, dataset_task, synthetic_task
 from megatron_dppo.pipeline.trainer import Trainer
 from megatron_dppo.platform import is_cpu
+from megatron_dppo.platform.network import address_reaching
 from megatron_dppo.platform.process import is_rank0
 from megatron_dppo.rollout.launcher import local_servers
 
@@ -100,8 +101,11 @@ def start_rollout(args, model_dir: Path):
     else:
         handles = external_servers(args.rollout_urls)
     urls = [handle.url for handle in handles]
+    # Servers started here dial loopback; external ones the address this host's routes to them leave from (not
+    # the one its name resolves to: 127.0.1.1 on Debian-style hosts, where each server would dial itself)
     master_address = args.weight_sync_master_address or (
-        "127.0.0.1" if args.rollout_backend != "external" else socket.gethostbyname(socket.gethostname()))
+        "127.0.0.1" if args.rollout_backend != "external"
+        else address_reaching([urlsplit(url).hostname for url in urls]))
     # The embedded engine takes large tensors in SGLang's per-tensor format: over gloo in host memory, packing them
     # would copy every byte once more (docs/rollout.md); SGLang over NCCL and vLLM take flattened buckets.
     syncer = WeightSyncer(urls, master_address=master_address, backend=weight_sync_backend(args, is_cpu()),

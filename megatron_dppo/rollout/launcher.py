@@ -155,8 +155,12 @@ def python_env() -> dict[str, str]:
     return env
 
 
-def embedded_engine_command(model_dir: str, host: str, port: int, **engine_options) -> list[str]:
-    command = [sys.executable, "-m", EMBEDDED_ENGINE_MODULE, "--model-dir", str(model_dir),
+def embedded_engine_command(model_dir: str, host: str, port: int, python: str = sys.executable,
+                            **engine_options) -> list[str]:
+    """`python -m megatron_dppo.servers.embedded` with `engine_options` as flags (True: a switch), in the order
+    examples/slurm/rollout_node.sh writes its embedded engines' commands (tests/test_launch_plan.py holds the two
+    equal)."""
+    command = [python, "-m", EMBEDDED_ENGINE_MODULE, "--model-dir", str(model_dir),
                "--host", host, "--port", str(port)]
     for key, value in engine_options.items():
         flag = f"--{key.replace('_', '-')}"
@@ -426,7 +430,7 @@ class ServerPool:
                                          "here; restart it (e.g. its Slurm job) and retry")
             handle.restart()
             if self.weight_syncer is not None and self.weight_syncer.group is not None:
-                self.weight_syncer.reconnect()
+                self.weight_syncer.init_group()  # the old group lost a member
             if self.resync is not None:
                 self.resync()
 

@@ -1,6 +1,7 @@
 """Trainer side (group rank 0) of the weight sync to the rollout servers, SGLang's distributed update protocol.
 
-init (once): POST /init_weights_update_group to every engine ‖ trainer joins as group rank 0
+init (once): every engine leaves a group of this name it still holds → POST /init_weights_update_group to every
+             engine ‖ trainer joins as group rank 0
 sync:        pause → flush → begin (/begin_weight_update) → for each bucket: POST /update_weights_from_distributed
              (names, dtypes, shapes, load_format) to every engine ‖ broadcast(one flat uint8 buffer for
              "flattened_bucket"; each tensor for null, the per-tensor format) → end (/end_weight_update, always)
@@ -303,9 +304,13 @@ class WeightSyncer:
         return [future.result() for future in self._submit_all(path, payload, method)]
 
     def init_group(self) -> None:
-        """Every engine joins at its rank offset while this process joins as rank 0 (all concurrently)."""
+        """Every engine joins at its rank offset while this process joins as rank 0 (all concurrently); first any
+        group of this name is left on both sides: servers started elsewhere outlive a killed trainer, this side's
+        group lost a member when an engine restarted, and torch (so SGLang, as the embedded engine) refuses a group
+        name that exists."""
         from megatron_dppo.platform.network import free_port
 
+        self.destroy_group()
         port = self.master_port or free_port()
         offsets, world_size = sync_rank_offsets(self.engine_ranks)
         joining_error = None
@@ -331,7 +336,7 @@ class WeightSyncer:
                     self.control(url, "/destroy_weights_update_group", self.destroy_group_payload(),
                                  timeout_s=min(self.timeout_s, 10.0), api_key=self.api_key)
                 except RolloutServerError:
-                    pass  # a restarted engine has no group; a dead one cannot answer
+                    pass  # an engine without the group (a new or restarted one) refuses; a dead one cannot answer
         if self.group is not None:
             (abort_weight_update_group if abort else destroy_weight_update_group)(self.group)
             self.group = None
@@ -342,10 +347,6 @@ class WeightSyncer:
             raise RolloutServerError("resend() needs a WeightSyncer(keep_host_copy=True) that has synced once")
         return self.sync(list(self.host_copy), self.last_version)
 
-    def reconnect(self) -> None:
-        """After an engine restart: rebuild the group with every engine (the old one lost a member)."""
-        self.destroy_group()
-        self.init_group()
 
     def _flush_all(self) -> None:
         deadline = time.monotonic() + self.timeout_s

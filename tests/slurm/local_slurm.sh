@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# A one-node Slurm cluster on localhost for tests: Debian's slurm-wlm and munge, no cgroups, no accounting.
+# A Slurm cluster for tests: Debian's slurm-wlm and munge, no cgroups, no accounting. By default one node,
+# localhost; with NODES and ON_NODE, one slurmd on each host of a test cluster (tests/cluster/cluster.sh).
 #
 #   tests/slurm/local_slurm.sh start DIR   install (as root, when missing), write DIR/slurm.conf, start munged,
-#                                          slurmctld and slurmd, wait until the node is idle
-#   tests/slurm/local_slurm.sh stop DIR    stop the three daemons started by `start DIR` (by their pid files)
+#                                          slurmctld (on the first node) and a slurmd per node, wait until every
+#                                          node is idle
+#   tests/slurm/local_slurm.sh stop DIR    stop the daemons started by `start DIR` (by their pid files)
 #
-# Clients then need SLURM_CONF=DIR/slurm.conf. CPUS (default: nproc) sets the node's CPU count.
+# Clients then need SLURM_CONF=DIR/slurm.conf (and, with ON_NODE, to run on a node). Settings: CPUS (default: nproc),
+# each node's CPU count; NODES, the nodes as "name=address ..." (default "localhost"; the first runs slurmctld);
+# ON_NODE, a command that runs its arguments after the first on the node the first names (e.g.
+# "tests/cluster/cluster.sh exec DIR"; default: run here). munged runs here: the hosts share its socket's file system.
 set -euo pipefail
 
 ACTION=${1:?usage: local_slurm.sh start|stop DIR}
@@ -31,24 +36,42 @@ install_packages() {
     fi
 }
 
+read -r -a NODE_LIST <<<"${NODES:-localhost}"
+CONTROLLER=${NODE_LIST[0]%%=*}
+
+on_node() {
+    local node=$1
+    shift
+    if [ -n "${ON_NODE:-}" ]; then
+        # shellcheck disable=SC2086
+        $ON_NODE "$node" "$@"
+    else
+        "$@"
+    fi
+}
+
 write_config() {
     local cpus=${CPUS:-$(nproc)}
-    local memory_mb
+    local memory_mb node names=()
     memory_mb=$(awk '/MemTotal/ {print int($2 / 1024 / 2)}' /proc/meminfo)
-    mkdir -p "$DIR/state" "$DIR/spool" "$DIR/log"
+    mkdir -p "$DIR/state" "$DIR/log"
+    for node in "${NODE_LIST[@]}"; do
+        names+=("${node%%=*}")
+        mkdir -p "$DIR/spool/${node%%=*}"
+    done
     cat >"$DIR/slurm.conf" <<CONF
 ClusterName=dppo-test
-SlurmctldHost=localhost
+SlurmctldHost=$(with_address "${NODE_LIST[0]}" "(")
 SlurmUser=root
 SlurmctldPort=${SLURMCTLD_PORT:-6817}
 SlurmdPort=${SLURMD_PORT:-6818}
 AuthType=auth/munge
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
+SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/slurmctld.pid
-SlurmdPidFile=$DIR/slurmd.pid
+SlurmdPidFile=$DIR/slurmd-%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -58,9 +81,22 @@ SelectTypeParameters=CR_Core
 MpiDefault=none
 ReturnToService=2
 SchedulerType=sched/backfill
-NodeName=localhost CPUs=$cpus RealMemory=$memory_mb State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+$(for node in "${NODE_LIST[@]}"; do
+    echo "NodeName=$(with_address "$node" NodeAddr=) CPUs=$cpus RealMemory=$memory_mb State=UNKNOWN"
+done)
+PartitionName=debug Nodes=$(IFS=,; echo "${names[*]}") Default=YES MaxTime=INFINITE State=UP
 CONF
+}
+
+with_address() {  # "name=address" PREFIX -> "name PREFIXaddress" (Prefix "(": "name(address)"); "name" -> "name"
+    local node=$1 prefix=$2
+    if [ "$node" = "${node%%=*}" ]; then
+        echo "$node"
+    elif [ "$prefix" = "(" ]; then
+        echo "${node%%=*}(${node#*=})"
+    else
+        echo "${node%%=*} $prefix${node#*=}"
+    fi
 }
 
 start_daemons() {
@@ -76,18 +112,22 @@ start_daemons() {
         echo started >"$DIR/munged.started"
     fi
     export SLURM_CONF=$DIR/slurm.conf
-    slurmctld -f "$SLURM_CONF"
-    slurmd -f "$SLURM_CONF" -N localhost
-    local deadline=$((SECONDS + 60)) state=""
+    on_node "$CONTROLLER" slurmctld -f "$SLURM_CONF"
+    local node
+    for node in "${NODE_LIST[@]}"; do
+        on_node "${node%%=*}" slurmd -f "$SLURM_CONF" -N "${node%%=*}"
+    done
+    local deadline=$((SECONDS + 60)) states=""
     while [ $SECONDS -lt $deadline ]; do
-        state=$(sinfo -h -N -n localhost -o %T 2>/dev/null || true)
-        case $state in
-            idle*) echo "local_slurm.sh: node localhost is idle (config $SLURM_CONF)" >&2; return 0 ;;
-        esac
+        states=$(on_node "$CONTROLLER" sinfo -h -N -o '%N=%T' 2>/dev/null | sort -u | tr '\n' ' ' || true)
+        if [ -n "$states" ] && [ "$(echo "$states" | tr ' ' '\n' | grep -c '=idle$')" -eq ${#NODE_LIST[@]} ]; then
+            echo "local_slurm.sh: ${#NODE_LIST[@]} nodes idle (config $SLURM_CONF)" >&2
+            return 0
+        fi
         sleep 0.5
     done
-    echo "local_slurm.sh: node not idle after 60 s (state: '${state:-none}'); logs in $DIR/log:" >&2
-    tail -n 20 "$DIR/log/slurmctld.log" "$DIR/log/slurmd.log" >&2 || true
+    echo "local_slurm.sh: nodes not idle after 60 s (states: '${states:-none}'); logs in $DIR/log:" >&2
+    tail -n 20 "$DIR"/log/*.log >&2 || true
     exit 1
 }
 
@@ -112,7 +152,9 @@ case $ACTION in
         start_daemons
         ;;
     stop)
-        stop_pidfile "$DIR/slurmd.pid"
+        for pidfile in "$DIR"/slurmd-*.pid; do
+            stop_pidfile "$pidfile"
+        done
         stop_pidfile "$DIR/slurmctld.pid"
         if [ -e "$DIR/munged.started" ]; then
             stop_pidfile "$DIR/munged.pid"
