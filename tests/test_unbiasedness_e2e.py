@@ -26,11 +26,13 @@ import sys
 
 import pytest
 
+from megatron_dppo.launch.arguments import ROLLOUT_CORRECTIONS
 from tests.launch import REPO_ROOT, kill_group
 
 BENCH = REPO_ROOT / "bench" / "unbiasedness.py"
 DRAWS = 20_000
-NUM_CONFIGURATIONS = 16
+NUM_CONFIGURATIONS = 17
+CORRECTED = "embedded default, engine disagrees, every correction"
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +64,20 @@ def test_every_shipped_configuration_ran_with_every_aggregation(rows):
     assert len(configurations) == NUM_CONFIGURATIONS
     assert {row["aggregation"] for row in rows} == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
     assert all(row["draws"] >= DRAWS for row in rows if row["unbiased"])
+    corrected = {(row["correction"], row["aggregation"]) for row in rows if row["configuration"] == CORRECTED}
+    assert corrected == {(correction, row["aggregation"]) for correction in ROLLOUT_CORRECTIONS for row in rows}
 
 
 def test_unbiased_configurations_match_their_full_batch_gradient_through_the_trainer_path(rows):
     for row in (row for row in rows if row["unbiased"]):
-        where = f"{row['configuration']}, {row['aggregation']}"
+        where = f"{row['configuration']}, {row['correction']}, {row['aggregation']}"
         assert row["max_bias_se"] <= 4.0, f"{where}: {row['max_bias_se']:.2f} standard errors"
         assert row["projection_bias_se"] <= 3.0, f"{where}: {row['projection_bias_se']:.2f} standard errors"
-        assert row["scale_se"] <= 0.015, f"{where}: too few draws to see a 5% bias ({row['scale_se']:.4f})"
+        # the disagreeing engine's world gives noisier gradients along their mean (measured: 1.5 to 3 times the scale
+        # SE of the embedded default at equal draws): its draws show a 12% bias (3 SE), below the 18-38% share of
+        # tokens its corrections cap or mask, by about which a normaliser over the kept tokens would be off
+        power = 0.035 if row["configuration"] == CORRECTED else 0.015
+        assert row["scale_se"] <= power, f"{where}: too few draws to see a {3 * power:.0%} bias ({row['scale_se']:.4f})"
         assert row["cosine_to_full"] > 0.995, f"{where}: the mean gradient points away from the full batch's"
         assert row["normaliser_from_draw"], f"{where}: the normaliser was not the rule's count of the draw"
         assert row["packed_max_error"] <= 1e-6, f"{where}: packing at DP=2 changed the gradient"
@@ -100,12 +108,27 @@ def test_stale_history_lengths_scale_the_token_mean_gradient_by_real_over_estima
     # scale is far enough from 1 here that a test expecting 1 would fail.
     stale = [row for row in rows if row["unbiased"] and row["history_lengths"] == "stale"
              and row["aggregation"] == "token-mean" and not row["configuration"].startswith("grpo")]
-    assert len(stale) == 7
+    assert len(stale) == 7 + len(ROLLOUT_CORRECTIONS)
     for row in stale:
         where = f"{row['configuration']}: scale {row['scale']:.4f} ± {row['scale_se']:.4f}"
         assert abs(row["scale"] - row["predicted_scale"]) <= 3 * row["scale_se"], \
             f"{where}, predicted {row['predicted_scale']:.4f}"
         assert row["predicted_scale"] - 1.0 > 5 * row["scale_se"], f"{where}: too close to 1 to tell them apart"
+
+
+def test_dppo_with_each_rollout_correction_is_unbiased_for_the_full_batch_with_the_same_correction(rows):
+    # The engine disagrees with the trainer (per-token log ratios ~ N(0, 0.3²)); the same 20,000 draws of the
+    # embedded default (prompt level with refill, DAPO filter, completion level) are compared, under each
+    # correction, with the drawn prompts' full batch under that correction: within 4 SE on every coordinate (the
+    # general check above), the gradient through packing at DP=2 is the linear form, and each correction changes
+    # the full batch's gradient (so none of them is checked while doing nothing).
+    corrected = [row for row in rows if row["configuration"] == CORRECTED]
+    assert {row["correction"] for row in corrected} == set(ROLLOUT_CORRECTIONS)
+    for row in corrected:
+        where = f"{row['correction']}, {row['aggregation']}"
+        assert row["unbiased"] and row["max_bias_se"] <= 4.0 and row["packed_max_error"] <= 1e-6, where
+        if row["correction"] != "none":
+            assert row["correction_shift"] > 0.3, f"{where}: the correction hardly changes the gradient"
 
 
 def test_deterministic_and_uncorrected_dppo_dynamic_sampling_cppo_and_d3s_are_biased(rows):
