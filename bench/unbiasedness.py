@@ -18,6 +18,9 @@
        normaliser predicts (Σ (real count / rule's count) <full, u> / Σ <full, u>: 1 where the normaliser counts
        sequences or the history lengths are exact), and the worst coordinate in SE
 
+Rollout corrections: one configuration's engine disagrees with the trainer (disagreeing_engine), and its draws are
+checked under every correction of CORRECTION_FLAGS against the full batch under the same correction.
+
 The history is restored before every draw, so each draw is one step from the same state; the sampler goes on, so
 draws differ. Biased configurations (deterministic DPPO, CPPO, D3S, ...) run fewer draws and show their bias.
 Last lines, over the unbiased configurations: `dppo_e2e_max_projection_bias_se` (the bias along own's direction, in
@@ -73,16 +76,11 @@ class Configuration:
     flags: list  # the trainer's flags; the world's own (batch, group size, pool) are added
     unbiased: bool
     history_lengths: str = "stale"  # "stale" (STALE_LENGTHS, every fifth prompt never seen) or "exact" (all seen)
-    # > 0: the engine disagrees with the trainer (disagreeing_engine), and the draws are checked under every rollout
-    # correction of CORRECTION_FLAGS; 0: the world's own engine log-probs and the configuration's own loss
-    engine_gap: float = 0.0
+    engine_gap: float = 0.0  # > 0: the engine disagrees (disagreeing_engine), checked under each CORRECTION_FLAGS
 
 
-# Per-token gap of the disagreeing engine: log ratios trainer / engine ~ N(0, ENGINE_GAP²). Each correction's
-# threshold acts on part of this world's tokens or sequences (responses of 15 to 140 tokens: sequence log ratios of
-# standard deviation 1.2 to 3.5, geometric-mean log ratios of 0.025 to 0.077; 18% to 38% of the tokens are capped or
-# masked), and the bench prints how much each changes the full batch's gradient (`shift`): the check is not of
-# corrections that do nothing.
+# The disagreeing engine's log ratios trainer / engine ~ N(0, ENGINE_GAP²) per token; each threshold below acts on
+# 18% to 38% of this world's tokens (responses of 15 to 140 tokens), and `shift` shows what it does to the gradient.
 ENGINE_GAP = 0.3
 CORRECTION_FLAGS = {
     "none": ["--rollout-correction", "none"],
@@ -143,8 +141,7 @@ def aggregation_config(args, aggregation: str):
 
 
 def loss_variants(configuration: Configuration) -> dict:
-    """The losses a configuration's draws are checked under, by rollout correction: every correction of
-    CORRECTION_FLAGS where the engine disagrees, else the configuration's own (the draws do not depend on it)."""
+    """By rollout correction, the arguments of the losses its draws (which do not depend on them) are checked under."""
     if configuration.engine_gap:
         return {name: world_args([*configuration.flags, *flags]) for name, flags in CORRECTION_FLAGS.items()}
     args = world_args(configuration.flags)
@@ -476,9 +473,7 @@ class Result:
     mean_squared_error: float  # E|g - own|² / E|own|²: the estimate's variance (plus bias²), relative
     packed_max_error: float  # max |autograd through packing at DP=2 - linear form| / |linear form|
     normaliser_from_draw: bool  # every draw's counts were the rule's, computed from the draw alone
-    # |mean own - mean own without correction| / |mean own without correction|: how much the correction changes the
-    # full batch's gradient (NaN where the draws are checked under one loss only)
-    correction_shift: float
+    correction_shift: float  # |mean own − that without correction| / the latter (NaN: the configuration's loss only)
 
 
 def same_counts(first: FullBatchInfo, second: FullBatchInfo) -> bool:

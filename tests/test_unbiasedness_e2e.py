@@ -4,20 +4,23 @@ completion level) over a fixed world, 20,000 draws per shipped configuration, ev
 Prompt Packing at DP=2. Each draw is compared with its own drawn prompts' full batch.
 
 Tolerances: an unbiased configuration's mean gradient is within 3 standard errors of the gradient it estimates (the
-drawn samples over the rule's count) along that gradient's direction (one z-score per configuration and
-aggregation), within 4 standard errors on every coordinate (16 coordinates x 3 aggregations x 11 configurations:
-with fixed seeds the outcome is reproducible, and at 4 SE a true-zero bias exceeds it somewhere with probability
-about 3%), with a scale standard error under 1.5% (enough to show a 5% bias); the gradient through packing equals
-the linear form Σ w_i ∇f_i / Z to 1e-6 relative (the packed batch holds the sample weights in float32), and each
-draw's normaliser is the rule's, computed from the draw alone. Against the full batch's loss (the drawn candidates'
-real counts): with exact history lengths the scale is 1 within 3 SE; with stale ones (recorded when the answers were
-up to 40% shorter) the token-mean scale is the predicted real count / the rule's count within 3 SE, about 1.22, many
-SE from 1, so the check can tell them apart. Deterministic DPPO, DPPO without importance weights, DAPO's dynamic
-sampling, CPPO and D3S are shown biased: relative error above 20%, against their own full batch or the real one
-(dynamic sampling draws whole varied groups, so its bias is its normaliser, the kept batch's). The shipped
-configurations include the prompt level's refill (a fixed draw of M = B / (1 - rate) candidates), its prior for
-prompts never seen, and partial rollouts (each draw continued chunk by chunk over two steps, trained whole; the
-weights do not change here, so this covers their bookkeeping, the off-policy part aside).
+drawn samples over the rule's count) along that gradient's direction (one z-score per configuration and aggregation),
+within 4 standard errors on every coordinate (16 coordinates x 3 aggregations x 17 pairs of an unbiased configuration
+and a rollout correction: with fixed seeds the outcome is reproducible, and at 4 SE a true-zero bias exceeds it
+somewhere with probability about 5%), with a scale standard error under 1.5% (enough to show a 5% bias); the gradient
+through packing equals the linear form Σ w_i ∇f_i / Z to 1e-6 relative (the packed batch holds the sample weights in
+float32), and each draw's normaliser is the rule's, computed from the draw alone. Against the full batch's loss (the
+drawn candidates' real counts): with exact history lengths the scale is 1 within 3 SE; with stale ones (recorded when
+the answers were up to 40% shorter) the token-mean scale is the predicted real count / the rule's count within 3 SE,
+about 1.22, many SE from 1, so the check can tell them apart. Deterministic DPPO, DPPO without importance weights,
+DAPO's dynamic sampling, CPPO and D3S are shown biased: relative error above 20%, against their own full batch or the
+real one (dynamic sampling draws whole varied groups, so its bias is its normaliser, the kept batch's). The shipped
+configurations include the prompt level's refill (a fixed draw of M = B / (1 - rate) candidates), its prior for prompts
+never seen, and partial rollouts (each draw continued chunk by chunk over two steps, trained whole; the weights do not
+change here, so this covers their bookkeeping, the off-policy part aside). With an engine that disagrees with the
+trainer, the embedded default's draws are unbiased under each of the six rollout corrections for the full batch with the
+same correction (the same standards; a power of 3.5% scale SE there, its gradients being noisier), and each correction
+moves that gradient (so none is checked while doing nothing).
 """
 
 import json
@@ -26,7 +29,7 @@ import sys
 
 import pytest
 
-from megatron_dppo.launch.arguments import ROLLOUT_CORRECTIONS
+from megatron_dppo.launch.rollout_correction_arguments import ROLLOUT_CORRECTIONS
 from tests.launch import REPO_ROOT, kill_group
 
 BENCH = REPO_ROOT / "bench" / "unbiasedness.py"
