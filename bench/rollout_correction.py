@@ -327,6 +327,30 @@ def median_rows(repeats: list[list[Row]]) -> list[Row]:
             for group in zip(*repeats)]
 
 
+def summary_tables(rows: list[Row]) -> str:
+    """The table above by gap: each correction's bias (the same with DPPO on and off) with the sequences it rejects
+    (or the tokens it caps or masks where it rejects none), and its variance with DPPO off / on."""
+    noises = sorted({row.noise for row in rows if row.noise})
+    gaps = {noise: next(row.gap for row in rows if row.noise == noise) for noise in noises}
+    by_key = {(row.noise, row.dppo, row.correction): row for row in rows}
+    header = ["correction", *(f"gap {gaps[noise]:.4f}" for noise in noises)]
+
+    def cut(row):
+        if row.rejected:
+            return f" ({row.rejected:.1%} of sequences)"
+        return f" ({row.capped_or_masked:.1%} of tokens)" if row.capped_or_masked else ""
+
+    bias = markdown(header, [[correction, *(f"{by_key[noise, False, correction].bias:.3f}"
+                                            f"{cut(by_key[noise, False, correction])}" for noise in noises)]
+                             for correction in CORRECTIONS])
+    exact = f"{by_key[0.0, False, 'none'].variance:.2f} / {by_key[0.0, True, 'none'].variance:.2f}"
+    variance = markdown(header, [[correction, *(f"{by_key[noise, False, correction].variance:.2f} / "
+                                                f"{by_key[noise, True, correction].variance:.2f}" for noise in noises)]
+                                 for correction in CORRECTIONS])
+    return (f"\nbias against the on-policy gradient (what the correction cuts):\n{bias}\n\nvariance, DPPO off / on "
+            f"(the exact engine's, no correction: {exact}):\n{variance}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--noise", type=float, nargs="+", default=[0.0002, 0.002, 0.01, 0.03],
@@ -353,6 +377,7 @@ def main() -> None:
         [[f"{row.noise:g}", f"{row.gap:.4f}", "on" if row.dppo else "off", row.correction, f"{row.bias:.3f}",
           f"{row.variance:.2f}", f"{row.weight_mean:.3f}", f"{row.capped_or_masked:.3f}", f"{row.rejected:.3f}",
           f"{row.check_se:.2f}"] for row in rows]))
+    print(summary_tables(rows))
     if options.json:
         options.json.write_text(json.dumps({"median": [asdict(row) for row in rows],
                                             "repeats": [[asdict(row) for row in repeat] for repeat in repeats]},
