@@ -50,7 +50,7 @@ from megatron_dppo.algo.losses import loss_normalizer, policy_loss  # noqa: E402
 from megatron_dppo.algo.rollout_correction import correction_weights  # noqa: E402
 from megatron_dppo.convert.tiny import save_random_hf_model, tiny_hf_config  # noqa: E402
 from megatron_dppo.launch.arguments import parse_args  # noqa: E402
-from megatron_dppo.launch.rollout_correction_arguments import ROLLOUT_CORRECTIONS  # noqa: E402
+from megatron_dppo.launch.rollout_correction_flags import ROLLOUT_CORRECTIONS  # noqa: E402
 from megatron_dppo.pipeline.experience import loss_config, pruner_options, select_samples  # noqa: E402
 from megatron_dppo.rollout.client import RolloutClient, SamplingParams  # noqa: E402
 from megatron_dppo.rollout.launcher import launch_embedded_engine  # noqa: E402

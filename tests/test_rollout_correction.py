@@ -18,7 +18,7 @@ import torch
 from megatron_dppo.algo.losses import LossConfig, combine_metrics, policy_loss
 from megatron_dppo.algo.rollout_correction import CORRECTIONS, DEFAULT_BANDS, DEFAULT_CAP, RolloutCorrection
 from megatron_dppo.launch.arguments import build_parser, parse_args
-from megatron_dppo.launch.rollout_correction_arguments import (
+from megatron_dppo.launch.rollout_correction_flags import (
     ROLLOUT_CORRECTION_BANDS,
     ROLLOUT_CORRECTION_CAP,
     ROLLOUT_CORRECTIONS,

@@ -29,7 +29,7 @@ import sys
 
 import pytest
 
-from megatron_dppo.launch.rollout_correction_arguments import ROLLOUT_CORRECTIONS
+from megatron_dppo.launch.rollout_correction_flags import ROLLOUT_CORRECTIONS
 from tests.launch import REPO_ROOT, kill_group
 
 BENCH = REPO_ROOT / "bench" / "unbiasedness.py"

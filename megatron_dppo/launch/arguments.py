@@ -41,12 +41,7 @@ from megatron_dppo.flags import (
     FlagParser,
     require_domains,
 )
-from megatron_dppo.launch.rollout_correction_arguments import (
-    ROLLOUT_CORRECTION_CHOICE_FLAGS,
-    resolve_rollout_correction,
-    rollout_correction_errors,
-    rollout_correction_flags,
-)
+from megatron_dppo.launch import rollout_correction_flags as correction
 from megatron_dppo.platform import TRANSFORMER_IMPLS, transformer_impl_error
 from megatron_dppo.rollout.launcher import VLLM_PYTHON_VARIABLE, forward_sglang_args, sglang_flag_value
 
@@ -95,8 +90,8 @@ def build_parser() -> FlagParser:
         description="GRPO-family RL with DPPO on Megatron-Core. With no arguments on a CPU machine: the embedded "
         "default (tiny model, synthetic arithmetic, embedded rollout engine).",
     )
-    for add_flags in (megatron_flags, rollout_flags, algorithm_flags, rollout_correction_flags, reward_flags,
-                      data_flags, embedded_flags, operation_flags):
+    for add_flags in (megatron_flags, rollout_flags, algorithm_flags, correction.add_flags, reward_flags, data_flags,
+                      embedded_flags, operation_flags):
         add_flags(parser)
     require_domains(parser)
     return parser
@@ -380,10 +375,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     order of --help; where a check asks whether a flag was given, the parser's default answers it."""
     server_gpus, server_errors = rollout_server_gpus(args)
     errors = [*megatron_errors(args), *rollout_errors(args), *server_errors, *vllm_errors(args),
-              *algorithm_errors(args, parser),
-              *rollout_correction_errors(args, changed_flags(args, parser, *ROLLOUT_CORRECTION_CHOICE_FLAGS)),
-              *batch_filling_errors(args, parser), *range_combination_errors(args),
-              *model_and_data_errors(args, parser), *embedded_errors(args)]
+              *algorithm_errors(args, parser), *correction.errors(args, parser), *batch_filling_errors(args, parser),
+              *range_combination_errors(args), *model_and_data_errors(args, parser), *embedded_errors(args)]
     if errors:
         parser.error(errors[0] if len(errors) == 1 else "\n  ".join(["invalid arguments:", *errors]))
     fill_dependent_defaults(args, server_gpus)
@@ -576,7 +569,7 @@ def embedded_errors(args: argparse.Namespace) -> list[str]:
 def fill_dependent_defaults(args: argparse.Namespace, server_gpus: int) -> None:
     """The defaults that follow from other flags, filled in once every flag is known to be valid."""
     args.rollout_server_gpus = server_gpus
-    resolve_rollout_correction(args)
+    correction.resolve(args)
     if args.rollout_backend == "sglang" and sglang_flag_value(args.sglang_args, SGLANG_TP_FLAGS) is None:
         args.sglang_args += ["--tp-size", str(server_gpus)]
     if args.rl_seed is None:

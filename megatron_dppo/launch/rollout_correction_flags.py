@@ -2,9 +2,8 @@
 --tis-cap as the older name of token TIS, and the embedded engine's weight noise that makes engine and trainer
 disagree on purpose (docs/algorithms.md, Rollout correction).
 
-    argv ─► rollout_correction_flags (parse) ─► rollout_correction_errors (one line per bad setting)
-         ─► resolve_rollout_correction: the alias and the default band filled in, so that only
-            args.rollout_correction, args.rollout_correction_cap and args.rollout_correction_band are read
+    argv ─► add_flags (parse) ─► errors (one line per bad setting) ─► resolve: the alias and the default band filled
+         in, so that only args.rollout_correction, args.rollout_correction_cap and args.rollout_correction_band are read
 
 Like arguments.py, it imports no torch: the constants of algo/rollout_correction.py are written out here and
 tests/test_rollout_correction.py holds them equal.
@@ -14,7 +13,6 @@ import argparse
 
 from megatron_dppo.flags import NON_NEGATIVE, POSITIVE
 
-ROLLOUT_CORRECTION_CHOICE_FLAGS = ("--rollout-correction", "--rollout-correction-cap")
 # algo.rollout_correction's CORRECTIONS, DEFAULT_CAP and DEFAULT_BANDS
 ROLLOUT_CORRECTIONS = ("none", "token-tis", "seq-tis", "seq-mis", "geo-rs", "icepop")
 ROLLOUT_CORRECTION_CAP = 2.0
@@ -22,7 +20,7 @@ ROLLOUT_CORRECTION_BANDS = {"geo-rs": (0.999, 1.001), "icepop": (0.5, 5.0)}
 CORRECTIONS_WITH_CAP = ("token-tis", "seq-tis", "seq-mis")
 
 
-def rollout_correction_flags(parser: argparse.ArgumentParser) -> None:
+def add_flags(parser: argparse.ArgumentParser) -> None:
     correction = parser.add_argument_group("rollout correction (the rollout engine's and the trainer's log-probs "
                                            "disagree; docs/algorithms.md)")
     correction.add_argument("--rollout-correction", choices=ROLLOUT_CORRECTIONS, default="token-tis",
@@ -48,41 +46,44 @@ def rollout_correction_flags(parser: argparse.ArgumentParser) -> None:
                                  "disagree by a controlled amount (logprob_gap_train_vs_rollout shows it); 0: off")
 
 
-def rollout_correction_errors(args: argparse.Namespace, given: list[str]) -> list[str]:
+def errors(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
     """Each threshold given to a correction that reads it, a band that keeps ratio 1, --tis-cap as the alias it is,
-    and the engine's weight noise for the embedded engine only. `given`: which of ROLLOUT_CORRECTION_CHOICE_FLAGS
-    the command line set to other than their defaults."""
-    errors = []
+    and the engine's weight noise for the embedded engine only (a flag counts as given where its value is not the
+    parser's default)."""
+    found = []
     name = args.rollout_correction
+    given = [flag for flag, dest in (("--rollout-correction", "rollout_correction"),
+                                     ("--rollout-correction-cap", "rollout_correction_cap"))
+             if getattr(args, dest) != parser.get_default(dest)]
     if args.tis_cap is not None:
         if "--rollout-correction" in given and name != "token-tis":
-            errors.append(f"--tis-cap {args.tis_cap} is --rollout-correction token-tis with that cap, but "
-                          f"--rollout-correction is {name}: drop --tis-cap (give --rollout-correction-cap instead)")
+            found.append(f"--tis-cap {args.tis_cap} is --rollout-correction token-tis with that cap, but "
+                         f"--rollout-correction is {name}: drop --tis-cap (give --rollout-correction-cap instead)")
         if "--rollout-correction-cap" in given and args.rollout_correction_cap != args.tis_cap:
-            errors.append(f"--tis-cap {args.tis_cap} and --rollout-correction-cap {args.rollout_correction_cap} give "
-                          "token TIS two caps: give one of them")
+            found.append(f"--tis-cap {args.tis_cap} and --rollout-correction-cap {args.rollout_correction_cap} give "
+                         "token TIS two caps: give one of them")
         name = "token-tis"
     if "--rollout-correction-cap" in given and name not in CORRECTIONS_WITH_CAP:
-        errors.append(f"--rollout-correction-cap applies to --rollout-correction {', '.join(CORRECTIONS_WITH_CAP)}, "
-                      f"not {name}: drop it" + (" (this one reads --rollout-correction-band)"
-                                                if name in ROLLOUT_CORRECTION_BANDS else ""))
+        reads_band = " (this one reads --rollout-correction-band)" if name in ROLLOUT_CORRECTION_BANDS else ""
+        found.append(f"--rollout-correction-cap applies to --rollout-correction {', '.join(CORRECTIONS_WITH_CAP)}, "
+                     f"not {name}: drop it{reads_band}")
     if args.rollout_correction_band is not None:
         low, high = args.rollout_correction_band
         if name not in ROLLOUT_CORRECTION_BANDS:
-            errors.append(f"--rollout-correction-band applies to --rollout-correction "
-                          f"{' and '.join(ROLLOUT_CORRECTION_BANDS)}, not {name}: drop it")
+            found.append(f"--rollout-correction-band applies to --rollout-correction "
+                         f"{' and '.join(ROLLOUT_CORRECTION_BANDS)}, not {name}: drop it")
         elif not low < high:
-            errors.append(f"--rollout-correction-band {low} {high} is empty: give LOW < HIGH")
+            found.append(f"--rollout-correction-band {low} {high} is empty: give LOW < HIGH")
         elif not low <= 1.0 <= high:
-            errors.append(f"--rollout-correction-band {low} {high} leaves out ratio 1, where engine and trainer agree, "
-                          "so it would mask every agreeing token: give LOW <= 1 <= HIGH")
+            found.append(f"--rollout-correction-band {low} {high} leaves out ratio 1, where engine and trainer agree, "
+                         "so it would mask every agreeing token: give LOW <= 1 <= HIGH")
     if args.rollout_engine_weight_noise and args.rollout_backend != "embedded":
-        errors.append(f"--rollout-engine-weight-noise perturbs the embedded engine's weights, but --rollout-backend is "
-                      f"{args.rollout_backend}: drop it or use --rollout-backend embedded")
-    return errors
+        found.append(f"--rollout-engine-weight-noise perturbs the embedded engine's weights, but --rollout-backend is "
+                     f"{args.rollout_backend}: drop it or use --rollout-backend embedded")
+    return found
 
 
-def resolve_rollout_correction(args: argparse.Namespace) -> None:
+def resolve(args: argparse.Namespace) -> None:
     """The alias resolved and the band's default filled in, once the flags are known to be valid."""
     if args.tis_cap is not None:
         args.rollout_correction, args.rollout_correction_cap = "token-tis", args.tis_cap
