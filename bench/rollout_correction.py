@@ -347,8 +347,8 @@ def summary_tables(rows: list[Row]) -> str:
     variance = markdown(header, [[correction, *(f"{by_key[noise, False, correction].variance:.2f} / "
                                                 f"{by_key[noise, True, correction].variance:.2f}" for noise in noises)]
                                  for correction in CORRECTIONS])
-    return (f"\nbias against the on-policy gradient (what the correction cuts):\n{bias}\n\nvariance, DPPO off / on "
-            f"(the exact engine's, no correction: {exact}):\n{variance}")
+    return (f"\nbias against the on-policy gradient (what the correction cuts):\n\n{bias}\n\nvariance, DPPO off / on "
+            f"(the exact engine's, no correction: {exact}):\n\n{variance}")
 
 
 def main() -> None:
