@@ -116,8 +116,9 @@ def score(model, prompt: list[int], responses: torch.Tensor, with_hidden: bool):
     return torch.cat(logprobs), torch.cat(hidden)
 
 
-def build_spaces(seed: int, batch: int, noises: list[float], out_dir: Path) -> tuple[Path, list, list[PromptSpace]]:
-    """The repeat's model (saved, for the engine check), prompts and their enumerated responses."""
+def build_spaces(seed: int, batch: int, noises: list[float], out_dir: Path):
+    """The repeat's model (saved, for the engine check), its output projection [V, H] (the trainer's weights whose
+    gradient is measured), prompts and their enumerated responses."""
     from transformers import AutoModelForCausalLM
 
     model_dir = save_random_hf_model(tiny_hf_config(**MODEL), out_dir / f"model_{seed}", seed=seed)
@@ -136,7 +137,7 @@ def build_spaces(seed: int, batch: int, noises: list[float], out_dir: Path) -> t
         WeightNoise(noise, seed).apply(engine, [name for name, _ in engine.named_parameters(remove_duplicate=False)])
         for prompt, space in zip(prompts, spaces):
             space.engine_logprobs[noise] = score(engine, prompt, responses, with_hidden=False)[0]
-    return model_dir, prompts, spaces
+    return model_dir, trainer.lm_head.weight.detach(), prompts, spaces
 
 
 def expected_step(spaces: list[PromptSpace], weight: torch.Tensor, sampling: list[torch.Tensor],
@@ -260,10 +261,7 @@ def engine_check(model_dir: Path, noise: float, seed: int, prompts: list, spaces
 
 
 def run_repeat(seed: int, options) -> tuple[list[Row], list[str]]:
-    model_dir, prompts, spaces = build_spaces(seed, options.batch, options.noise, options.out_dir)
-    from transformers import AutoModelForCausalLM
-
-    weight = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).lm_head.weight.detach()
+    model_dir, weight, prompts, spaces = build_spaces(seed, options.batch, options.noise, options.out_dir)
     configs = {label: loss_config(parse_args([*DPPO_FLAGS, *flags])) for label, flags in CORRECTIONS.items()}
     args = parse_args([*DPPO_FLAGS, "--rl-seed", str(seed)])
     name, fields = pruner_options(args)
@@ -297,7 +295,6 @@ def run_repeat(seed: int, options) -> tuple[list[Row], list[str]]:
         for correction in names:
             corrections = [token_weights(configs[correction], space, e) for space, e in zip(spaces, engine)]
             expected[correction] = expected_step(spaces, weight, sampling, [c[0] for c in corrections], options.group)
-
             stats[correction] = {"weight_mean": expectation(sampling, [c[0].mean(dim=1) for c in corrections]),
                                  "capped_or_masked": expectation(sampling, [c[1].mean(dim=1) for c in corrections]),
                                  "rejected": expectation(sampling, [c[2] for c in corrections])}
