@@ -6,7 +6,9 @@ engine's perturbed copy of the weights that makes engine and trainer disagree by
 - weights are detached and the normaliser is the full batch's: a rejected sequence still counts;
 - a sequence ratio far beyond exp(20) is capped or rejected without overflow;
 - the flags: the six choices in --help, --tis-cap as the alias of token TIS, and each bad setting refused in one line;
-- the engine's weight noise: reproducible, of the relative size asked, re-applied (not accumulated) on every load.
+- the engine's weight noise: reproducible, of the relative size asked, re-applied (not accumulated) on every load;
+- bench/rollout_correction.py on a small case: the trainer's sampled steps average to its exact expectation, and the
+  engine serves its perturbed copy.
 (DPPO's 1/p weights composed with each correction: bench/unbiasedness.py, tests/test_unbiasedness_e2e.py.)
 """
 
@@ -157,3 +159,24 @@ def test_engine_weight_noise_is_reproducible_relative_and_reapplied_on_every_loa
         assert torch.equal(dict(engines[0].model.named_parameters())[name], perturbed[1][name]), \
             f"{name}: noise added to the loaded weights, not to the perturbed ones"
     assert not math.isnan(sum(p.sum().item() for p in perturbed[0].values()))
+
+
+def test_rollout_correction_bench_steps_average_to_its_exact_expectation_and_its_engine_serves_the_perturbed_copy(
+        tmp_path):
+    """bench/rollout_correction.py's table rests on two things checked here on a small case (2 prompts, one gap):
+    the trainer's own sampled steps (select_samples, policy_loss, DPPO off and on) average to the bench's exact
+    expectation under every correction (norm of the difference over its standard error, about 1 when they agree),
+    and the embedded engine started with --weight-noise serves the log-probs of the bench's perturbed copy."""
+    import argparse
+    import re
+
+    import bench.rollout_correction as bench
+
+    options = argparse.Namespace(noise=[0.01], draws=40, batch=2, group=4, out_dir=tmp_path)
+    rows, notes = bench.run_repeat(0, options)
+    assert float(re.search(r"at most ([0-9.e+-]+);", notes[0]).group(1)) < 1e-4, notes
+    assert {row.correction for row in rows if row.noise} == set(bench.CORRECTIONS)
+    for row in rows:  # with DPPO on, against the full step's exact expectation: DPPO's pruned step is unbiased
+        assert row.check_se < 3.0, row
+    by_key = {(row.noise, row.dppo, row.correction): row for row in rows}
+    assert by_key[0.01, False, "seq-tis"].bias < by_key[0.01, False, "none"].bias  # the sequence's own IS weight
