@@ -134,7 +134,7 @@ def trl_settings(args) -> list[Setting]:
                 "TRL has no filter: its zero-variance groups get advantage 0 and count in the normaliser, as ours "
                 "do, so the update is the same; TRL still runs forward/backward on them" if args.dapo_filter
                 else "off on both sides"),
-        Setting("--tis-cap", str(args.tis_cap), {},
+        Setting("--rollout-correction", f"{args.rollout_correction} (cap {args.rollout_correction_cap})", {},
                 "no TRL equivalent without vLLM: its sampler is the trained model itself"),
         Setting("precision (--bf16/--fp16)", precision,
                 {"bf16": args.bf16, "fp16": args.fp16, "model_init_kwargs": {"dtype": "float32"}},

@@ -18,6 +18,9 @@
        normaliser predicts (Σ (real count / rule's count) <full, u> / Σ <full, u>: 1 where the normaliser counts
        sequences or the history lengths are exact), and the worst coordinate in SE
 
+Rollout corrections: one configuration's engine disagrees with the trainer (disagreeing_engine), and its draws are
+checked under every correction of CORRECTION_FLAGS against the full batch under the same correction.
+
 The history is restored before every draw, so each draw is one step from the same state; the sampler goes on, so
 draws differ. Biased configurations (deterministic DPPO, CPPO, D3S, ...) run fewer draws and show their bias.
 Last lines, over the unbiased configurations: `dppo_e2e_max_projection_bias_se` (the bias along own's direction, in
@@ -73,6 +76,20 @@ class Configuration:
     flags: list  # the trainer's flags; the world's own (batch, group size, pool) are added
     unbiased: bool
     history_lengths: str = "stale"  # "stale" (STALE_LENGTHS, every fifth prompt never seen) or "exact" (all seen)
+    engine_gap: float = 0.0  # > 0: the engine disagrees (disagreeing_engine), checked under each CORRECTION_FLAGS
+
+
+# The disagreeing engine's log ratios trainer / engine ~ N(0, ENGINE_GAP²) per token; each threshold below acts on
+# 18% to 38% of this world's tokens (responses of 15 to 140 tokens), and `shift` shows what it does to the gradient.
+ENGINE_GAP = 0.3
+CORRECTION_FLAGS = {
+    "none": ["--rollout-correction", "none"],
+    "token-tis": ["--rollout-correction", "token-tis", "--rollout-correction-cap", "1.3"],
+    "seq-tis": ["--rollout-correction", "seq-tis", "--rollout-correction-cap", "2"],
+    "seq-mis": ["--rollout-correction", "seq-mis", "--rollout-correction-cap", "2"],
+    "geo-rs": ["--rollout-correction", "geo-rs", "--rollout-correction-band", "0.95", "1.05"],
+    "icepop": ["--rollout-correction", "icepop", "--rollout-correction-band", "0.7", "1.4"],
+}
 
 
 # A refill draws M = B / (1 - rate) prompts: 27 of the pool's 64 at B = 8 with the world's recorded
@@ -96,6 +113,7 @@ CONFIGURATIONS = {
         ["--algorithm", "grpo", "--dapo-oversample", "2", "--rollout-batch-size", "8"], True),
     "embedded default, exact history lengths": Configuration(REFILL, True, "exact"),
     "dppo, no refill, rate 0.5, no DAPO, exact history lengths": Configuration(NO_DAPO_RATE_HALF, True, "exact"),
+    "embedded default, engine disagrees, every correction": Configuration(REFILL, True, engine_gap=ENGINE_GAP),
     "dppo deterministic (the paper's Algorithm 1), refill": Configuration([*REFILL, "--dppo-mode", "deterministic"],
                                                                           False),
     "dppo without importance weights (kept prompts as the batch)": Configuration(
@@ -120,6 +138,14 @@ def world_args(flags: list[str]):
 def aggregation_config(args, aggregation: str):
     """The configuration's loss with another aggregation (the draws do not depend on it)."""
     return dataclasses.replace(loss_config(args), aggregation=aggregation)
+
+
+def loss_variants(configuration: Configuration) -> dict:
+    """By rollout correction, the arguments of the losses its draws (which do not depend on them) are checked under."""
+    if configuration.engine_gap:
+        return {name: world_args([*configuration.flags, *flags]) for name, flags in CORRECTION_FLAGS.items()}
+    args = world_args(configuration.flags)
+    return {args.rollout_correction: args}
 
 
 # ---------------------------------------------------------------------------------------------------- the world
@@ -246,6 +272,25 @@ class FixedWorldClient:
                 for index, prompt in enumerate(prompts) for c in self.completions[tuple(prompt)]]
 
 
+def disagreeing_engine(world: World, policy: "TinyPolicy", gap: float, seed: int = 0) -> World:
+    """The world with an engine that disagrees with the trainer: each response token's engine log-prob is the tiny
+    policy's own (the trainer's, at its weights) minus noise ~ N(0, gap²), fixed per (prompt, response), so the log
+    ratio trainer / engine of a token is that noise. The world's other parts (and its random draws) are unchanged."""
+    generator = torch.Generator().manual_seed(seed)
+    engine_logprobs, completions = {}, {}
+    for prompt, group in world.completions.items():
+        for completion in group:
+            key = (prompt, tuple(completion.output_ids))
+            if key not in engine_logprobs:
+                batch = build_thd_batch([TrainingSample(list(prompt), completion.output_ids)], [0])
+                trainer = policy.logprobs(batch, policy.weight)[batch.loss_mask.bool()]  # [response tokens]
+                noise = gap * torch.randn(len(trainer), generator=generator, dtype=torch.float64)
+                engine_logprobs[key] = (trainer - noise).tolist()
+        completions[prompt] = [dataclasses.replace(c, output_logprobs=engine_logprobs[(prompt, tuple(c.output_ids))])
+                               for c in group]
+    return dataclasses.replace(world, completions=completions)
+
+
 # ---------------------------------------------------------------------------------------------- the tiny policy
 
 
@@ -310,7 +355,7 @@ class Draws:
     drawn: torch.Tensor  # [draws, POOL] how many times each prompt of the pool was drawn
     real_counts: list  # [draws] FullBatchInfo: the drawn prompts' real sequences and response tokens
     normaliser_from_draw: bool  # every draw's counts are the rule's, computed from the draw alone
-    packed: list  # [(draw, aggregation, autograd gradient through packing at DP=2)]
+    packed: list  # [(draw, loss variant, aggregation, autograd gradient through packing at DP=2)]
 
 
 def canonical_samples(world: World):
@@ -357,8 +402,11 @@ def rule_counts(world: World, decision, drawn: list) -> FullBatchInfo | None:
     return FullBatchInfo(float(len(drawn) * GROUP), tokens)
 
 
-def run_draws(world: World, args, draws: int, packed_draws: int, policy: TinyPolicy) -> Draws:
-    """`draws` steps of the trainer's ExperienceMaker, each from the same history, each drawing from the pool."""
+def run_draws(world: World, args, draws: int, packed_draws: int, policy: TinyPolicy, variants: dict | None = None
+              ) -> Draws:
+    """`draws` steps of the trainer's ExperienceMaker, each from the same history, each drawing from the pool; the
+    first `packed_draws` also through packing under every loss variant's arguments (default: `args` alone)."""
+    variants = variants or {args.rollout_correction: args}
     index, _, _, _ = canonical_samples(world)
     task = DrawRecorder(copy.deepcopy(world.task))
     maker = ExperienceMaker(args, task, world.tokenizer, FixedWorldClient(world.completions))
@@ -381,12 +429,13 @@ def run_draws(world: World, args, draws: int, packed_draws: int, policy: TinyPol
             key = (tuple(sample.prompt_ids), tuple(sample.response_ids))
             weights[step, index[key]] += sample.sample_weight
         if step < packed_draws and experience.samples:
-            for aggregation in AGGREGATIONS:
-                config = aggregation_config(args, aggregation)
-                batches = [batch for rank in range(2) for batch in pack_micro_batches(
-                    experience.samples, MICRO_BATCH_TOKENS, 256, 2, rank)[0]]
-                normalizer = loss_normalizer(config, experience.normalizer_counts)
-                packed.append((step, aggregation, policy.loss_gradient(config, batches, normalizer)))
+            batches = [batch for rank in range(2) for batch in pack_micro_batches(
+                experience.samples, MICRO_BATCH_TOKENS, 256, 2, rank)[0]]
+            for variant, variant_args in variants.items():
+                for aggregation in AGGREGATIONS:
+                    config = aggregation_config(variant_args, aggregation)
+                    normalizer = loss_normalizer(config, experience.normalizer_counts)
+                    packed.append((step, variant, aggregation, policy.loss_gradient(config, batches, normalizer)))
     return Draws(weights, counts, drawn_counts, real_counts, from_draw, packed)
 
 
@@ -405,6 +454,7 @@ def full_group_advantages(world: World, args) -> dict:
 @dataclass
 class Result:
     configuration: str
+    correction: str  # the rollout correction of the loss
     aggregation: str
     unbiased: bool
     history_lengths: str  # "stale" or "exact"
@@ -423,6 +473,7 @@ class Result:
     mean_squared_error: float  # E|g - own|² / E|own|²: the estimate's variance (plus bias²), relative
     packed_max_error: float  # max |autograd through packing at DP=2 - linear form| / |linear form|
     normaliser_from_draw: bool  # every draw's counts were the rule's, computed from the draw alone
+    correction_shift: float  # |mean own − that without correction| / the latter (NaN: the configuration's loss only)
 
 
 def same_counts(first: FullBatchInfo, second: FullBatchInfo) -> bool:
@@ -447,42 +498,53 @@ def ratio_with_se(numerators: torch.Tensor, denominators: torch.Tensor, floor: f
 
 def check_configuration(name: str, configuration: Configuration, draws: int, packed_draws: int = 20, seed: int = 0,
                         mispredicted: bool = True, stale_lengths: tuple = STALE_LENGTHS) -> list[Result]:
-    """Run one configuration's draws and compare them with the draws' full-batch gradients, per loss aggregation."""
-    args = world_args(configuration.flags)
+    """Run one configuration's draws and compare them with the draws' full-batch gradients, per loss variant (rollout
+    correction) and aggregation."""
+    variants = loss_variants(configuration)
+    args = next(iter(variants.values()))
     uniform_groups = OVERSAMPLING_UNIFORM_GROUPS if args.dapo_oversample > 1 else POOL // 2
     world = build_world(seed, uniform_groups, mispredicted, configuration.history_lengths, stale_lengths)
     policy = TinyPolicy(world.tokenizer.vocab_size, seed)
-    result = run_draws(world, args, draws, packed_draws, policy)
+    if configuration.engine_gap:
+        world = disagreeing_engine(world, policy, configuration.engine_gap, seed)
+    result = run_draws(world, args, draws, packed_draws, policy, variants)
     advantages = full_group_advantages(world, args)
     _, _, membership, uniform = canonical_samples(world)
     if args.dapo_filter:  # the configuration's full batch: the DAPO filter's varied groups only
         membership = membership * (~uniform).double()
-    results = []
-    for aggregation in AGGREGATIONS:
-        config = aggregation_config(args, aggregation)
-        gradients_per_sample = per_sample_gradients(world, policy, args, aggregation, advantages)
-        rule = torch.tensor([loss_normalizer(config, counts) for counts in result.counts], dtype=torch.float64)
-        real = torch.tensor([loss_normalizer(config, counts) for counts in result.real_counts], dtype=torch.float64)
-        gradients = (result.weights @ gradients_per_sample) / rule[:, None]  # [draws, params]
-        drawn_sums = result.drawn @ (membership @ gradients_per_sample)  # [draws, params]: Σ over the drawn samples
-        own, full = drawn_sums / rule[:, None], drawn_sums / real[:, None]
-        floor = 1e-12 * float(full.norm(dim=1).mean())  # an estimate that does not vary has SE 0: float64 rounding
-        mean, mean_own, mean_full = gradients.mean(dim=0), own.mean(dim=0), full.mean(dim=0)
-        own_direction, full_direction = mean_own / mean_own.norm(), mean_full / mean_full.norm()
-        ratio, _ = ratio_with_se(gradients @ own_direction, own @ own_direction, floor)
-        scale, scale_se = ratio_with_se(gradients @ full_direction, full @ full_direction, floor)
-        predicted, _ = ratio_with_se((real / rule) * (full @ full_direction), full @ full_direction, floor)
-        packed_errors = [float((gradient - gradients[step]).norm() / gradients[step].norm())
-                         for step, agg, gradient in result.packed if agg == aggregation]
-        results.append(Result(
-            name, aggregation, configuration.unbiased, configuration.history_lengths, draws,
-            float(bias_in_se(gradients, own, floor).max()),
-            float(bias_in_se(gradients @ own_direction, own @ own_direction, floor)), ratio,
-            float((mean - mean_own).norm() / mean_own.norm()), scale, scale_se, predicted,
-            float(bias_in_se(gradients, full, floor).max()),
-            float(mean @ mean_full / (mean.norm() * mean_full.norm())),
-            float((gradients - own).square().sum(dim=1).mean() / own.square().sum(dim=1).mean()),
-            max(packed_errors, default=0.0), result.normaliser_from_draw))
+    results, uncorrected = [], {}
+    for variant, variant_args in variants.items():
+        for aggregation in AGGREGATIONS:
+            config = aggregation_config(variant_args, aggregation)
+            gradients_per_sample = per_sample_gradients(world, policy, variant_args, aggregation, advantages)
+            rule = torch.tensor([loss_normalizer(config, counts) for counts in result.counts], dtype=torch.float64)
+            real = torch.tensor([loss_normalizer(config, counts) for counts in result.real_counts],
+                                dtype=torch.float64)
+            gradients = (result.weights @ gradients_per_sample) / rule[:, None]  # [draws, params]
+            drawn_sums = result.drawn @ (membership @ gradients_per_sample)  # [draws, params]: Σ over drawn samples
+            own, full = drawn_sums / rule[:, None], drawn_sums / real[:, None]
+            floor = 1e-12 * float(full.norm(dim=1).mean())  # an estimate that does not vary has SE 0: rounding
+            mean, mean_own, mean_full = gradients.mean(dim=0), own.mean(dim=0), full.mean(dim=0)
+            own_direction, full_direction = mean_own / mean_own.norm(), mean_full / mean_full.norm()
+            ratio, _ = ratio_with_se(gradients @ own_direction, own @ own_direction, floor)
+            scale, scale_se = ratio_with_se(gradients @ full_direction, full @ full_direction, floor)
+            predicted, _ = ratio_with_se((real / rule) * (full @ full_direction), full @ full_direction, floor)
+            packed_errors = [float((gradient - gradients[step]).norm() / gradients[step].norm())
+                             for step, packed_variant, packed_aggregation, gradient in result.packed
+                             if (packed_variant, packed_aggregation) == (variant, aggregation)]
+            if variant == "none":
+                uncorrected[aggregation] = mean_own
+            shift = (float((mean_own - uncorrected[aggregation]).norm() / uncorrected[aggregation].norm())
+                     if len(variants) > 1 else math.nan)
+            results.append(Result(
+                name, variant, aggregation, configuration.unbiased, configuration.history_lengths, draws,
+                float(bias_in_se(gradients, own, floor).max()),
+                float(bias_in_se(gradients @ own_direction, own @ own_direction, floor)), ratio,
+                float((mean - mean_own).norm() / mean_own.norm()), scale, scale_se, predicted,
+                float(bias_in_se(gradients, full, floor).max()),
+                float(mean @ mean_full / (mean.norm() * mean_full.norm())),
+                float((gradients - own).square().sum(dim=1).mean() / own.square().sum(dim=1).mean()),
+                max(packed_errors, default=0.0), result.normaliser_from_draw, shift))
     return results
 
 
@@ -504,14 +566,14 @@ def main() -> None:
             rows += check_configuration(
                 name, configuration, options.draws if configuration.unbiased else options.biased_draws,
                 seed=options.seed, stale_lengths=tuple(options.stale_lengths))
-    print(f"{'configuration':<58} {'aggregation':<24} {'draws':>6} {'max|bias|/SE':>12} {'proj/SE':>7} "
-          f"{'ratio':>7} {'rel.err':>7} {'scale':>7} {'± SE':>6} {'predicted':>9} {'worst/SE':>8} {'packed':>8} "
-          f"{'Z rule':>6}")
+    print(f"{'configuration':<58} {'correction':<10} {'aggregation':<24} {'draws':>6} {'max|bias|/SE':>12} "
+          f"{'proj/SE':>7} {'ratio':>7} {'rel.err':>7} {'scale':>7} {'± SE':>6} {'predicted':>9} {'worst/SE':>8} "
+          f"{'packed':>8} {'Z rule':>6} {'shift':>6}")
     for row in rows:
-        print(f"{row.configuration:<58} {row.aggregation:<24} {row.draws:>6} {row.max_bias_se:>12.2f} "
-              f"{row.projection_bias_se:>7.2f} {row.ratio:>7.4f} {row.relative_error:>7.4f} {row.scale:>7.4f} "
-              f"{row.scale_se:>6.4f} {row.predicted_scale:>9.4f} {row.max_bias_se_full:>8.2f} "
-              f"{row.packed_max_error:>8.1e} {str(row.normaliser_from_draw):>6}")
+        print(f"{row.configuration:<58} {row.correction:<10} {row.aggregation:<24} {row.draws:>6} "
+              f"{row.max_bias_se:>12.2f} {row.projection_bias_se:>7.2f} {row.ratio:>7.4f} {row.relative_error:>7.4f} "
+              f"{row.scale:>7.4f} {row.scale_se:>6.4f} {row.predicted_scale:>9.4f} {row.max_bias_se_full:>8.2f} "
+              f"{row.packed_max_error:>8.1e} {str(row.normaliser_from_draw):>6} {row.correction_shift:>6.3f}")
     if options.json:
         options.json.write_text(json.dumps([dataclasses.asdict(row) for row in rows], indent=1))
     print(f"seconds: {time.perf_counter() - start:.0f}")

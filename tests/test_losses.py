@@ -12,6 +12,7 @@ from megatron_dppo.algo.losses import (
     loss_normalizer,
     policy_loss,
 )
+from megatron_dppo.algo.rollout_correction import RolloutCorrection
 
 VOCAB, FEATURES = 6, 4
 
@@ -96,7 +97,7 @@ def make_policy_batch(lengths: torch.Tensor, sample_advantages: torch.Tensor, se
 
 
 FULL_CONFIG = dict(eps_low=0.2, eps_high=0.28, dual_clip_c=3.0, kl_coef=0.05, kl_type="k3", entropy_coef=0.01,
-                   tis_cap=2.0, max_response_length=12)
+                   rollout_correction=RolloutCorrection("token-tis", cap=2.0), max_response_length=12)
 
 
 def flat_inputs(logprobs, old_logprobs, advantages, sample_ids, **extra):
@@ -154,12 +155,13 @@ def test_truncated_importance_weight_caps_at_c_and_kl_entropy_terms_add():
     inputs = flat_inputs(logprobs, old, torch.tensor([1.0, -1.0], dtype=torch.float64), torch.tensor([0, 0]))
     base, _ = policy_loss(LossConfig(aggregation="token-mean"), normalizer=2.0, **inputs)
     rollout = torch.tensor([-math.log(3.0), -math.log(1.5)], dtype=torch.float64)  # weights 3 → capped 2, and 1.5
-    capped, metrics = policy_loss(LossConfig(aggregation="token-mean", tis_cap=2.0), normalizer=2.0,
+    token_tis = RolloutCorrection("token-tis", cap=2.0)
+    capped, metrics = policy_loss(LossConfig(aggregation="token-mean", rollout_correction=token_tis), normalizer=2.0,
                                   rollout_logprobs=rollout, **inputs)
     pg = torch.tensor([-math.exp(0.1), math.exp(-0.2)], dtype=torch.float64)
     assert base.item() == pytest.approx(pg.sum().item() / 2)
     assert capped.item() == pytest.approx((2.0 * pg[0] + 1.5 * pg[1]).item() / 2)
-    assert metrics["tis_capped_fraction"] == 0.5
+    assert metrics["rollout_correction_capped_fraction"] == 0.5
     ref, entropy = torch.tensor([0.3, 0.0], dtype=torch.float64), torch.tensor([1.0, 3.0], dtype=torch.float64)
     config = LossConfig(aggregation="token-mean", kl_coef=0.1, kl_type="k1", entropy_coef=0.01)
     total, metrics = policy_loss(config, normalizer=2.0, ref_logprobs=ref, entropy=entropy, **inputs)
@@ -190,14 +192,22 @@ def test_aggregation_modes_match_their_definitions(aggregation):
     assert loss.item() == pytest.approx(expected.item())
 
 
+# thresholds at which each correction caps, masks or rejects part of make_policy_batch's tokens (ratios e^N(0, 0.5²))
+SPLIT_CORRECTIONS = [RolloutCorrection("none"), RolloutCorrection("token-tis", cap=1.5),
+                     RolloutCorrection("seq-tis", cap=2.0), RolloutCorrection("seq-mis", cap=2.0),
+                     RolloutCorrection("geo-rs", band=(0.8, 1.25)), RolloutCorrection("icepop", band=(0.6, 1.7))]
+
+
+@pytest.mark.parametrize("correction", SPLIT_CORRECTIONS, ids=lambda correction: correction.name)
 @pytest.mark.parametrize("importance_level", ["token", "sequence"])
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
-def test_gradient_summed_over_microbatches_and_dp_shards_equals_full_batch(aggregation, importance_level):
+def test_gradient_summed_over_microbatches_and_dp_shards_equals_full_batch(aggregation, importance_level, correction):
     generator = torch.Generator().manual_seed(1)
     lengths = torch.randint(1, 12, (20,), generator=generator)
     batch = make_policy_batch(lengths, torch.randn(20, generator=generator), seed=2)
     weights = torch.rand(20, generator=generator, dtype=torch.float64) * 3  # pruner weights, any positive values
-    config = LossConfig(**FULL_CONFIG, aggregation=aggregation, importance_level=importance_level)
+    config = LossConfig(**{**FULL_CONFIG, "rollout_correction": correction}, aggregation=aggregation,
+                        importance_level=importance_level)
     normalizer = loss_normalizer(config, FullBatchInfo.from_lengths(lengths))
     full = batch.gradient(batch.loss(config, weights, normalizer)[0])
     for _ in range(3):
@@ -232,6 +242,6 @@ def test_bad_loss_config_and_missing_inputs_are_rejected():
     with pytest.raises(ValueError, match="no ref_logprobs"):
         policy_loss(LossConfig(kl_coef=0.1), normalizer=1.0, **inputs)
     with pytest.raises(ValueError, match="no rollout_logprobs"):
-        policy_loss(LossConfig(tis_cap=2.0), normalizer=1.0, **inputs)
+        policy_loss(LossConfig(rollout_correction=RolloutCorrection("token-tis")), normalizer=1.0, **inputs)
     with pytest.raises(ValueError, match="no entropy"):
         policy_loss(LossConfig(entropy_coef=0.1), normalizer=1.0, **inputs)

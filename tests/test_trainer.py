@@ -1,6 +1,8 @@
 """The full RL loop through examples/pretrain_dppo.py on 2 CPU ranks with the embedded engine.
 
 - smoke: TP=2, a few steps: finite loss and gradient norm, weights changed, weight version advanced, metrics written;
+  the engine samples from a perturbed copy of the weights (--rollout-engine-weight-noise), which the trainer logs as a
+  log-prob gap, and --rollout-correction seq-mis logs its weights and rejected sequences;
 - exact resume: 4 steps straight vs 2 steps, kill -9, resume to 4: bitwise-identical final weights and identical
   metrics for the resumed steps (fp32, CPU, fixed seeds; wall-time fields excluded);
 - a partial or corrupted checkpoint gives a clear error naming what is missing, and the previous one still loads.
@@ -62,8 +64,10 @@ def cache_dir(tmp_path_factory):
 
 
 def test_tp2_smoke_run_trains_syncs_and_writes_metrics(cache_dir, tmp_path):
+    # the engine samples from a perturbed copy of the weights, and the loss rejects the sequences it made too likely
     output = run_ok([*SHORT, "--cache-dir", cache_dir, "--log-dir", tmp_path / "log", "--train-iters", 3,
-                     "--tensor-model-parallel-size", 2, "--save", tmp_path / "ckpt", "--eval-interval", 3])
+                     "--tensor-model-parallel-size", 2, "--save", tmp_path / "ckpt", "--eval-interval", 3,
+                     "--rollout-engine-weight-noise", "0.02", "--rollout-correction", "seq-mis"])
     summary = json.loads(output.strip().splitlines()[-1])
     assert summary["steps"] == 3 and set(summary) >= {"heldout_accuracy_before", "heldout_accuracy_after"}
     metrics = read_metrics(tmp_path / "log")
@@ -74,8 +78,10 @@ def test_tp2_smoke_run_trains_syncs_and_writes_metrics(cache_dir, tmp_path):
     for m in updated:
         for key in ("pg_loss", "grad_norm", "reward_mean", "packing_density", "seconds_rollout", "seconds_update",
                     "seconds_sync", "tokens_per_second_update", "kept_fraction_prompts", "kept_fraction_completions",
-                    "logprob_gap_train_vs_rollout"):
+                    "logprob_gap_train_vs_rollout", "rollout_correction_weight_mean",
+                    "rollout_correction_masked_fraction", "rollout_correction_rejected_sequence_fraction"):
             assert key in m and math.isfinite(m[key]), (key, m)
+        assert m["logprob_gap_train_vs_rollout"] > 1e-3, "the engine's weight noise made no measurable gap"
     assert "heldout_accuracy" in metrics[-1]
     assert list((tmp_path / "log" / "tensorboard").glob("events.out.tfevents.*"))
     # the trained weights differ from the warm start they began from

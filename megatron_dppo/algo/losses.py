@@ -8,7 +8,8 @@ Per token t of sample i (all inputs are flat [tokens], THD layout, a sample id p
   ratio      ρ = exp(logp - old_logp)                      token level (PPO/GRPO)
              s_i = exp(mean_t (logp - old_logp))            sequence level (GSPO), the same for all t of i
   pg         max(-A ρ, -A clip(ρ, 1 - eps_low, 1 + eps_high)), then min(pg, -c A) where A < 0 (dual-clip)
-  tis        pg · min(exp(old_logp - rollout_logp), C)      truncated IS for the rollout-engine/trainer gap
+  v          pg · v_t, the rollout correction's weight        rollout_correction.py: the rollout-engine/trainer
+                                                            gap (none, token-tis, seq-tis, seq-mis, geo-rs, icepop)
   ℓ          pg + kl_coef · KL(k1 | k2 | k3 | low_var_kl) - entropy_coef · H
   loss       Σ_t w_i · m_t · c_t · ℓ_t / Z                  w_i the pruner's sample weight, m_t the loss mask
 Aggregation:
@@ -19,13 +20,20 @@ Aggregation:
 Invariants: Z is fixed before the batch is split, so the SUM of policy_loss over any split into micro-batches
 and data-parallel ranks is exactly the full-batch loss (and gradient). A sample's tokens must all lie in one
 micro-batch (|o_i| and the GSPO ratio are computed from them); the packer never splits a sequence.
-The loss is linear in the sample weights w_i, so a pruner's unbiased weights give an unbiased loss.
+The loss is linear in the sample weights w_i, so a pruner's unbiased weights give an unbiased loss; the rollout
+correction's v_t depend on sample i's own tokens only and leave Z alone, so this holds with every correction.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from megatron_dppo.algo.rollout_correction import RolloutCorrection, correction_weights
+
+# policy_loss's metrics are means over a micro-batch's masked tokens, except the counts and these means over its
+# sequences: combine_metrics weighs each by its own count
+COUNT_METRICS = ("num_tokens", "num_sequences")
+SEQUENCE_MEAN_METRICS = ("rollout_correction_rejected_sequence_fraction",)
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 IMPORTANCE_LEVELS = ("token", "sequence")
@@ -41,7 +49,7 @@ class LossConfig:
     entropy_coef: float = 0.0
     aggregation: str = "seq-mean-token-mean"
     importance_level: str = "token"  # "sequence" is GSPO
-    tis_cap: float | None = None  # C of the truncated importance weight; None disables it
+    rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)  # default: none
     max_response_length: int | None = None  # L_max, needed by seq-mean-token-sum-norm
 
     def __post_init__(self):
@@ -59,8 +67,6 @@ class LossConfig:
             )
         if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
             raise ValueError(f"dual_clip_c must be > 1 (typically 3), got {self.dual_clip_c}; use None to disable it")
-        if self.tis_cap is not None and self.tis_cap <= 0.0:
-            raise ValueError(f"tis_cap must be > 0 (typically 2), got {self.tis_cap}; use None to disable it")
         if self.kl_coef < 0.0 or self.entropy_coef < 0.0:
             raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}")
         if self.aggregation == "seq-mean-token-sum-norm" and not (self.max_response_length or 0) > 0:
@@ -154,9 +160,11 @@ def policy_loss(
         bound = -advantages * config.dual_clip_c
         dual_clipped = (advantages < 0) & (pg > bound)
         pg = torch.where(dual_clipped, bound, pg)
-    if config.tis_cap is not None:
-        importance_weight = torch.exp(old_logprobs - rollout_logprobs).clamp(max=config.tis_cap).detach()
-        pg = pg * importance_weight
+    correction = None
+    if config.rollout_correction.enabled:
+        correction = correction_weights(config.rollout_correction, old_logprobs.detach(), rollout_logprobs, mask,
+                                        local_ids, num_local)
+        pg = pg * correction.weights
 
     per_token = pg
     kl = None
@@ -180,6 +188,7 @@ def policy_loss(
 
         metrics = {
             "num_tokens": num_tokens,
+            "num_sequences": float(num_local),
             "clip_fraction": token_mean(clipped > unclipped),
             "dual_clip_fraction": token_mean(dual_clipped),
             "ratio_mean": token_mean(ratio),
@@ -189,10 +198,25 @@ def policy_loss(
             metrics["kl"] = token_mean(kl)
         if entropy is not None:
             metrics["entropy"] = token_mean(entropy)
-        if config.tis_cap is not None:
-            metrics["tis_weight_mean"] = token_mean(importance_weight)
-            metrics["tis_capped_fraction"] = token_mean(importance_weight >= config.tis_cap)
+        if correction is not None:
+            metrics["rollout_correction_weight_mean"] = token_mean(correction.weights)
+            metrics["rollout_correction_capped_fraction"] = token_mean(correction.capped)
+            metrics["rollout_correction_masked_fraction"] = token_mean(correction.masked)
+            metrics["rollout_correction_rejected_sequence_fraction"] = \
+                float(correction.rejected.sum()) / max(num_local, 1)
     return loss, metrics
+
+
+def combine_metrics(per_micro_batch: list[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from its micro-batches' policy_loss metrics: each mean weighted by its count (tokens, or
+    sequences for SEQUENCE_MEAN_METRICS); the counts themselves are left out (the trainer counts what it trained)."""
+    combined = {}
+    for key in (per_micro_batch[0] if per_micro_batch else {}):
+        if key not in COUNT_METRICS:
+            count = "num_sequences" if key in SEQUENCE_MEAN_METRICS else "num_tokens"
+            total = sum(metrics[count] for metrics in per_micro_batch)
+            combined[key] = sum(metrics[key] * metrics[count] for metrics in per_micro_batch) / max(total, 1.0)
+    return combined
 
 
 def packed_policy_loss(config: LossConfig, batch, logprobs: torch.Tensor, normalizer: float,
@@ -219,10 +243,10 @@ def packed_policy_loss(config: LossConfig, batch, logprobs: torch.Tensor, normal
 def _check_inputs(config, logprobs, ref_logprobs, rollout_logprobs, entropy, normalizer) -> None:
     if config.kl_coef > 0.0 and ref_logprobs is None:
         raise ValueError(f"kl_coef is {config.kl_coef} but no ref_logprobs were given: pass them or set kl_coef=0")
-    if config.tis_cap is not None and rollout_logprobs is None:
+    if config.rollout_correction.enabled and rollout_logprobs is None:
         raise ValueError(
-            f"tis_cap is {config.tis_cap} but no rollout_logprobs were given: pass the rollout engine's "
-            "log-probs or set tis_cap=None"
+            f"rollout correction {config.rollout_correction.name} weighs the trainer's log-probs against the rollout "
+            "engine's, but no rollout_logprobs were given: pass them or use RolloutCorrection('none')"
         )
     if config.entropy_coef > 0.0 and entropy is None:
         raise ValueError(f"entropy_coef is {config.entropy_coef} but no entropy was given: pass it or set 0")

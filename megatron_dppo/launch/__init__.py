@@ -4,6 +4,7 @@
     checkpoint, the task, the rollout servers (rollout/launcher), the weight-sync group, Trainer ─► metrics, summary
     launch_plan.py: what --dry-run prints (node roles, ranks, GPUs, server commands, the weight-sync group), no torch
     embedded.py: what the no-argument CPU run builds first (tiny model, cached supervised warm start)
+    rollout_correction_flags.py: one group of arguments.py's flags, in a module of its own (--rollout-correction)
 
 No other part of the package imports it: it is the top of the import graph (bench/ and tools/ use it as users do).
 """

@@ -41,6 +41,7 @@ from megatron_dppo.flags import (
     FlagParser,
     require_domains,
 )
+from megatron_dppo.launch import rollout_correction_flags as correction
 from megatron_dppo.metrics import wandb_project_flag
 from megatron_dppo.platform import TRANSFORMER_IMPLS, transformer_impl_error
 from megatron_dppo.rewards.custom import reward_function_flag
@@ -91,8 +92,8 @@ def build_parser() -> FlagParser:
         description="GRPO-family RL with DPPO on Megatron-Core. With no arguments on a CPU machine: the embedded "
         "default (tiny model, synthetic arithmetic, embedded rollout engine).",
     )
-    for add_flags in (megatron_flags, rollout_flags, algorithm_flags, reward_flags, data_flags, embedded_flags,
-                      operation_flags):
+    for add_flags in (megatron_flags, rollout_flags, algorithm_flags, correction.add_flags, reward_flags, data_flags,
+                      embedded_flags, operation_flags):
         add_flags(parser)
     require_domains(parser)
     parser.note_replaced_defaults("the embedded default", EMBEDDED_DEFAULTS, EMBEDDED_TASK_DEFAULTS,
@@ -283,7 +284,6 @@ def algorithm_flags(parser: argparse.ArgumentParser) -> None:
     algo.add_argument("--kl-type", choices=("k1", "k2", "k3", "low_var_kl"), default="low_var_kl")
     algo.add_argument("--entropy-coef", type=NON_NEGATIVE, default=0.0)
     algo.add_argument("--importance-level", choices=("token", "sequence"), default="token", help="sequence: GSPO")
-    algo.add_argument("--tis-cap", type=POSITIVE, default=2.0, help="truncated IS cap for rollout/trainer mismatch")
     algo.add_argument("--ppo-epochs", type=COUNT, default=1, help="update passes over each rollout batch")
     algo.add_argument("--history-ema-decay", type=RATE, default=0.5,
                       help="per-visit decay of a prompt's history (0: its latest visit alone)")
@@ -390,8 +390,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     order of --help; where a check asks whether a flag was given, the parser's default answers it."""
     server_gpus, server_errors = rollout_server_gpus(args)
     errors = [*megatron_errors(args), *rollout_errors(args), *server_errors, *vllm_errors(args),
-              *algorithm_errors(args, parser), *batch_filling_errors(args, parser), *range_combination_errors(args),
-              *model_and_data_errors(args, parser), *embedded_errors(args)]
+              *algorithm_errors(args, parser), *correction.errors(args, parser), *batch_filling_errors(args, parser),
+              *range_combination_errors(args), *model_and_data_errors(args, parser), *embedded_errors(args)]
     if errors:
         parser.error(errors[0] if len(errors) == 1 else "\n  ".join(["invalid arguments:", *errors]))
     fill_dependent_defaults(args, server_gpus)
@@ -585,6 +585,7 @@ def embedded_errors(args: argparse.Namespace) -> list[str]:
 def fill_dependent_defaults(args: argparse.Namespace, server_gpus: int) -> None:
     """The defaults that follow from other flags, filled in once every flag is known to be valid."""
     args.rollout_server_gpus = server_gpus
+    correction.resolve(args)
     if args.rollout_backend == "sglang" and sglang_flag_value(args.sglang_args, SGLANG_TP_FLAGS) is None:
         args.sglang_args += ["--tp-size", str(server_gpus)]
     if args.rl_seed is None:

@@ -31,6 +31,7 @@ from megatron_dppo.algo.pruning import (
     full_batch_counts,
     normalizer_scale_estimate,
 )
+from megatron_dppo.algo.rollout_correction import RolloutCorrection
 from megatron_dppo.pipeline.packing import TrainingSample
 from megatron_dppo.pipeline.partial_rollouts import PartialConfig, PartialRollouts
 from megatron_dppo.rollout.client import SamplingParams
@@ -59,7 +60,9 @@ def loss_config(args) -> LossConfig:
     return LossConfig(
         eps_low=args.eps_clip, eps_high=args.eps_clip_high, dual_clip_c=args.eps_clip_c, kl_coef=args.kl_coef,
         kl_type=args.kl_type, entropy_coef=args.entropy_coef, aggregation=args.loss_agg_mode,
-        importance_level=args.importance_level, tis_cap=args.tis_cap, max_response_length=args.rollout_max_response_len)
+        importance_level=args.importance_level, max_response_length=args.rollout_max_response_len,
+        rollout_correction=RolloutCorrection(args.rollout_correction, args.rollout_correction_cap,
+                                             args.rollout_correction_band))
 
 
 def run_progress(step: int, elapsed_s: float, train_iters: int | None, time_budget_s: float | None) -> float:

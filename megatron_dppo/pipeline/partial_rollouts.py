@@ -19,7 +19,7 @@ Invariants:
 - every started sample is trained exactly once, with its cohort, or counted as discarded: restarted (its tokens
   dropped) when a carried sample is past the staleness bound, or still open when the run ends;
 - every generated token keeps the log-prob the engine gave it and the weight version that sampled it; the loss
-  corrects the older ones with the truncated importance weight min(exp(old - rollout), --tis-cap);
+  corrects the older ones with the rollout correction (--rollout-correction, token TIS by default);
 - staleness: a token is at most S = --partial-rollout-max-staleness versions older than the weights that train on
   it (a cohort drawn at step t trains at step t + S at the latest); a carried sample past it (a run resumed with a
   smaller S) is restarted, never trained stale;

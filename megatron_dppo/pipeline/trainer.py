@@ -31,7 +31,7 @@ from megatron.core import parallel_state
 from megatron_dppo.actor.checkpoint import load_trainer_state, resolve_checkpoint, save_checkpoint
 from megatron_dppo.actor.export import is_export_source
 from megatron_dppo.actor.step import logprob_loss_fn, next_token_targets
-from megatron_dppo.algo.losses import loss_normalizer, packed_policy_loss
+from megatron_dppo.algo.losses import combine_metrics, loss_normalizer, packed_policy_loss
 from megatron_dppo.pipeline.experience import Experience, ExperienceMaker, Rollouts, run_progress
 from megatron_dppo.pipeline.packing import pack_micro_batches, padding_token_id, sequence_pad_multiple
 from megatron_dppo.platform import collectives
@@ -125,12 +125,7 @@ class Trainer:
         metrics = {"grad_norm": grad_norm, "seconds_update": seconds, "tokens_trained": tokens,
                    "tokens_per_second_update": tokens / max(seconds, 1e-9),
                    "skipped_update": skipped / self.args.ppo_epochs, "loss_scale": self.actor.loss_scale}
-        if collected:
-            weights = [o["num_tokens"] for o in collected]
-            for key in collected[0]:
-                if key != "num_tokens":
-                    metrics[key] = sum(o[key] * w for o, w in zip(collected, weights)) / max(sum(weights), 1.0)
-        return metrics
+        return {**metrics, **combine_metrics(collected)}
 
     def _policy_loss_fn(self, normalizer: float):
         config = self.loss_config

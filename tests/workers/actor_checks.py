@@ -459,6 +459,7 @@ def check_device_move(args):
     from megatron_dppo.actor.actor import Actor, OptimConfig
     from megatron_dppo.actor.step import logprob_loss_fn, next_token_targets
     from megatron_dppo.algo.losses import LossConfig, packed_policy_loss
+    from megatron_dppo.algo.rollout_correction import RolloutCorrection
     from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
     from megatron_dppo.pipeline.packing import TrainingSample, build_thd_batch
     from tests.workers.emulated_device import (
@@ -485,7 +486,7 @@ def check_device_move(args):
 
     samples = [sample(3, 4), sample(2, 6), sample(5, 2)]
     batches = [build_thd_batch(samples, [0, 1], pad_multiple=4), build_thd_batch(samples, [2], pad_multiple=4)]
-    config = LossConfig(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0)
+    config = LossConfig(kl_coef=0.1, entropy_coef=0.01, rollout_correction=RolloutCorrection("token-tis", cap=2.0))
 
     def checked(loss_fn):
         def loss_on_device(micro_batch, output):

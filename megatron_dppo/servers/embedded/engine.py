@@ -49,6 +49,7 @@ Invariants:
 
 Run: python -m megatron_dppo.servers.embedded --model-dir DIR [--host 127.0.0.1] [--port P] [--api-key K]
      [--workers W] [--threads T] [--max-total-tokens KV_BUDGET] [--max-n N] [--disable-radix-cache]
+     [--weight-noise S [--weight-noise-seed N]]
 """
 
 
@@ -66,7 +67,7 @@ from megatron_dppo.servers.embedded.prefix_cache import PrefixCache
 from megatron_dppo.servers.embedded.request_parser import DEFAULT_MAX_N, RequestParser, response
 from megatron_dppo.servers.embedded.routes import build_app
 from megatron_dppo.servers.embedded.scheduler import MIN_ROWS_PER_WORKER, BatchGenerator, BatchScheduler
-from megatron_dppo.servers.embedded.weights import WeightUpdates
+from megatron_dppo.servers.embedded.weights import WeightNoise, WeightUpdates
 
 DEFAULT_KV_CACHE_BYTES = 2**30  # the KV budget's default size: see --max-total-tokens
 
@@ -77,12 +78,15 @@ class EmbeddedEngine:
     def __init__(self, model_dir: str, dtype: str = "float32", max_batch_size: int = 256,
                  batch_window_s: float = 0.005, seed: int = 0, model_name: str | None = None,
                  deterministic_inference: bool = False, workers: int = 1, max_total_tokens: int | None = None,
-                 max_n: int = DEFAULT_MAX_N, prefix_cache: bool = True):
+                 max_n: int = DEFAULT_MAX_N, prefix_cache: bool = True, weight_noise: float = 0.0,
+                 weight_noise_seed: int = 0):
         """deterministic_inference: SGLang's --enable-deterministic-inference, without which sampling_seed is
         ignored (see the module docstring). workers: a batch of at least MIN_ROWS_PER_WORKER sequences per worker is
         split into that many contiguous parts, decoded concurrently by as many threads. max_total_tokens: the KV
         budget, the cache slots one batch may take (rows x (longest context + largest token budget)) and one
-        request may ask for; default: what DEFAULT_KV_CACHE_BYTES hold. max_n: samples per prompt in one request."""
+        request may ask for; default: what DEFAULT_KV_CACHE_BYTES hold. max_n: samples per prompt in one request.
+        weight_noise: the engine samples from its weights plus seeded Gaussian noise of this size relative to each
+        parameter's RMS, at start and after every weight load (WeightNoise, weights.py); 0: off."""
         if min(workers, max_batch_size, max_n, 1 if max_total_tokens is None else max_total_tokens) < 1:
             raise ValueError(f"--workers {workers}, --max-batch-size {max_batch_size}, --max-n {max_n} and "
                              f"--max-total-tokens {max_total_tokens} must be >= 1")
@@ -113,7 +117,10 @@ class EmbeddedEngine:
         self.scheduler = BatchScheduler(
             BatchGenerator(self.decoder, self.prefix_cache, eos_token_ids, max_positions, seed),
             max_positions, max_batch_size, max_total_tokens, workers, batch_window_s)
-        self.weights = WeightUpdates(self.model, self.prefix_cache)
+        noise = WeightNoise(weight_noise, weight_noise_seed) if weight_noise else None
+        self.weights = WeightUpdates(self.model, self.prefix_cache, noise)
+        if noise is not None:
+            noise.apply(self.model, [name for name, _ in self.model.named_parameters(remove_duplicate=False)])
 
     async def generate(self, body: dict):
         """Answer a /generate body: one response, or a list of them (several prompts or n > 1), in SGLang's order."""
@@ -133,7 +140,7 @@ class EmbeddedEngine:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from megatron_dppo.flags import COUNT, SEED, Domain, FlagParser, require_domains
+    from megatron_dppo.flags import COUNT, NON_NEGATIVE, SEED, Domain, FlagParser, require_domains
 
     parser = FlagParser(prog="megatron_dppo.servers.embedded", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -159,6 +166,10 @@ def main(argv: list[str] | None = None) -> None:
                              "42 when the request gives none); without it sampling_seed is ignored")
     parser.add_argument("--threads", type=COUNT, default=None,
                         help="torch intra-op threads of each worker (default: cores / 2)")
+    parser.add_argument("--weight-noise", type=NON_NEGATIVE, default=0.0,
+                        help="sample from a perturbed copy of the weights: every parameter loaded gets seeded Gaussian "
+                             "noise of this size times its RMS (a controlled engine/trainer gap); 0: off")
+    parser.add_argument("--weight-noise-seed", type=SEED, default=0)
     parser.add_argument("--disable-radix-cache", action="store_true",
                         help="as SGLang's flag: keep no prefix K/V between requests (a continued chunk is prefilled "
                              "again)")
@@ -171,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed,
                             deterministic_inference=args.enable_deterministic_inference, workers=args.workers,
                             max_total_tokens=args.max_total_tokens, max_n=args.max_n,
-                            prefix_cache=not args.disable_radix_cache)
+                            prefix_cache=not args.disable_radix_cache, weight_noise=args.weight_noise,
+                            weight_noise_seed=args.weight_noise_seed)
     start = time.perf_counter()
     print(f"embedded engine: model {args.model_dir} loaded, serving http://{args.host}:{args.port}", flush=True)
     web.run_app(build_app(engine, args.api_key), host=args.host, port=args.port, print=None,

@@ -3,6 +3,7 @@
     /init_weights_update_group (once, gloo) ─► per sync: /begin_weight_update ─► /update_weights_from_distributed per
     bucket (receive, check names and shapes, load: flattened buckets zero-copy, or one broadcast per tensor)
     ─► /end_weight_update;  /update_weights_from_disk: *.safetensors loaded by name
+    --weight-noise S: every parameter loaded (at start, by each update) ─► + S · its RMS · seeded noise (WeightNoise)
 
 The group, the bucket layout and unpacking are the wire protocol's (weight_update_protocol.py). The routes call
 every load under the scheduler's model lock, so generation never sees a half-loaded bucket.
@@ -18,6 +19,8 @@ Invariants:
 
 from __future__ import annotations
 
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,14 +45,43 @@ SESSION_SELECTORS = ("target", "draft", "all")  # BeginWeightUpdateReqInput.sele
 DEFAULT_GROUP = "weight_update_group"  # SGLang's group_name when a request gives none
 
 
+@dataclass(frozen=True)
+class WeightNoise:
+    """A controlled disagreement between the engine and the trainer: every parameter the engine loads gets Gaussian
+    noise of `relative` times its own RMS added, drawn from a generator seeded by (`seed`, the parameter's HF name).
+    The same weights therefore always give the same perturbed copy (a fixed, reproducible engine error, as a
+    precision or kernel difference is), and the gap it makes is what the trainer logs as
+    logprob_gap_train_vs_rollout."""
+
+    relative: float
+    seed: int = 0
+
+    @torch.no_grad()
+    def apply(self, model, names) -> None:
+        """Perturb the parameters `names` of `model` (buffers are left alone; a tied parameter once)."""
+        parameters = dict(model.named_parameters(remove_duplicate=False))
+        done = set()
+        for name in names:
+            parameter = parameters.get(name)
+            if parameter is None or id(parameter) in done:
+                continue
+            done.add(id(parameter))
+            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            values = parameter.data.float()
+            noise = torch.randn(values.shape, generator=generator, dtype=torch.float32)
+            parameter.data.copy_(values + self.relative * values.square().mean().sqrt() * noise)
+
+
 class WeightUpdates:
     """The engine's weight side: the weight-update session, the groups joined, the received bucket buffers, the
     version the weights carry, and loading by HF name into `model` (callers hold the model lock)."""
 
-    def __init__(self, model, prefix_cache: PrefixCache):
-        """model: the HF model generation runs on; prefix_cache: cleared by every load."""
+    def __init__(self, model, prefix_cache: PrefixCache, noise: WeightNoise | None = None):
+        """model: the HF model generation runs on; prefix_cache: cleared by every load; noise: added to every
+        parameter loaded (--weight-noise)."""
         self.model = model
         self.prefix_cache = prefix_cache
+        self.noise = noise
         self.session_selector: str | None = None  # the open weight-update session's runners, as SGLang records it
         self.weight_version = "default"
         self.load_format = None
@@ -100,6 +132,15 @@ class WeightUpdates:
         self.session_selector = None
 
     def update_from_distributed(self, body: dict) -> None:
+        """Receive one bucket from group rank 0 and load it (receive_bucket), then perturb it (--weight-noise)."""
+        self.receive_bucket(body)
+        self._perturb(body["names"])
+
+    def _perturb(self, names) -> None:
+        if self.noise is not None:
+            self.noise.apply(self.model, names)
+
+    def receive_bucket(self, body: dict) -> None:
         """Receive one bucket from group rank 0 and load it (flattened_bucket: one broadcast; null: one per tensor).
 
         Zero-copy: a flattened bucket is received into a new buffer and the parameters it names become views into
@@ -221,5 +262,7 @@ class WeightUpdates:
         files = sorted(Path(body["model_path"]).glob("*.safetensors"))
         if not files:
             raise RequestError(f"model_path {body['model_path']} has no *.safetensors files")
-        self.load_named_tensors([item for file in files for item in load_file(file).items()])
+        tensors = [item for file in files for item in load_file(file).items()]
+        self.load_named_tensors(tensors)
+        self._perturb([name for name, _ in tensors])
         self.load_format = body.get("load_format")
