@@ -30,7 +30,13 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_dppo.actor.export import iter_hf_tensors
-from megatron_dppo.actor.model import build_gpt_model, build_transformer_config, load_hf_weights, place_model
+from megatron_dppo.actor.model import (
+    Recompute,
+    build_gpt_model,
+    build_transformer_config,
+    load_hf_weights,
+    place_model,
+)
 from megatron_dppo.actor.step import LossFn, finalize_grads_without_token_scaling, run_micro_batches
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
 from megatron_dppo.convert.mapping import ModelShape
@@ -61,12 +67,15 @@ class OptimConfig:
 class Actor:
     def __init__(self, shape: ModelShape, tp: int, pp: int, dtype: str, optim: OptimConfig | None,
                  hf_checkpoint: HFCheckpoint | None = None, sequence_parallel: bool = False,
-                 transformer_impl: str | None = None, device: torch.device | str | None = None):
+                 transformer_impl: str | None = None, device: torch.device | str | None = None,
+                 recompute: Recompute | None = None):
         """`optim=None` builds a frozen model (the reference policy): no DDP, no optimizer. `device`: where the model
-        runs, by default this rank's (`platform.current_device()`)."""
+        runs, by default this rank's (`platform.current_device()`). `recompute`: Megatron-LM's activation recompute
+        (training steps only; the forward-only pass keeps no activations anyway)."""
         self.shape = shape
         self.device = torch.device(device or current_device())
-        config = build_transformer_config(shape, tp, pp, dtype, sequence_parallel, transformer_impl)
+        config = build_transformer_config(shape, tp, pp, dtype, sequence_parallel, transformer_impl,
+                                          **(recompute or Recompute()).config_fields())
         self.model = build_gpt_model(shape, config)
         if hf_checkpoint is not None:
             load_hf_weights(self.model, hf_checkpoint)

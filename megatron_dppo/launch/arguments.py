@@ -89,8 +89,8 @@ def build_parser() -> FlagParser:
         description="GRPO-family RL with DPPO on Megatron-Core. With no arguments on a CPU machine: the embedded "
         "default (tiny model, synthetic arithmetic, embedded rollout engine).",
     )
-    for add_flags in (megatron_flags, rollout_flags, algorithm_flags, reward_flags, data_flags, embedded_flags,
-                      operation_flags):
+    for add_flags in (megatron_flags, memory_flags, rollout_flags, algorithm_flags, reward_flags, data_flags,
+                      embedded_flags, operation_flags):
         add_flags(parser)
     require_domains(parser)
     return parser
@@ -145,6 +145,22 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
                           help="stop RL once this many seconds of it have passed (after the current step); held-out "
                                "evaluations (--eval-interval) are not counted")
 
+
+RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS = ("full", "selective"), ("uniform", "block")  # Megatron-LM's choices
+
+
+def memory_flags(parser: argparse.ArgumentParser) -> None:
+    memory = parser.add_argument_group("memory (Megatron-LM's activation recompute)")
+    memory.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
+                        help="recompute activations in backward instead of keeping them: full (whole layers, keeping "
+                             "only each recomputed unit's input; needs --recompute-method and --recompute-num-layers) "
+                             "or selective (core attention of every layer); default: keep every activation")
+    memory.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
+                        help="--recompute-granularity full: uniform (every layer, in units of --recompute-num-layers "
+                             "layers) or block (the first --recompute-num-layers layers of each pipeline stage)")
+    memory.add_argument("--recompute-num-layers", type=COUNT, default=None,
+                        help="--recompute-granularity full: layers per recomputed unit (uniform) or recomputed "
+                             "layers per pipeline stage (block)")
 
 def rollout_flags(parser: argparse.ArgumentParser) -> None:
     rollout = parser.add_argument_group("rollout")
@@ -374,9 +390,9 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     flag and the fix; then fill in the defaults that depend on other flags. One check per group of flags, in the
     order of --help; where a check asks whether a flag was given, the parser's default answers it."""
     server_gpus, server_errors = rollout_server_gpus(args)
-    errors = [*megatron_errors(args), *rollout_errors(args), *server_errors, *vllm_errors(args),
-              *algorithm_errors(args, parser), *batch_filling_errors(args, parser), *range_combination_errors(args),
-              *model_and_data_errors(args, parser), *embedded_errors(args)]
+    errors = [*megatron_errors(args), *recompute_errors(args), *rollout_errors(args), *server_errors,
+              *vllm_errors(args), *algorithm_errors(args, parser), *batch_filling_errors(args, parser),
+              *range_combination_errors(args), *model_and_data_errors(args, parser), *embedded_errors(args)]
     if errors:
         parser.error(errors[0] if len(errors) == 1 else "\n  ".join(["invalid arguments:", *errors]))
     fill_dependent_defaults(args, server_gpus)
@@ -406,6 +422,24 @@ def megatron_errors(args: argparse.Namespace) -> list[str]:
     if args.transformer_impl is not None and (error := transformer_impl_error(args.transformer_impl)):
         errors.append(error)
     return errors
+
+
+def recompute_errors(args: argparse.Namespace) -> list[str]:
+    """Megatron-LM's recompute rules (megatron-core's TransformerConfig and Megatron-LM's validate_args): full takes a
+    method and a layer count, selective neither; a method or a count alone recomputes nothing."""
+    granularity, method, layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    given = [f"{flag} {value}" for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers))
+             if value is not None]
+    if granularity is None and given:
+        return [f"{' and '.join(given)} apply to --recompute-granularity full, which is not given: add "
+                "--recompute-granularity full or drop them"]
+    if granularity == "full" and (method is None or layers is None):
+        return ["--recompute-granularity full needs --recompute-method (uniform or block) and --recompute-num-layers "
+                "N: e.g. --recompute-method uniform --recompute-num-layers 1 (each layer keeps only its input)"]
+    if granularity == "selective" and given:
+        return [f"--recompute-granularity selective recomputes core attention in every layer and takes no "
+                f"{' or '.join(given)}: drop them, or use --recompute-granularity full"]
+    return []
 
 
 def rollout_errors(args: argparse.Namespace) -> list[str]:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_dppo.actor.actor import Actor, OptimConfig
 from megatron_dppo.actor.checkpoint import read_hf_config, resolve_checkpoint
+from megatron_dppo.actor.model import Recompute
 from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint, read_config
 from megatron_dppo.convert.mapping import model_shape
@@ -153,7 +154,8 @@ def run(args) -> dict:
                         use_distributed_optimizer=args.use_distributed_optimizer,
                         initial_loss_scale=args.initial_loss_scale)
     actor = Actor(shape, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, dtype, optim,
-                  checkpoint, args.sequence_parallel, args.transformer_impl)
+                  checkpoint, args.sequence_parallel, args.transformer_impl,
+                  recompute=Recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers))
     if warm_start is not None and not args.load:
         actor.load_sharded(warm_start, with_optimizer=False)
     reference = None
