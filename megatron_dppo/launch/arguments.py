@@ -150,7 +150,7 @@ RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS = ("full", "selective"), ("uniform", 
 
 
 def memory_flags(parser: argparse.ArgumentParser) -> None:
-    memory = parser.add_argument_group("memory (Megatron-LM's activation recompute)")
+    memory = parser.add_argument_group("memory (Megatron-LM's activation recompute; the per-GPU memory plan)")
     memory.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
                         help="recompute activations in backward instead of keeping them: full (whole layers, keeping "
                              "only each recomputed unit's input; needs --recompute-method and --recompute-num-layers) "
@@ -161,6 +161,12 @@ def memory_flags(parser: argparse.ArgumentParser) -> None:
     memory.add_argument("--recompute-num-layers", type=COUNT, default=None,
                         help="--recompute-granularity full: layers per recomputed unit (uniform) or recomputed "
                              "layers per pipeline stage (block)")
+    memory.add_argument("--gpu-memory-gib", type=POSITIVE, default=80.0,
+                        help="memory of one trainer GPU, which the memory plan (--dry-run, and every start on a GPU) "
+                             "checks the run against: weights, gradients, optimizer state and activations at "
+                             "--max-tokens-per-gpu (default: an 80 GB H100's; a start also takes the GPU's own if "
+                             "smaller)")
+
 
 def rollout_flags(parser: argparse.ArgumentParser) -> None:
     rollout = parser.add_argument_group("rollout")

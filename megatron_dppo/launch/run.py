@@ -3,6 +3,7 @@
     parse/validate args ─► rank 0: the layout of the SGLang / vLLM servers it will start (enough GPUs?)
     ─► --hf-checkpoint: its tokenizer and the task (prompts + reward), read before anything starts
     ─► torch.distributed + Megatron parallel state
+    ─► the memory plan of a trainer GPU (launch/memory_plan.py): refused here if it cannot fit
     ─► or the embedded default: tiny model + cached warm start, and the synthetic task
     ─► actor (+ frozen reference when --kl-coef > 0)
     ─► rank 0: rollout servers (embedded engine | SGLang | vLLM | external URLs), client, weight syncer, server pool
@@ -25,12 +26,14 @@ from megatron_dppo.actor.model import Recompute
 from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint, read_config
 from megatron_dppo.convert.mapping import model_shape
+from megatron_dppo.errors import UserInputError
 from megatron_dppo.launch.arguments import is_embedded_default
 from megatron_dppo.launch.launch_plan import weight_sync_backend
+from megatron_dppo.launch.memory_plan import start_memory_error
 from megatron_dppo.metrics import MetricsLogger
 from megatron_dppo.pipeline.tasks import Task, dataset_task, synthetic_task
 from megatron_dppo.pipeline.trainer import Trainer
-from megatron_dppo.platform import is_cpu
+from megatron_dppo.platform import device_memory_bytes, is_cpu
 from megatron_dppo.platform.process import is_rank0
 from megatron_dppo.rollout.launcher import local_servers
 
@@ -145,6 +148,11 @@ def run(args) -> dict:
         task = build_task(args, tokenizer)
     hf_config = read_hf_config(resolve_checkpoint(args.load)) if args.load else read_config(model_dir)
     shape = model_shape(hf_config)
+    memory_error = start_memory_error(args, dist.get_world_size() // (args.tensor_model_parallel_size *
+                                                                       args.pipeline_model_parallel_size),
+                                      shape, device_memory_bytes())
+    if memory_error:  # every rank finds it alike; before the model is built, so nothing is allocated for nothing
+        raise UserInputError(memory_error)
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     checkpoint = HFCheckpoint(model_dir)
     optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
