@@ -478,6 +478,7 @@ def vllm_errors(args: argparse.Namespace) -> list[str]:
 # SGLang's names for its tensor- and data-parallel sizes (srt/arg_groups/fields/parallel.py in sglang 0.5.23)
 SGLANG_TP_FLAGS = ("--tp-size", "--tensor-parallel-size")
 SGLANG_DP_FLAGS = ("--dp-size", "--data-parallel-size")
+SGLANG_PP_FLAGS = ("--pp-size", "--pipeline-parallel-size")
 
 
 def rollout_server_gpus(args: argparse.Namespace) -> tuple[int, list[str]]:
@@ -496,6 +497,11 @@ def rollout_server_gpus(args: argparse.Namespace) -> tuple[int, list[str]]:
     if dp is not None and dp.strip() != "1":
         errors.append(f"--sglang-dp-size {dp}: SGLang refuses weight updates from the trainer with more than one "
                       "data-parallel replica; start more servers instead (--rollout-num-servers)")
+    pp = sglang_flag_value(args.sglang_args, SGLANG_PP_FLAGS)
+    if pp is not None and pp.strip() != "1":
+        errors.append(f"--sglang-pp-size {pp}: an SGLang server split into pipeline stages cannot take the trainer's "
+                      "weights (each stage joins the weight-sync group at rank_offset + tp_rank, so stages collide "
+                      "on one rank): use --sglang-tp-size for a server's GPUs, or more servers")
     tp = sglang_flag_value(args.sglang_args, SGLANG_TP_FLAGS)
     if tp is None:
         return given or 1, errors
