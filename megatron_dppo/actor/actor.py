@@ -143,26 +143,50 @@ class Actor:
         model_state = self.model.sharded_state_dict()
         state = {"model": model_state}
         if self.optimizer is not None:
+            self._give_unstepped_adam_a_state()
             state["optimizer"] = self.optimizer.sharded_state_dict(model_state, metadata=OPTIMIZER_CHECKPOINT_FORMAT)
         return state
+
+    def _megatron_optimizers(self) -> list:
+        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
 
     def _torch_adams_of_distributed_optimizers(self) -> list[torch.optim.Optimizer]:
         """The torch Adam inside each distributed optimizer (the CPU's and a GPU's without TE or Apex; their fused
         Adams count steps per group, which megatron-core's distributed checkpoints handle)."""
-        return [optimizer.optimizer for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [optimizer.optimizer for optimizer in self._megatron_optimizers()
                 if isinstance(optimizer, DistributedOptimizer)
                 and isinstance(optimizer.optimizer, torch.optim.Adam | torch.optim.AdamW)]
 
     def _give_unstepped_adam_a_state(self) -> None:
-        """megatron-core 0.16.1's distributed optimizer describes its state for loading by torch Adam's
-        per-parameter step counts, which a torch Adam that never stepped lacks: give it zero moments and step 0,
-        placeholders the load overwrites (as megatron-core's own loaders load over dummy values)."""
-        for adam in self._torch_adams_of_distributed_optimizers():
-            for group in adam.param_groups:
-                for param in group["params"]:
-                    if not adam.state[param]:
-                        adam.state[param] = {"step": torch.zeros((), dtype=torch.float32),
-                                             "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+        """Adam creates a parameter's state at its first step; megatron-core 0.16.1 can neither save nor load an Adam
+        that never stepped (every update so far skipped: no kept samples, or fp16 overflows): the distributed
+        optimizer asserts on torch Adam's missing step counts, and both optimizers describe a checkpoint without the
+        moments a later load asks for. Each parameter without a state gets the one Adam's first step would create:
+        zero moments (megatron-core's own `init_state_fn`, as its loaders call it) and, for torch Adam, step 0. Before
+        a save, so that the checkpoint holds it, and before a load, as placeholders the load overwrites (as
+        megatron-core's own loaders load over dummy values); a later step computes what it would have from none."""
+        for optimizer in self._megatron_optimizers():
+            if optimizer.init_state_fn is not None:
+                optimizer.init_state_fn(optimizer.optimizer, optimizer.config)
+            if isinstance(optimizer.optimizer, torch.optim.Adam | torch.optim.AdamW):
+                for state in optimizer.optimizer.state.values():
+                    state.setdefault("step", torch.zeros((), dtype=torch.float32))
+
+    def _step_zero_where_unsaved(self, loaded: dict) -> None:
+        """megatron-core 0.16.1 saves the shared step count of an optimizer without --use-distributed-optimizer only
+        when it is non-zero (`if step:` in Float16OptimizerWithFloat16Params' and FP32Optimizer's
+        sharded_state_dict), so the checkpoint of an Adam that never stepped has none, and torch Adam refuses states
+        without one: they load with step 0, the count that was saved."""
+        optimizers = self._megatron_optimizers()
+        parts = [loaded] if len(optimizers) == 1 else [loaded[index] for index in sorted(loaded)]
+        for optimizer, part in zip(optimizers, parts):
+            if isinstance(optimizer, DistributedOptimizer) or not isinstance(
+                    optimizer.optimizer, torch.optim.Adam | torch.optim.AdamW):
+                continue
+            state = part["optimizer"]["state"] if "optimizer" in part else part["state"]
+            if "common_step" not in state:
+                for param_state in state.values():
+                    param_state.setdefault("step", torch.zeros((), dtype=torch.float32))
 
     def _restore_adam_step_counts(self) -> None:
         """megatron-core 0.16.1's distributed optimizer, loading into torch Adam, sets every parameter's `step` to one
@@ -175,7 +199,8 @@ class Actor:
                     adam.state[param]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
     def load_sharded(self, checkpoint, with_optimizer: bool) -> None:
-        """Load model (and optimizer) state from a Megatron checkpoint saved under any TP/PP."""
+        """Load model (and optimizer) state from a Megatron checkpoint: the model's saved under any TP/PP, the
+        optimizer's as actor/checkpoint.py says (the distributed optimizer's under its own TP/PP only)."""
         from megatron_dppo.actor.checkpoint import load_module_state, load_sharded
 
         model_state = self.model.sharded_state_dict()
@@ -187,6 +212,7 @@ class Actor:
         loaded = load_sharded(checkpoint, request)
         load_module_state(self.model, loaded["model"])
         if with_optimizer:
+            self._step_zero_where_unsaved(loaded["optimizer"])
             self.optimizer.load_state_dict(loaded["optimizer"])
             self._restore_adam_step_counts()
         elif self.optimizer is not None:

@@ -114,6 +114,10 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
                                "rollout away)")
     megatron.add_argument("--hf-checkpoint", help="HF model directory to start from (config.json + safetensors)")
     megatron.add_argument("--load", help="resume from a Megatron checkpoint (save dir or iter_* dir)")
+    megatron.add_argument("--no-load-optim", action="store_true",
+                          help="--load the model (and the run's step, data position and history) without the "
+                               "optimizer and its LR schedule, which start afresh (Megatron-LM's flag): e.g. for a "
+                               "checkpoint whose distributed-optimizer state was saved under another TP/PP")
     megatron.add_argument("--save", help="directory for Megatron distributed checkpoints")
     megatron.add_argument("--save-interval", type=COUNT_OR_NONE, default=0,
                           help="save every N steps (0: only at the end)")
