@@ -16,8 +16,10 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from megatron_dppo.actor.actor import Actor, OptimConfig
@@ -76,8 +78,25 @@ def embedded_engine_options(args, local_processes: int) -> dict:
             "disable_radix_cache": args.rollout_engine_disable_radix_cache}
 
 
-def start_rollout(args, model_dir: Path):
-    """rank 0: the servers, a client on them, a weight syncer, and the pool that restarts dead servers."""
+def keeps_host_copy(args) -> bool:
+    """Whether rank 0 keeps a host copy of the weights it last synced, for a server it restarts.
+
+    A server started here (embedded, SGLang, vLLM) is restarted when it dies (ServerPool.ensure_alive) and must then
+    get the weights the other servers hold. Rank 0 exports them again from its own model, with no copy, where it
+    holds the whole model (TP = PP = 1, as every data-parallel rank then does) and the model still holds the synced
+    version while the servers generate (synchronous rollouts: the update runs after generation; evaluation after
+    the sync). Otherwise the copy is the only source: under TP or PP > 1 the other shards are on ranks blocked in a
+    collective meanwhile, and under --async the update changes the model while the servers generate. Servers started
+    elsewhere (external) are never restarted from here. The copy costs host memory of one model (about 8 GB for
+    Qwen3-4B in bf16) and a device-to-host copy of every byte at every sync."""
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    return args.rollout_backend != "external" and (model_parallel > 1 or args.async_rollout)
+
+
+def start_rollout(args, model_dir: Path, synced_weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]):
+    """rank 0: the servers, a client on them, a weight syncer, and the pool that restarts dead servers and re-syncs
+    them: from the syncer's host copy where rank 0 keeps one (keeps_host_copy), else from `synced_weights`, which
+    exports the model's weights (as HF tensors) again."""
     from megatron_dppo.rollout.client import RolloutClient, SGLangGenerateAPI, control_request
     from megatron_dppo.rollout.launcher import ServerPool, external_servers, launch_embedded_engine, start_local_servers
     from megatron_dppo.rollout.vllm import VLLMCompletionsAPI, VLLMControl
@@ -105,9 +124,10 @@ def start_rollout(args, model_dir: Path):
     syncer = WeightSyncer(urls, master_address=master_address, backend=weight_sync_backend(args, is_cpu()),
                           bucket_bytes=args.rollout_weight_bucket_mb * 2**20, timeout_s=args.rollout_timeout_s,
                           engine_ranks=[args.rollout_server_gpus] * len(urls),
-                          keep_host_copy=args.rollout_backend != "external", control=control,
+                          keep_host_copy=keeps_host_copy(args), control=control,
                           load_format=AUTO_FORMAT if args.rollout_backend == "embedded" else FLATTENED_BUCKET)
-    pool = ServerPool(handles, weight_syncer=syncer, resync=syncer.resend)
+    resync = syncer.resend if syncer.keep_host_copy else lambda: syncer.sync(synced_weights(), syncer.last_version)
+    pool = ServerPool(handles, weight_syncer=syncer, resync=resync)
     client = RolloutClient(urls, max_concurrency=args.rollout_max_concurrency, request_timeout_s=args.rollout_timeout_s,
                            supervisor=pool, api=api)
     return pool, client, syncer
@@ -175,7 +195,7 @@ def run(args) -> dict:
     pool = client = syncer = None
     with contextlib.ExitStack() as stack:
         if rank0:
-            pool, client, syncer = start_rollout(args, model_dir)
+            pool, client, syncer = start_rollout(args, model_dir, actor.hf_tensors)
             stack.callback(pool.stop)
         trainer = Trainer(args, actor, task, tokenizer, client, syncer, hf_config, reference)
         resumed = trainer.load(args.load) if args.load else {}
