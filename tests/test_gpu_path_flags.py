@@ -56,3 +56,18 @@ def test_an_sglang_server_split_into_pipeline_stages_is_refused_in_one_line(flag
     # SGLang joins the weight-sync group at rank_offset + tp_rank: two pipeline stages would take the same rank
     refused_in_one_line(dry_run("--rollout-backend", "sglang", flag, "2", gpus=4), "--sglang-pp-size 2", "pipeline")
     assert dry_run("--rollout-backend", "sglang", flag, "1", gpus=4).returncode == 0
+
+
+def test_the_engine_device_applies_to_the_embedded_engine_alone_and_reaches_its_command(monkeypatch):
+    refused_in_one_line(dry_run("--rollout-backend", "sglang", "--rollout-engine-device", "cuda", gpus=4),
+                        "--rollout-engine-device cuda", "--rollout-backend embedded")
+    from megatron_dppo.launch.arguments import parse_args
+    from megatron_dppo.launch.run import embedded_engine_options
+    from megatron_dppo.rollout.launcher import embedded_engine_command
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    options = embedded_engine_options(parse_args(["--rollout-engine-device", "cuda"]), 1)
+    command = embedded_engine_command("model", "127.0.0.1", 1234, **options)
+    assert command[command.index("--device") + 1] == "cuda"
+    assert "--device" not in embedded_engine_command("model", "127.0.0.1", 1234,
+                                                     **embedded_engine_options(parse_args([]), 1))

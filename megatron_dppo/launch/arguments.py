@@ -210,6 +210,9 @@ def rollout_flags(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--rollout-engine-disable-radix-cache", action="store_true",
                          help="the embedded engine keeps no prefix K/V between requests (SGLang's "
                               "--disable-radix-cache): each partial-rollout chunk prefills its prompt and tokens again")
+    rollout.add_argument("--rollout-engine-device", choices=("cpu", "cuda"), default="cpu",
+                         help="where the embedded engine decodes: the host, or the GPU of trainer rank 0 (beside the "
+                              "trainer; for tiny models, as bench/step_cost.py measures a GPU's decode cost)")
     rollout.add_argument("--rollout-colocate", action="store_true",
                          help="--rollout-backend sglang: the servers share the trainer's GPUs (a one-GPU machine; "
                               "leave them memory with --sglang-mem-fraction-static) and weights sync over gloo, as "
@@ -460,6 +463,9 @@ def rollout_errors(args: argparse.Namespace) -> list[str]:
         errors.append("--rollout-backend external needs --rollout-urls URL [URL ...]")
     if args.rollout_urls and backend != "external":
         errors.append(f"--rollout-urls is given but --rollout-backend is {backend}: use --rollout-backend external")
+    if args.rollout_engine_device != "cpu" and backend != "embedded":
+        errors.append(f"--rollout-engine-device {args.rollout_engine_device} places the embedded engine, but "
+                      f"--rollout-backend is {backend}: drop it or use --rollout-backend embedded")
     if args.rollout_colocate and backend != "sglang":
         errors.append("--rollout-colocate places SGLang servers on the trainer's GPUs: use --rollout-backend sglang")
     if args.sglang_args and backend != "sglang":

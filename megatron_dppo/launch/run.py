@@ -70,12 +70,13 @@ def embedded_engine_options(args, local_processes: int) -> dict:
     matmuls use the freed cores best (measured by bench/step_cost.py: 1.05-1.07x the steps per second of one
     single-thread worker per process). Under --async the trainer computes while the engine generates, so the cores
     are shared: one single-thread worker per process, which slows down gracefully where one two-thread kernel waits
-    for its slower thread (docs/rollout.md)."""
+    for its slower thread (docs/rollout.md). --rollout-engine-device cuda: the engine decodes on rank 0's GPU."""
     shared_cores = args.async_rollout
     workers = args.rollout_engine_workers or (local_processes if shared_cores else 1)
     threads = args.rollout_engine_threads or (1 if shared_cores else max(1, local_processes // workers))
+    device = {} if args.rollout_engine_device == "cpu" else {"device": args.rollout_engine_device}
     return {"threads": threads, "workers": workers, "enable_deterministic_inference": True,
-            "disable_radix_cache": args.rollout_engine_disable_radix_cache}
+            "disable_radix_cache": args.rollout_engine_disable_radix_cache, **device}
 
 
 def keeps_host_copy(args) -> bool:
