@@ -41,6 +41,7 @@ from megatron_dppo.flags import (
     FlagParser,
     require_domains,
 )
+from megatron_dppo.launch.memory_plan import memory_flags, recompute_errors
 from megatron_dppo.platform import TRANSFORMER_IMPLS, transformer_impl_error
 from megatron_dppo.rollout.launcher import VLLM_PYTHON_VARIABLE, forward_sglang_args, sglang_flag_value
 
@@ -148,28 +149,6 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron.add_argument("--time-budget-s", type=POSITIVE, default=None,
                           help="stop RL once this many seconds of it have passed (after the current step); held-out "
                                "evaluations (--eval-interval) are not counted")
-
-
-RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS = ("full", "selective"), ("uniform", "block")  # Megatron-LM's choices
-
-
-def memory_flags(parser: argparse.ArgumentParser) -> None:
-    memory = parser.add_argument_group("memory (Megatron-LM's activation recompute; the per-GPU memory plan)")
-    memory.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
-                        help="recompute activations in backward instead of keeping them: full (whole layers, keeping "
-                             "only each recomputed unit's input; needs --recompute-method and --recompute-num-layers) "
-                             "or selective (core attention of every layer); default: keep every activation")
-    memory.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
-                        help="--recompute-granularity full: uniform (every layer, in units of --recompute-num-layers "
-                             "layers) or block (the first --recompute-num-layers layers of each pipeline stage)")
-    memory.add_argument("--recompute-num-layers", type=COUNT, default=None,
-                        help="--recompute-granularity full: layers per recomputed unit (uniform) or recomputed "
-                             "layers per pipeline stage (block)")
-    memory.add_argument("--gpu-memory-gib", type=POSITIVE, default=80.0,
-                        help="memory of one trainer GPU, which the memory plan (--dry-run, and every start on a GPU) "
-                             "checks the run against: weights, gradients, optimizer state and activations at "
-                             "--max-tokens-per-gpu (default: an 80 GB H100's; a start also takes the GPU's own if "
-                             "smaller)")
 
 
 def rollout_flags(parser: argparse.ArgumentParser) -> None:
@@ -435,24 +414,6 @@ def megatron_errors(args: argparse.Namespace) -> list[str]:
     if args.transformer_impl is not None and (error := transformer_impl_error(args.transformer_impl)):
         errors.append(error)
     return errors
-
-
-def recompute_errors(args: argparse.Namespace) -> list[str]:
-    """Megatron-LM's recompute rules (megatron-core's TransformerConfig and Megatron-LM's validate_args): full takes a
-    method and a layer count, selective neither; a method or a count alone recomputes nothing."""
-    granularity, method, layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
-    given = [f"{flag} {value}" for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers))
-             if value is not None]
-    if granularity is None and given:
-        return [f"{' and '.join(given)} apply to --recompute-granularity full, which is not given: add "
-                "--recompute-granularity full or drop them"]
-    if granularity == "full" and (method is None or layers is None):
-        return ["--recompute-granularity full needs --recompute-method (uniform or block) and --recompute-num-layers "
-                "N: e.g. --recompute-method uniform --recompute-num-layers 1 (each layer keeps only its input)"]
-    if granularity == "selective" and given:
-        return [f"--recompute-granularity selective recomputes core attention in every layer and takes no "
-                f"{' or '.join(given)}: drop them, or use --recompute-granularity full"]
-    return []
 
 
 def rollout_errors(args: argparse.Namespace) -> list[str]:

@@ -31,18 +31,24 @@ tensor (tests/workers/recompute_checks.py counts it with saved-tensor hooks, wit
 and 2); the whole estimate without the reserve was within 2% of the one GPU peak measured with this code (Qwen3-0.6B,
 bf16, local spec, 8192-token micro-batches: 24.5 GiB estimated, 25 GiB measured on an H200).
 
+The flags that decide memory beside the layout and the precision are added and checked here, for arguments.py's
+parser: Megatron-LM's recompute flags (`memory_flags`, `recompute_errors`: its rules, one line each) and
+--gpu-memory-gib.
+
 Invariants: imports no torch (--dry-run runs before every launch); pure arithmetic on the shape and the flags, so
 --dry-run and a real start plan alike.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatron_dppo.convert.mapping import ModelShape, model_shape, padded_vocab_size
+from megatron_dppo.flags import COUNT, POSITIVE
 
 GIB = 2**30
 RESERVE_BYTES = GIB  # the CUDA context and NCCL's buffers, which the allocator's peak does not count
@@ -51,6 +57,46 @@ LOGPROB_CHUNK_ELEMENTS = 2**25  # actor/logprobs.CHUNK_ELEMENTS (its temporaries
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 INDEX_BYTES = 8  # int64 token ids, targets, gather indices
 FP32_BYTES = 4
+
+
+RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS = ("full", "selective"), ("uniform", "block")  # Megatron-LM's choices
+
+
+def memory_flags(parser: argparse.ArgumentParser) -> None:
+    memory = parser.add_argument_group("memory (Megatron-LM's activation recompute; the per-GPU memory plan)")
+    memory.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
+                        help="recompute activations in backward instead of keeping them: full (whole layers, keeping "
+                             "only each recomputed unit's input; needs --recompute-method and --recompute-num-layers) "
+                             "or selective (core attention of every layer); default: keep every activation")
+    memory.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
+                        help="--recompute-granularity full: uniform (every layer, in units of --recompute-num-layers "
+                             "layers) or block (the first --recompute-num-layers layers of each pipeline stage)")
+    memory.add_argument("--recompute-num-layers", type=COUNT, default=None,
+                        help="--recompute-granularity full: layers per recomputed unit (uniform) or recomputed "
+                             "layers per pipeline stage (block)")
+    memory.add_argument("--gpu-memory-gib", type=POSITIVE, default=80.0,
+                        help="memory of one trainer GPU, which the memory plan (--dry-run, and every start on a GPU) "
+                             "checks the run against: weights, gradients, optimizer state and activations at "
+                             "--max-tokens-per-gpu (default: an 80 GB H100's; a start also takes the GPU's own if "
+                             "smaller)")
+
+
+def recompute_errors(args: argparse.Namespace) -> list[str]:
+    """Megatron-LM's recompute rules (megatron-core's TransformerConfig and Megatron-LM's validate_args): full takes a
+    method and a layer count, selective neither; a method or a count alone recomputes nothing."""
+    granularity, method, layers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    given = [f"{flag} {value}" for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers))
+             if value is not None]
+    if granularity is None and given:
+        return [f"{' and '.join(given)} apply to --recompute-granularity full, which is not given: add "
+                "--recompute-granularity full or drop them"]
+    if granularity == "full" and (method is None or layers is None):
+        return ["--recompute-granularity full needs --recompute-method (uniform or block) and --recompute-num-layers "
+                "N: e.g. --recompute-method uniform --recompute-num-layers 1 (each layer keeps only its input)"]
+    if granularity == "selective" and given:
+        return [f"--recompute-granularity selective recomputes core attention in every layer and takes no "
+                f"{' or '.join(given)}: drop them, or use --recompute-granularity full"]
+    return []
 
 
 @dataclass(frozen=True)
