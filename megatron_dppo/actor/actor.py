@@ -198,6 +198,26 @@ class Actor:
                 for param in group["params"]:
                     adam.state[param]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
+    def restorable_state(self) -> dict[str, torch.Tensor]:
+        """Copies of every tensor a resume restores and the next step trains on, by name: the model's weights and,
+        per parameter, the optimizer's fp32 main copy, Adam's moments and step count, and the loss scaler's state.
+        What two runs' checkpoints restore is compared through it (tests/workers/optimizer_state_checks.py,
+        tools/gpu_check.py); a checkpoint also stores what is never restored (the distributed optimizer's flat
+        buffers keep uninitialised bytes in the alignment gaps between parameters)."""
+        state = {f"model.{name}": param.detach().clone() for name, param in self.model.named_parameters()}
+        for index, optimizer in enumerate(self._megatron_optimizers() if self.optimizer is not None else []):
+            torch_optimizer = optimizer.optimizer
+            for group_index, group in enumerate(torch_optimizer.param_groups):
+                for param_index, param in enumerate(group["params"]):
+                    where = f"optimizer{index}.group{group_index}.param{param_index}"
+                    state[f"{where}.main_param"] = param.detach().clone()
+                    for key, value in torch_optimizer.state[param].items():
+                        state[f"{where}.{key}"] = torch.as_tensor(value).clone()
+            if getattr(optimizer, "grad_scaler", None) is not None:
+                for key, value in optimizer.grad_scaler.state_dict().items():
+                    state[f"optimizer{index}.grad_scaler.{key}"] = torch.as_tensor(value).clone()
+        return state
+
     def load_sharded(self, checkpoint, with_optimizer: bool) -> None:
         """Load model (and optimizer) state from a Megatron checkpoint: the model's saved under any TP/PP, the
         optimizer's as actor/checkpoint.py says (the distributed optimizer's under its own TP/PP only)."""
