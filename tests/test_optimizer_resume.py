@@ -14,25 +14,13 @@
 import json
 from pathlib import Path
 
-import pytest
-
+from tests import test_mixed_precision_resume as mixed_precision
 from tests.launch import REPO_ROOT, finish, start_torchrun
 from tests.test_mixed_precision_resume import RUN, assert_equal, saved_tensors
 
 ENTRY = REPO_ROOT / "examples" / "pretrain_dppo.py"
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """A random tiny Qwen3 with a tokenizer, and its bf16 Megatron checkpoint (TP 1) from the converter."""
-    from megatron_dppo.actor.conversion import hf_to_megatron
-    from megatron_dppo.data.tokenizer import CharTokenizer
-
-    root = tmp_path_factory.mktemp("optimizer_resume")
-    model_dir = CharTokenizer.for_synthetic_task().save_random_model(
-        root / "hf", "qwen3", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=128,
-        head_dim=16, max_position_embeddings=256)
-    return model_dir, hf_to_megatron(model_dir, root / "megatron", tp=1, pp=1, dtype="bf16")
+# the fixtures of the bf16/fp16 resume tests: a tiny Qwen3 (q/k norms) and its converted checkpoints (TP 1)
+tiny_qwen3, converted = mixed_precision.tiny_qwen3, mixed_precision.converted
 
 
 def train(model_dir: Path, load: Path, save: Path, steps: int, *flags, expect_ok: bool = True) -> str:
@@ -48,8 +36,8 @@ def logged_steps(save: Path) -> list[int]:
 
 
 def test_a_distributed_optimizer_saved_before_any_step_resumes_as_a_straight_run_and_a_layout_change_is_named(
-        converted, tmp_path):
-    model_dir, start = converted
+        tiny_qwen3, converted, tmp_path):
+    model_dir, start = tiny_qwen3, converted / "bf16"
     flags = ["--use-distributed-optimizer"]
     train(model_dir, start, tmp_path / "straight", 2, *flags)
     train(model_dir, start, tmp_path / "resumed", 0, *flags)
@@ -71,8 +59,8 @@ def test_a_distributed_optimizer_saved_before_any_step_resumes_as_a_straight_run
 
 
 def test_an_optimizer_saved_before_any_step_resumes_under_another_tp_without_the_distributed_optimizer(
-        converted, tmp_path):
-    model_dir, start = converted
+        tiny_qwen3, converted, tmp_path):
+    model_dir, start = tiny_qwen3, converted / "bf16"
     train(model_dir, start, tmp_path / "run", 0)
     train(model_dir, tmp_path / "run", tmp_path / "run", 2, "--tensor-model-parallel-size", "2")
     assert logged_steps(tmp_path / "run") == [1, 2]

@@ -163,9 +163,12 @@ def load_sharded(checkpoint: str | Path, sharded_state: dict) -> dict:
     # A damaged shard surfaces as torch's CheckpointException (a BaseException, not an Exception) or as the
     # reader's own error, depending on where the bytes run out.
     except (Exception, CheckpointException) as error:
+        # a checkpoint saved before the trainer recorded its optimizer layout reaches here under a layout change too
+        layout = (" (or, if it holds distributed-optimizer state saved under another TP/PP, resume under that layout "
+                  "or with --no-load-optim)") if "optimizer" in sharded_state else ""
         raise RuntimeError(
             f"checkpoint {path} could not be read ({type(error).__name__}: {error}); its shard files are damaged or "
-            "incomplete: load an earlier checkpoint"
+            f"incomplete: load an earlier checkpoint{layout}"
         ) from error
     missing = [key for key in _on_every_rank(absent) if not _is_extra_state(key)]
     if missing:
