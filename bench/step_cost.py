@@ -19,10 +19,17 @@ so the warm start is trained once and reused. Last lines: `step_cost_fixed_share
 part over its mean step) and `partial_rollout_step_speedup` (steps per second with partial rollouts over synchronous
 ones, the smaller of GRPO's and DPPO's).
 
-python bench/step_cost.py [--budget-s 40] [--out-dir runs/step_cost] [--processes 2]
+On a GPU (--engine-device cuda: the embedded engine decodes on rank 0's GPU, beside the trainer) a decode
+iteration costs about the same for 1 row as for 64, where the CPU engine's grows with the rows: the fixed part of a
+step is then mostly decode iterations, which is what partial rollouts cut. --headline-only runs GRPO's synchronous
+and partial-rollout runs alone (tools/gpu_check.py's short measurement).
+
+python bench/step_cost.py [--budget-s 40] [--out-dir runs/step_cost] [--processes 2] [--engine-device cuda]
+                          [--headline-only] [--trainer-flags "..."]
 """
 
 import argparse
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -78,11 +85,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out-dir", default="runs/step_cost")
     parser.add_argument("--processes", type=int, default=2, help="torchrun --nproc-per-node")
     parser.add_argument("--skip-steps", type=int, default=5, help="first steps of each run left out (warm-up)")
+    parser.add_argument("--engine-device", choices=("cpu", "cuda"), default="cpu",
+                        help="--rollout-engine-device of every run (cuda: a GPU's decode cost)")
+    parser.add_argument("--headline-only", action="store_true",
+                        help="only GRPO on the worked task, synchronous and with partial rollouts (chunks of 64): "
+                             "steps per second and partial_rollout_step_speedup, no cost model")
+    parser.add_argument("--trainer-flags", default="", help="more trainer flags for every run (one string)")
     args = parser.parse_args(argv)
     out = Path(args.out_dir)
 
     def run_of(flags: list[str], name: str, budget_s: float):
-        common = ["--cache-dir", str(out / "cache"), "--eval-size", "16", "--time-budget-s", str(budget_s)]
+        common = ["--cache-dir", str(out / "cache"), "--eval-size", "16", "--time-budget-s", str(budget_s),
+                  *(["--rollout-engine-device", args.engine_device] if args.engine_device != "cpu" else []),
+                  *shlex.split(args.trainer_flags)]
         run_dir = launch_unless_finished([*common, *flags], out / name.replace(", ", "_").replace(" ", "_"),
                                          args.processes)
         run = load_run(run_dir, name)
@@ -90,6 +105,15 @@ def main(argv: list[str] | None = None) -> None:
         return run
 
     keys = ("decode_iterations", *PHASES)
+    if args.headline_only:
+        runs = {mode: run_of([*ALGORITHMS["grpo"], *MODES[mode]], f"grpo, {mode}", args.modes_budget_s)
+                for mode in ("synchronous", HEADLINE)}
+        print(markdown(["rollouts", "steps", "steps/s", *keys], [
+            [mode, str(len(run.records)), f"{steps_per_second(run):.3f}", *median_row(run, keys)]
+            for mode, run in runs.items()]))
+        print(f"partial_rollout_step_speedup: "
+              f"{steps_per_second(runs[HEADLINE]) / steps_per_second(runs['synchronous']):.3f}")
+        return
     base = {name: run_of(["--algorithm", "grpo", "--no-dapo-filter", *flags], f"run_{index}", args.budget_s)
             for index, (name, flags) in enumerate(RUNS.items())}
     by_mode = {mode: {algorithm: run_of([*flags, *extra], f"{algorithm}, {mode}", args.modes_budget_s)

@@ -34,3 +34,24 @@ def test_step_cost_recovers_the_cost_model_of_its_runs_and_names_each_result(tmp
     assert float(named["step_cost_per_trained_token_us"]) == pytest.approx(20.0, abs=0.01)
     assert set(named) >= {"step_cost_fixed_share_synchronous", "step_cost_fixed_share_partial",
                           "partial_rollout_step_speedup"}
+
+
+def test_the_headline_only_runs_compare_grpo_synchronous_and_partial_on_the_engine_device(tmp_path, monkeypatch,
+                                                                                          capsys):
+    launched = []
+
+    def finished_run(flags, run_dir, processes):
+        launched.append(flags)
+        partial = "--partial-rollout" in flags
+        run_dir.mkdir(parents=True)
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(
+            {"step": step, "seconds_step": 0.5 if partial else 1.0, "decode_iterations": 20 if partial else 60})
+            + "\n" for step in range(1, 9)))
+        return run_dir
+
+    monkeypatch.setattr(step_cost, "launch_unless_finished", finished_run)
+    step_cost.main(["--out-dir", str(tmp_path), "--skip-steps", "1", "--headline-only", "--engine-device", "cuda",
+                    "--trainer-flags", "--warm-start-steps 20"])
+    assert len(launched) == 2 and all(flags[flags.index("--rollout-engine-device") + 1] == "cuda" and
+                                      "--warm-start-steps" in flags and "grpo" in flags for flags in launched)
+    assert "partial_rollout_step_speedup: 2.000" in capsys.readouterr().out

@@ -1,27 +1,50 @@
-"""The GPU path's prepared check (run by tools/gpu_check.sh): one line per check, a few minutes on any CUDA machine
+"""The GPU path's prepared check (run by tools/gpu_check.sh): one line per part, a few minutes on any CUDA machine
 with the project's Python dependencies on its path (megatron-core and math-verify may come as wheels).
 
-    environment     torch, CUDA, the GPU, megatron-core; whether Transformer Engine and SGLang import
-    rl_run          a random tiny Qwen3 ─► tools/convert_hf_to_megatron.py --dtype bf16 ─► examples/pretrain_dppo.py
-                    on one GPU: --bf16, --transformer-impl local (transformer_engine where TE imports), the embedded
-                    engine, 3 DPPO steps each ending in a weight sync, a save at step 3; then a second launch resumes
-                    from that save to step 5. Checked per step: the synced weight version is the step, the gradient
-                    norm is finite and positive (the entropy bonus gives a gradient where a random model earns no
-                    reward), trainer and engine log-probs of the trained tokens agree within RL_LOGPROB_GAP
-    fused_logprobs  actor/logprobs.py (fused output layer + log-softmax, forward and backward) against the
-                    full-vocabulary path (`unfused_logprobs`: [T, V] logits whole, fp32 log-softmax per chunk) at
-                    Qwen3-4B's output layer (V 151936, H 2560, bf16), at a few token counts and chunk sizes: time
-                    (best of 3), peak memory over the inputs, the largest log-prob difference
-    actor_step      the actor's bf16 training step at the Qwen3-0.6B shape: packed THD micro-batches of 256-4096-token
-                    sequences, about 30k tokens a step, fused log-prob loss, Adam: tokens/s, model FLOP/s (6 x
-                    parameters per token, the output layer included, plus causal attention) and their share of the
-                    GPU's dense bf16 peak, peak memory
-    tests_gpu       pytest tests/gpu (the TE actor with a real SGLang server), where both import
+    part            needs                  what
+    environment     -                      torch, CUDA, the GPUs, megatron-core; whether Transformer Engine and SGLang
+                                           import
+    rl_run          a GPU                  a random tiny Qwen3 ─► tools/convert_hf_to_megatron.py --dtype bf16 ─►
+                                           examples/pretrain_dppo.py on one GPU: --bf16 --use-distributed-optimizer,
+                                           the TE layer spec where TE imports (else local), the embedded engine. A
+                                           launch saves before any optimizer step (--train-iters 0); from that
+                                           checkpoint an uninterrupted run trains to step 5, and another stops at 3
+                                           and is resumed by a new launch to 5. Per step: the synced weight version
+                                           is the step, the gradient norm is finite and positive (the entropy bonus
+                                           gives a gradient where a random model earns no reward), trainer and engine
+                                           log-probs agree within RL_LOGPROB_GAP. The resumed step-5 checkpoint,
+                                           loaded into the actor, restores what the uninterrupted one restores
+                                           (weights, fp32 main parameters, Adam's moments and step counts) within
+                                           RESUME_STATE_TOL: a resume that dropped the optimizer's state fails
+    fused_logprobs  a GPU                  actor/logprobs.py (fused output layer + log-softmax) against the
+                                           full-vocabulary path at Qwen3-4B's output layer (V 151936, H 2560, bf16):
+                                           the log-probs, and the gradients of the hidden states and the weight
+                                           (the custom autograd function's backward), at a few token counts and
+                                           chunk sizes; time (best of 3) and peak memory
+    actor_step      a GPU                  the actor's bf16 training step at the Qwen3-0.6B shape, about 30k tokens in
+                                           packed micro-batches of at most 8192: tokens/s, model FLOP/s and their
+                                           share of the GPU's dense bf16 peak, and the peak memory against the memory
+                                           plan (launch/memory_plan.py): a peak above the plan's total fails
+    decode_cost     a GPU                  the embedded engine's decoder on the GPU: one decode step for 1 row and
+                                           for 64 rows (a GPU's costs about the same; the CPU engine's does not)
+    step_cost       a GPU                  bench/step_cost.py --headline-only --engine-device cuda: GRPO's steps per
+                                           second with synchronous and with partial rollouts, the engine decoding
+                                           on the GPU, and partial_rollout_step_speedup
+    nccl_sync       two GPUs, SGLang       examples/pretrain_dppo.py --rollout-backend sglang, not colocated: the
+                                           trainer on GPU 0, an SGLang server on GPU 1, the weights synced over NCCL
+                                           after each of 3 steps; versions and log-prob gaps as rl_run
+    tests_gpu       TE, SGLang             pytest tests/gpu (the TE actor with a real SGLang server on one GPU)
 
-Each check prints one line, `gpu_check <name>: ok ...` or `gpu_check <name>: FAIL ...`; a failing check does not stop
-the others, and the exit status is the number that failed. `--rehearse-on-cpu` runs the same checks on the CPU at
-tiny sizes (tests/test_gpu_check.py does, so that the script cannot rot between GPU sessions); its figures mean
-nothing.
+Each part prints one line: `gpu_check <name>: ok ...`, `gpu_check <name>: FAIL ...`, or `gpu_check <name>: SKIPPED,
+needs ...` naming what this machine lacks; a failing part does not stop the others. A part runs whenever its needs
+are met: it can only end ok or FAIL (an exception is a FAIL), never skip itself. The exit status counts the parts
+that failed, and the skipped ones whose need is named by `--require` (the Docker image has TE and SGLang:
+`--require te,sglang` there); the last line sums them up. Launch timeouts are the tests' own (tests/gpu and, for the
+training launches, tests/test_mixed_precision_resume.py's).
+
+`--rehearse-on-cpu` runs the parts that need only a GPU on the CPU at tiny sizes (tests/test_gpu_check.py does, so
+that the script cannot rot between GPU sessions); its figures mean nothing, and the parts that need two GPUs, TE or
+SGLang are skipped there.
 """
 
 import argparse
@@ -40,9 +63,24 @@ from pathlib import Path
 from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.gpu.limits import LAUNCH_TIMEOUT_S as SMOKE_LAUNCH_TIMEOUT_S  # noqa: E402
+from tests.gpu.limits import TEST_TIMEOUT_S  # noqa: E402
+
 RL_LOGPROB_GAP = 0.05  # mean |trainer - engine| log-prob per token; bf16 trainer, fp32 engine (tests/gpu explains)
 FUSED_LOGPROB_TOL = 0.05  # largest |fused - full| log-prob: two bf16 GEMM orders, logits of order 10 (2^-8 relative)
-LAUNCH_TIMEOUT_S = 300
+# Largest |fused - full| gradient of h and of W over the largest element of the full path's: one bf16 rounding of
+# the logits' gradient apart (tests/test_logprobs.py: 1e-2 for bf16 inputs; observed 4e-3 for dh on the CPU)
+FUSED_GRAD_TOL = 1e-2
+# Largest |resumed - uninterrupted| of a restored tensor over its largest element (step counts and the loss scaler
+# exactly). On the CPU the two are bitwise equal; a GPU's kernels may sum in another order from run to run, so the
+# runs may drift apart by rounding, never by this much: a resume that dropped Adam's moments differs by about 100%
+# (the gradient norms of this run fall 50x over its 5 steps, so the first steps' moments dominate)
+RESUME_STATE_TOL = 0.05
+LAUNCH_TIMEOUT_S = 300  # a training launch, as tests/test_mixed_precision_resume.py allows one
+TESTS_GPU_TIMEOUT_S = TEST_TIMEOUT_S + 120  # pytest tests/gpu: the test's own limit, and pytest's start
+DECODE_ROWS = (1, 64)
 # dense bf16 peak FLOP/s by GPU name (datasheets; no sparsity)
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
 
@@ -52,19 +90,18 @@ def say(name: str, ok: bool, message: str) -> bool:
     return ok
 
 
-def run(command: list, what: str, env: dict | None = None) -> str:
-    """Run `command` in its own process group, killed whole at LAUNCH_TIMEOUT_S; its output, or an error with its
-    tail."""
+def run(command: list, what: str, timeout_s: float = LAUNCH_TIMEOUT_S, env: dict | None = None) -> str:
+    """Run `command` in its own process group, killed whole at `timeout_s`; its output, or an error with its tail."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     process = subprocess.Popen([str(part) for part in command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": path, **(env or {})},
                                start_new_session=True)
     try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+        output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        raise RuntimeError(f"{what} timed out after {LAUNCH_TIMEOUT_S} s: ...{output[-1500:]}") from None
+        raise RuntimeError(f"{what} timed out after {timeout_s:g} s: ...{output[-1500:]}") from None
     finally:
         try:
             os.killpg(process.pid, signal.SIGKILL)
@@ -88,13 +125,27 @@ def transformer_impl() -> str:
     return "transformer_engine" if torch.cuda.is_available() and has("transformer_engine") else "local"
 
 
+# What a part needs beyond the project's Python dependencies, by the name --require takes, and how a line says it
+NEEDS = {"gpu": "a CUDA GPU", "two_gpus": "a second GPU", "te": "Transformer Engine", "sglang": "SGLang"}
+
+
+def machine_has(rehearse_on_cpu: bool) -> dict[str, bool]:
+    """Which needs this machine meets. A rehearsal runs the one-GPU parts on the CPU and meets nothing else."""
+    import torch
+
+    gpus = 0 if rehearse_on_cpu else torch.cuda.device_count()
+    return {"gpu": rehearse_on_cpu or gpus >= 1, "two_gpus": gpus >= 2,
+            "te": gpus >= 1 and has("transformer_engine"), "sglang": gpus >= 1 and has("sglang")}
+
+
 def check_environment(options) -> bool:
     import megatron.core
     import torch
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (rehearsal on the CPU)"
+    devices = ", ".join(torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())) \
+        if torch.cuda.is_available() else "no GPU (rehearsal on the CPU)"
     return say("environment", True, f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA "
-               f"{torch.version.cuda}), {device}, megatron-core {megatron.core.__version__}, Transformer Engine "
+               f"{torch.version.cuda}), {devices}, megatron-core {megatron.core.__version__}, Transformer Engine "
                f"{'imports' if has('transformer_engine') else 'absent'}, SGLang "
                f"{'imports' if has('sglang') else 'absent'}; layer spec: {transformer_impl()}")
 
@@ -108,6 +159,58 @@ def tiny_qwen3(root: Path) -> Path:
         head_dim=64, max_position_embeddings=256)
 
 
+def step_problems(metrics: list[dict]) -> list[str]:
+    """What is wrong with a run's steps: the synced version, the update, trainer vs engine log-probs."""
+    problems = []
+    for step in metrics:
+        if step["weight_version"] != step["step"]:
+            problems.append(f"step {step['step']} synced version {step['weight_version']}")
+        if not (math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0):
+            problems.append(f"step {step['step']} grad norm {step['grad_norm']}")
+        if step["logprob_gap_train_vs_rollout"] > RL_LOGPROB_GAP:
+            problems.append(f"step {step['step']} log-prob gap {step['logprob_gap_train_vs_rollout']:.4f}")
+    return problems
+
+
+def read_metrics(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def state_differences(expected: dict, found: dict, tolerance: float) -> tuple[list[str], float]:
+    """(the tensors of two restored states (Actor.restorable_state) that differ beyond `tolerance` of the expected
+    tensor's largest magnitude, or are missing; step counts and loss-scaler values must be exact), and the largest
+    relative difference seen."""
+    problems, largest = sorted(f"{name} missing" for name in set(expected) ^ set(found)), 0.0
+    for name in sorted(set(expected) & set(found)):
+        want, got = expected[name].double(), found[name].double()
+        if want.shape != got.shape:
+            problems.append(f"{name} shape {tuple(got.shape)} != {tuple(want.shape)}")
+            continue
+        exact = name.endswith(".step") or ".grad_scaler." in name
+        scale = want.abs().max().item() if want.numel() else 0.0
+        difference = (want - got).abs().max().item() if want.numel() else 0.0
+        relative = difference / scale if scale else difference
+        largest = max(largest, relative)
+        if (difference > 0) if exact else relative > tolerance:
+            problems.append(f"{name} differs by {relative:.2g} of its largest element" if not exact else
+                            f"{name} {got.flatten()[:1].tolist()} != {want.flatten()[:1].tolist()}")
+    if not any(".exp_avg" in name and expected[name].abs().max() > 0 for name in expected):
+        problems.append("no Adam moment is non-zero: the runs took no optimizer step")
+    return problems, largest
+
+
+def restored_state(checkpoint: Path, options) -> dict:
+    """What `checkpoint` restores into a one-GPU actor with the distributed optimizer (rl_run's layout)."""
+    from megatron_dppo.actor.actor import Actor, OptimConfig
+    from megatron_dppo.actor.checkpoint import read_hf_config
+    from megatron_dppo.convert.mapping import model_shape
+
+    actor = Actor(model_shape(read_hf_config(checkpoint)), 1, 1, "bf16", OptimConfig(use_distributed_optimizer=True),
+                  transformer_impl=transformer_impl())
+    actor.load_sharded(checkpoint, with_optimizer=True)
+    return {name: tensor.cpu() for name, tensor in actor.restorable_state().items()}
+
+
 def check_rl_run(options) -> bool:
     from megatron_dppo.platform.network import free_port
 
@@ -116,36 +219,40 @@ def check_rl_run(options) -> bool:
     model_dir = tiny_qwen3(root)
     run([sys.executable, REPO / "tools" / "convert_hf_to_megatron.py", "--hf-dir", model_dir, "--out",
          root / "converted", "--tp", 1, "--pp", 1, "--dtype", "bf16"], "the converter")
-    common = ["--hf-checkpoint", model_dir, "--bf16", "--transformer-impl", transformer_impl(), "--algorithm", "dppo",
-              "--lr", "1e-4", "--entropy-coef", "0.01", "--rollout-backend", "embedded", "--rollout-batch-size", 8,
-              "--n-samples-per-prompt", 4, "--rollout-max-response-len", 8, "--data-train-size", 64, "--eval-size",
-              8, "--save", root / "save", "--save-interval", 3, "--log-dir", root / "log"]
-    for load, steps in ((root / "converted", 3), (root / "save", 5)):
+    common = ["--hf-checkpoint", model_dir, "--bf16", "--use-distributed-optimizer", "--transformer-impl",
+              transformer_impl(), "--algorithm", "dppo", "--lr", "1e-4", "--entropy-coef", "0.01", "--rollout-backend",
+              "embedded", "--rollout-batch-size", 8, "--n-samples-per-prompt", 4, "--rollout-max-response-len", 8,
+              "--data-train-size", 64, "--eval-size", 8]
+    launches = [("never_stepped", root / "converted", 0), ("straight", root / "never_stepped", 5),
+                ("stopped", root / "never_stepped", 3), ("stopped", root / "stopped", 5)]
+    for save, load, steps in launches:  # each launch saves at its end
         run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", 1, "--master-addr", "127.0.0.1",
              "--master-port", free_port(), REPO / "examples" / "pretrain_dppo.py", *common, "--load", load,
-             "--train-iters", steps], f"the run to step {steps}")
-    metrics = [json.loads(line) for line in (root / "log" / "metrics.jsonl").read_text().splitlines()]
-    saved = (root / "save" / "latest").read_text().strip()
+             "--train-iters", steps, "--save", root / save, "--log-dir", root / f"log_{save}"],
+            f"the run to step {steps} ({save})")
+    straight, resumed = read_metrics(root / "log_straight"), read_metrics(root / "log_stopped")
     problems = []
-    if [step["step"] for step in metrics] != [1, 2, 3, 4, 5] or saved != "iter_0000005":
-        problems.append(f"steps {[step['step'] for step in metrics]}, latest {saved}")
-    for step in metrics:
-        if step["weight_version"] != step["step"]:
-            problems.append(f"step {step['step']} synced version {step['weight_version']}")
-        if not (math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0):
-            problems.append(f"step {step['step']} grad norm {step['grad_norm']}")
-        if step["logprob_gap_train_vs_rollout"] > RL_LOGPROB_GAP:
-            problems.append(f"step {step['step']} log-prob gap {step['logprob_gap_train_vs_rollout']:.4f}")
-    gaps = [f"{step['logprob_gap_train_vs_rollout']:.4f}" for step in metrics]
-    norms = [f"{step['grad_norm']:.3g}" for step in metrics]
+    if [step["step"] for step in straight] != [1, 2, 3, 4, 5] or [step["step"] for step in resumed] != [1, 2, 3, 4, 5]:
+        problems.append(f"steps {[step['step'] for step in straight]} and {[step['step'] for step in resumed]}")
+    problems += step_problems(straight) + step_problems(resumed)
+    differences, largest = state_differences(restored_state(root / "straight" / "iter_0000005", options),
+                                             restored_state(root / "stopped" / "iter_0000005", options),
+                                             RESUME_STATE_TOL)
+    problems += [f"resumed vs uninterrupted: {difference}" for difference in differences[:4]]
+    gaps = [f"{step['logprob_gap_train_vs_rollout']:.4f}" for step in resumed]
+    norms = [f"{step['grad_norm']:.3g}" for step in resumed]
     return say("rl_run", not problems, "; ".join(problems) if problems else
-               f"bf16 {transformer_impl()} spec, steps 1-3 saved at 3, a second launch resumed to 5; weight versions "
-               f"1-5 synced; grad norms {norms}; trainer vs engine log-prob gap per token {gaps} "
-               f"(<= {RL_LOGPROB_GAP}); {time.perf_counter() - start:.0f} s with both launches")
+               f"bf16 {transformer_impl()} spec, distributed optimizer: saved before any optimizer step, then from "
+               f"there steps 1-3 saved at 3 and a second launch resumed to 5; weight versions 1-5 synced; grad norms "
+               f"{norms}; trainer vs engine log-prob gap per token {gaps} (<= {RL_LOGPROB_GAP}); the resumed step-5 "
+               f"checkpoint restores the uninterrupted run's weights, main parameters, Adam moments and step counts "
+               f"(largest difference {largest:.2g} of a tensor's largest element, <= {RESUME_STATE_TOL}); "
+               f"{time.perf_counter() - start:.0f} s with four launches")
 
 
-def timed_backward(function, hidden, weight, targets, device, repeats: int = 3) -> tuple[float, float, object]:
-    """(best seconds, peak bytes above the inputs, log-probs) of forward + backward of sum(logp) + 0.01 sum(H)."""
+def timed_backward(function, hidden, weight, targets, device, repeats: int = 3) -> tuple[float, float, object, tuple]:
+    """(best seconds, peak bytes above the inputs, log-probs, (grad of hidden, grad of weight)) of forward +
+    backward of sum(logp) + 0.01 sum(H)."""
     import torch
 
     best, peak, logprobs = math.inf, 0, None
@@ -162,7 +269,11 @@ def timed_backward(function, hidden, weight, targets, device, repeats: int = 3) 
             torch.cuda.synchronize()
             peak = max(peak, torch.cuda.max_memory_allocated() - base)
         best = min(best, time.perf_counter() - start)
-    return best, peak, logprobs.detach()
+    return best, peak, logprobs.detach(), (hidden.grad, weight.grad)
+
+
+def relative_difference(found, expected) -> float:
+    return ((found.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
 
 
 def check_fused_logprobs(options) -> bool:
@@ -173,7 +284,7 @@ def check_fused_logprobs(options) -> bool:
     device = options.device
     tokens_list, vocab, hidden_size = ((256,), 1000, 64) if options.rehearse_on_cpu else ((8192, 32768), 151936, 2560)
     default_chunk = CHUNK_ELEMENTS // vocab
-    gib, parts, worst = 2**30, [], 0.0
+    gib, parts, worst, worst_grad = 2**30, [], 0.0, 0.0
     for tokens in tokens_list:
         generator = torch.Generator(device=device).manual_seed(0)
         hidden = (torch.randn(tokens, hidden_size, device=device, generator=generator) * 0.5).to(
@@ -181,21 +292,23 @@ def check_fused_logprobs(options) -> bool:
         weight = (torch.randn(vocab, hidden_size, device=device, generator=generator) * 0.02).to(
             torch.bfloat16).requires_grad_()
         targets = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
-        seconds, peak, reference = timed_backward(unfused_logprobs, hidden, weight, targets, device)
+        seconds, peak, reference, (full_dh, full_dw) = timed_backward(unfused_logprobs, hidden, weight, targets, device)
         row = [f"T={tokens}: full {seconds * 1e3:.0f} ms {peak / gib:.2f} GiB"]
         for chunk in sorted({default_chunk, 4 * default_chunk, 16 * default_chunk}):
             fused = lambda h, w, t, chunk=chunk: output_layer_logprobs(h, w, t, vocab, chunk_size=chunk)  # noqa: E731
-            seconds, peak, logprobs = timed_backward(fused, hidden, weight, targets, device)
+            seconds, peak, logprobs, (dh, dw) = timed_backward(fused, hidden, weight, targets, device)
             worst = max(worst, (logprobs - reference).abs().max().item())
+            worst_grad = max(worst_grad, relative_difference(dh, full_dh), relative_difference(dw, full_dw))
             row.append(f"chunk {chunk}{' (default)' if chunk == default_chunk else ''} {seconds * 1e3:.0f} ms "
                        f"{peak / gib:.2f} GiB")
         parts.append(", ".join(row))
-        del hidden, weight, targets
+        del hidden, weight, targets, full_dh, full_dw, dh, dw
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return say("fused_logprobs", worst <= FUSED_LOGPROB_TOL,
+    return say("fused_logprobs", worst <= FUSED_LOGPROB_TOL and worst_grad <= FUSED_GRAD_TOL,
                f"V={vocab} H={hidden_size} bf16, fwd+bwd best of 3; " + "; ".join(parts) +
-               f"; largest |fused - full| log-prob {worst:.2e} (<= {FUSED_LOGPROB_TOL})")
+               f"; largest |fused - full| log-prob {worst:.2e} (<= {FUSED_LOGPROB_TOL}), gradient of h and W "
+               f"{worst_grad:.2e} of the largest element (<= {FUSED_GRAD_TOL})")
 
 
 def sequence_lengths(total: int, shortest: int, longest: int, seed: int) -> list[int]:
@@ -226,23 +339,27 @@ def packed_micro_batches(lengths: list[int], budget: int, vocab: int):
     return batches
 
 
+def qwen3_shape(options) -> tuple:
+    """(HF config, tokens a step, shortest, longest sequence, micro-batch budget): Qwen3-0.6B's, or a tiny one."""
+    from megatron_dppo.convert.tiny import tiny_hf_config
+
+    if options.rehearse_on_cpu:
+        return tiny_hf_config("qwen3", vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                              ffn_hidden_size=128, head_dim=16, tie_word_embeddings=True), 600, 32, 256, 512
+    return tiny_hf_config("qwen3", vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                          ffn_hidden_size=3072, head_dim=128, tie_word_embeddings=True,
+                          max_position_embeddings=40960), 30000, 256, 4096, 8192
+
+
 def check_actor_step(options) -> bool:
     import torch
 
     from megatron_dppo.actor.actor import Actor, OptimConfig
     from megatron_dppo.actor.step import next_token_targets
     from megatron_dppo.convert.mapping import model_shape
-    from megatron_dppo.convert.tiny import tiny_hf_config
+    from megatron_dppo.launch.memory_plan import GIB, TrainerLayout, plan_memory
 
-    if options.rehearse_on_cpu:
-        config, total, shortest, longest, budget = tiny_hf_config(
-            "qwen3", vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=128,
-            head_dim=16, tie_word_embeddings=True), 600, 32, 256, 512
-    else:  # Qwen3-0.6B
-        config, total, shortest, longest, budget = tiny_hf_config(
-            "qwen3", vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
-            ffn_hidden_size=3072, head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960), \
-            30000, 256, 4096, 8192
+    config, total, shortest, longest, budget = qwen3_shape(options)
     shape = model_shape(config.to_dict())
     actor = Actor(shape, 1, 1, "bf16", OptimConfig(lr=1e-6), transformer_impl=transformer_impl())
     lengths = sequence_lengths(total, shortest, longest, seed=0)
@@ -272,8 +389,14 @@ def check_actor_step(options) -> bool:
     name = torch.cuda.get_device_name() if options.device.type == "cuda" else "cpu"
     peak = next((value for key, value in PEAK_BF16.items() if key in name), None)
     share = f", {100 * flops / seconds / peak:.1f}% of {name}'s dense bf16 peak" if peak else ""
-    memory = (f", {torch.cuda.max_memory_allocated() / 2**30:.0f} GiB peak" if options.device.type == "cuda" else "")
-    ok = grad_norm is not None and math.isfinite(grad_norm)
+    (plan,) = plan_memory(TrainerLayout(shape, dtype="bf16", tokens=max(batch.tokens.shape[1] for batch in batches),
+                                        transformer_impl=transformer_impl()))
+    ok, memory = grad_norm is not None and math.isfinite(grad_norm), ""
+    if options.device.type == "cuda":  # the plan must not admit a step that cannot fit: its total bounds the peak
+        measured = torch.cuda.max_memory_allocated()
+        ok = ok and measured <= plan.total
+        memory = (f", peak {measured / GIB:.1f} GiB against the memory plan's estimate {plan.estimate / GIB:.1f} GiB "
+                  f"({100 * (plan.estimate / measured - 1):+.0f}%) and total {plan.total / GIB:.1f} GiB")
     return say("actor_step", ok, f"{'Qwen3-0.6B' if not options.rehearse_on_cpu else 'tiny'} shape "
                f"({parameters / 1e6:.0f}M parameters), bf16, {transformer_impl()} spec, {tokens} tokens in "
                f"{len(batches)} packed micro-batches ({len(lengths)} sequences of {shortest}-{longest}): "
@@ -281,19 +404,94 @@ def check_actor_step(options) -> bool:
                f"{flops / seconds / 1e12:.0f} TFLOP/s{share}{memory}; grad norm {grad_norm}")
 
 
+def check_decode_cost(options) -> bool:
+    """The embedded engine's decoder on the device: the time of one decode step for 1 row and for 64."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dppo.servers.embedded.decoder import KVCacheDecoder
+
+    config, *_ = qwen3_shape(options)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(options.device).eval()
+    decoder, costs = KVCacheDecoder(model), {}
+    with torch.no_grad():
+        for rows in DECODE_ROWS:
+            state, hidden = decoder.prefill([[1 + row % 7] * 64 for row in range(rows)])
+            tokens = torch.ones(rows, dtype=torch.long)
+            for _ in range(3):  # warm-up
+                decoder.logits(decoder.step(state, tokens))
+            start, steps = time.perf_counter(), 16
+            for _ in range(steps):
+                decoder.logits(decoder.step(state, tokens))  # the logits come to the host, as the engine samples
+            costs[rows] = (time.perf_counter() - start) / steps
+    ratio = costs[DECODE_ROWS[-1]] / costs[DECODE_ROWS[0]]
+    return say("decode_cost", math.isfinite(ratio),
+               f"{'Qwen3-0.6B' if not options.rehearse_on_cpu else 'tiny'} shape, bf16, on {options.device}: one "
+               f"decode step {costs[DECODE_ROWS[0]] * 1e3:.1f} ms for {DECODE_ROWS[0]} row, "
+               f"{costs[DECODE_ROWS[-1]] * 1e3:.1f} ms for {DECODE_ROWS[-1]} rows ({ratio:.2f}x)")
+
+
+def check_step_cost(options) -> bool:
+    """bench/step_cost.py's headline pair with the engine decoding on the device."""
+    out = Path(tempfile.mkdtemp(prefix="gpu_check_step_cost_"))
+    rehearsal = ["--modes-budget-s", "8", "--skip-steps", "1", "--trainer-flags",
+                 "--warm-start-steps 20 --rollout-batch-size 4"] if options.rehearse_on_cpu else \
+        ["--modes-budget-s", "45", "--skip-steps", "3"]
+    output = run([sys.executable, REPO / "bench" / "step_cost.py", "--headline-only", "--out-dir", out,
+                  "--processes", 1, "--engine-device", options.device.type, *rehearsal],
+                 "bench/step_cost.py --headline-only", timeout_s=2 * LAUNCH_TIMEOUT_S + 120)
+    named = dict(line.split(": ", 1) for line in output.splitlines() if line.startswith("partial_rollout_"))
+    speedup = float(named.get("partial_rollout_step_speedup", "nan"))
+    table = " / ".join(line.strip() for line in output.splitlines() if line.startswith("| synchronous") or
+                       line.startswith("| partial"))
+    return say("step_cost", math.isfinite(speedup) and speedup > 0,
+               f"GRPO on the worked task, the embedded engine decoding on {options.device.type}: "
+               f"{table}; partial_rollout_step_speedup {speedup:.3f}")
+
+
+def check_nccl_sync(options) -> bool:
+    """The trainer on GPU 0 and an SGLang server on GPU 1 (a one-node run's own layout), weights over NCCL."""
+    from megatron_dppo.platform.network import free_port
+
+    root = Path(tempfile.mkdtemp(prefix="gpu_check_nccl_"))
+    model_dir = tiny_qwen3(root)
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", 1, "--master-addr", "127.0.0.1",
+         "--master-port", free_port(), REPO / "examples" / "pretrain_dppo.py", "--hf-checkpoint", model_dir, "--bf16",
+         "--transformer-impl", transformer_impl(), "--train-iters", 3, "--algorithm", "dppo", "--lr", "1e-4",
+         "--entropy-coef", "0.01", "--rollout-batch-size", 8, "--n-samples-per-prompt", 4,
+         "--rollout-max-response-len", 8, "--data-train-size", 64, "--eval-size", 8, "--log-dir", root / "log",
+         "--rollout-backend", "sglang", "--sglang-skip-tokenizer-init", "--sglang-dtype", "bfloat16",
+         "--sglang-mem-fraction-static", "0.3", "--sglang-context-length", "256"],
+        "the run with an SGLang server on GPU 1", timeout_s=SMOKE_LAUNCH_TIMEOUT_S, env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    metrics = read_metrics(root / "log")
+    problems = step_problems(metrics)
+    if [step["step"] for step in metrics] != [1, 2, 3]:
+        problems.append(f"steps {[step['step'] for step in metrics]}")
+    syncs = [f"{step['seconds_sync']:.2f} s" for step in metrics]
+    return say("nccl_sync", not problems, "; ".join(problems) if problems else
+               f"trainer on GPU 0, SGLang on GPU 1, weights over NCCL after each of 3 steps ({', '.join(syncs)}); "
+               f"versions 1-3 synced; log-prob gaps "
+               f"{[round(step['logprob_gap_train_vs_rollout'], 4) for step in metrics]} (<= {RL_LOGPROB_GAP})")
+
+
 def check_tests_gpu(options) -> bool:
-    missing = [name for module, name in (("transformer_engine", "Transformer Engine"), ("sglang", "SGLang"))
-               if not has(module)]
-    if options.rehearse_on_cpu or missing:
-        print(f"gpu_check tests_gpu: skipped, {' and '.join(missing) or 'a GPU'} not here (tests/gpu runs the TE actor "
-              "with a real SGLang server: the Dockerfile's image)", flush=True)
-        return True
-    output = run([sys.executable, "-m", "pytest", "-q", "-x", "tests/gpu"], "pytest tests/gpu")
-    return say("tests_gpu", True, output.strip().splitlines()[-1])
+    output = run([sys.executable, "-m", "pytest", "-q", "-x", "tests/gpu"], "pytest tests/gpu",
+                 timeout_s=TESTS_GPU_TIMEOUT_S)
+    summary = output.strip().splitlines()[-1]
+    return say("tests_gpu", "passed" in summary and "skipped" not in summary, summary)
 
 
-CHECKS = {"environment": check_environment, "rl_run": check_rl_run, "fused_logprobs": check_fused_logprobs,
-          "actor_step": check_actor_step, "tests_gpu": check_tests_gpu}
+PARTS = {  # name: (check, what it needs beyond a CUDA GPU's Python environment)
+    "environment": (check_environment, ()),
+    "rl_run": (check_rl_run, ("gpu",)),
+    "fused_logprobs": (check_fused_logprobs, ("gpu",)),
+    "actor_step": (check_actor_step, ("gpu",)),
+    "decode_cost": (check_decode_cost, ("gpu",)),
+    "step_cost": (check_step_cost, ("gpu",)),
+    "nccl_sync": (check_nccl_sync, ("two_gpus", "sglang")),
+    "tests_gpu": (check_tests_gpu, ("gpu", "te", "sglang")),
+}
+IN_PROCESS = ("rl_run", "actor_step")  # parts that build an actor here, in one process group
 
 
 def start_process_group(device) -> None:
@@ -305,11 +503,36 @@ def start_process_group(device) -> None:
     init_parallel(1, 1)
 
 
+def run_parts(names: list[str], options, met: dict[str, bool], required: set[str]) -> dict[str, str]:
+    """Run each part whose needs are met (ok or FAIL), skip the others naming what they need; name -> outcome."""
+    outcomes = {}
+    for name in names:
+        check, needs = PARTS[name]
+        missing = [need for need in needs if not met[need]]
+        if missing:
+            print(f"gpu_check {name}: SKIPPED, needs {' and '.join(NEEDS[need] for need in missing)}"
+                  f"{' (required)' if required & set(missing) else ''}", flush=True)
+            outcomes[name] = "required" if required & set(missing) else "skipped"
+            continue
+        try:
+            outcomes[name] = "ok" if check(options) is True else "FAIL"
+        except Exception as error:  # one line per part: the others still run
+            where = traceback.extract_tb(error.__traceback__)[-1]
+            say(name, False, f"{type(error).__name__}: {error} ({Path(where.filename).name}:{where.lineno})"
+                .replace("\n", " | "))
+            outcomes[name] = "FAIL"
+    return outcomes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated, of {', '.join(CHECKS)}")
+    parser.add_argument("--checks", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--require", default="",
+                        help=f"needs that must be met (comma-separated, of {', '.join(NEEDS)}): a part skipped for "
+                             "one of them fails")
     parser.add_argument("--rehearse-on-cpu", action="store_true",
-                        help="run the checks on the CPU at tiny sizes (the script's own test; figures mean nothing)")
+                        help="run the one-GPU parts on the CPU at tiny sizes (the script's own test; figures mean "
+                             "nothing)")
     options = parser.parse_args(argv)
     import torch
 
@@ -317,24 +540,26 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA GPU is visible to this python (torch.cuda.is_available() is False): run it on a "
               "machine with one", file=sys.stderr)
         return 1
+    names, required = options.checks.split(","), set(filter(None, options.require.split(",")))
+    unknown = sorted(set(names) - set(PARTS)) + sorted(required - set(NEEDS))
+    if unknown:
+        parser.error(f"{', '.join(unknown)}: not a part or a need; parts: {', '.join(PARTS)}; needs: "
+                     f"{', '.join(NEEDS)}")
     options.device = torch.device("cpu") if options.rehearse_on_cpu else torch.device("cuda", 0)
     if options.rehearse_on_cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    names = options.checks.split(",")
-    unknown = sorted(set(names) - set(CHECKS))
-    if unknown:
-        parser.error(f"--checks {','.join(unknown)}: not a check; choose from {', '.join(CHECKS)}")
-    failed = 0
-    for name in names:
-        try:
-            if name == "actor_step":
-                start_process_group(options.device)
-            failed += not CHECKS[name](options)
-        except Exception as error:  # one line per check: the others still run
-            where = traceback.extract_tb(error.__traceback__)[-1]
-            failed += not say(name, False, f"{type(error).__name__}: {error} ({Path(where.filename).name}:"
-                                           f"{where.lineno})".replace("\n", " | "))
-    return failed
+    met = machine_has(options.rehearse_on_cpu)
+    if any(name in IN_PROCESS and all(met[need] for need in PARTS[name][1]) for name in names):
+        start_process_group(options.device)
+    outcomes = run_parts(names, options, met, required)
+    counts = {outcome: [name for name, got in outcomes.items() if got == outcome]
+              for outcome in ("ok", "FAIL", "skipped", "required")}
+    status = len(counts["FAIL"]) + len(counts["required"])
+    required_note = f" ({len(counts['required'])} of them --require'd)" if counts["required"] else ""
+    print(f"gpu_check: {len(counts['ok'])} ok, {len(counts['FAIL'])} FAIL {counts['FAIL']}, "
+          f"{len(counts['skipped']) + len(counts['required'])} SKIPPED {counts['skipped'] + counts['required']}"
+          f"{required_note}; exit status {status}", flush=True)
+    return status
 
 
 if __name__ == "__main__":

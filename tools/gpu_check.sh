@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The GPU path's prepared check, for any CUDA machine with Python >= 3.11 and torch >= 2.6 (tools/gpu_check.py lists
-# the checks: a bf16 DPPO run with weight sync, save and resume; fused log-probs against the full path; the actor's
-# step at the Qwen3-0.6B shape; tests/gpu where Transformer Engine and SGLang import). One line per check, a few
-# minutes; the exit status is the number of failed checks. Without a GPU it says so in one line and exits 1.
+# the parts and what each needs: a bf16 DPPO run with the distributed optimizer, weight sync, a save before any
+# optimizer step, a resume compared with an uninterrupted run; fused log-probs and their gradients against the full
+# path; the actor's step at the Qwen3-0.6B shape against the memory plan; the decode cost and partial rollouts' step
+# cost with the engine on the GPU; NCCL weight sync to an SGLang server on a second GPU; tests/gpu where Transformer
+# Engine and SGLang import). One line per part, each ok, FAIL or SKIPPED naming what the machine lacks; the exit
+# status counts the failed parts and those skipped for a need given to --require. Without a GPU it says so in one
+# line and exits 1.
 #
-#   bash tools/gpu_check.sh [--wheels DIR] [--checks a,b]
+#   bash tools/gpu_check.sh [--wheels DIR] [--checks a,b] [--require te,sglang,two_gpus]
 #
 # --wheels DIR: wheels of what the machine lacks (megatron-core, math-verify, latex2sympy2_extended,
 # antlr4-python3-runtime: a machine without registry access), installed into a temporary folder on PYTHONPATH with

@@ -33,6 +33,9 @@ ARGS=(
     --lr 1e-6 --lr-warmup-iters 10 --clip-grad 1.0 --weight-decay 0.0   # [inferred]
     --bf16 --use-distributed-optimizer
     --max-tokens-per-gpu 16384                   # [inferred]
+    # Each layer keeps only its input and runs again in backward (slime's Qwen3-4B on 8 x H100 does too): the memory
+    # plan (--dry-run) gives about 40 GiB per GPU with it, 126 GiB without (docs/actor.md, "The memory plan")
+    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
     --save-interval 50 --eval-interval 50 --eval-size 500
     --algorithm dppo                             # GRPO + DPPO's prompt and completion pruning [paper]
     --advantage-estimator grpo --loss-agg-mode token-mean --eps-clip 0.2 --eps-clip-high 0.28

@@ -26,6 +26,7 @@ ARGS=(
     --lr 1e-6 --lr-warmup-iters 10 --clip-grad 1.0 --weight-decay 0.0
     --bf16 --use-distributed-optimizer
     --max-tokens-per-gpu 16384
+    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1   # fits an 80 GB H100
     --save-interval 50 --eval-interval 50 --eval-size 500
     --algorithm grpo
     --advantage-estimator grpo --loss-agg-mode token-mean --eps-clip 0.2 --eps-clip-high 0.28

@@ -30,7 +30,13 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_dppo.actor.export import iter_hf_tensors
-from megatron_dppo.actor.model import build_gpt_model, build_transformer_config, load_hf_weights, place_model
+from megatron_dppo.actor.model import (
+    Recompute,
+    build_gpt_model,
+    build_transformer_config,
+    load_hf_weights,
+    place_model,
+)
 from megatron_dppo.actor.step import LossFn, finalize_grads_without_token_scaling, run_micro_batches
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint
 from megatron_dppo.convert.mapping import ModelShape
@@ -61,12 +67,15 @@ class OptimConfig:
 class Actor:
     def __init__(self, shape: ModelShape, tp: int, pp: int, dtype: str, optim: OptimConfig | None,
                  hf_checkpoint: HFCheckpoint | None = None, sequence_parallel: bool = False,
-                 transformer_impl: str | None = None, device: torch.device | str | None = None):
+                 transformer_impl: str | None = None, device: torch.device | str | None = None,
+                 recompute: Recompute | None = None):
         """`optim=None` builds a frozen model (the reference policy): no DDP, no optimizer. `device`: where the model
-        runs, by default this rank's (`platform.current_device()`)."""
+        runs, by default this rank's (`platform.current_device()`). `recompute`: Megatron-LM's activation recompute
+        (training steps only; the forward-only pass keeps no activations anyway)."""
         self.shape = shape
         self.device = torch.device(device or current_device())
-        config = build_transformer_config(shape, tp, pp, dtype, sequence_parallel, transformer_impl)
+        config = build_transformer_config(shape, tp, pp, dtype, sequence_parallel, transformer_impl,
+                                          **(recompute or Recompute()).config_fields())
         self.model = build_gpt_model(shape, config)
         if hf_checkpoint is not None:
             load_hf_weights(self.model, hf_checkpoint)
@@ -134,26 +143,50 @@ class Actor:
         model_state = self.model.sharded_state_dict()
         state = {"model": model_state}
         if self.optimizer is not None:
+            self._give_unstepped_adam_a_state()
             state["optimizer"] = self.optimizer.sharded_state_dict(model_state, metadata=OPTIMIZER_CHECKPOINT_FORMAT)
         return state
+
+    def _megatron_optimizers(self) -> list:
+        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
 
     def _torch_adams_of_distributed_optimizers(self) -> list[torch.optim.Optimizer]:
         """The torch Adam inside each distributed optimizer (the CPU's and a GPU's without TE or Apex; their fused
         Adams count steps per group, which megatron-core's distributed checkpoints handle)."""
-        return [optimizer.optimizer for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [optimizer.optimizer for optimizer in self._megatron_optimizers()
                 if isinstance(optimizer, DistributedOptimizer)
                 and isinstance(optimizer.optimizer, torch.optim.Adam | torch.optim.AdamW)]
 
     def _give_unstepped_adam_a_state(self) -> None:
-        """megatron-core 0.16.1's distributed optimizer describes its state for loading by torch Adam's
-        per-parameter step counts, which a torch Adam that never stepped lacks: give it zero moments and step 0,
-        placeholders the load overwrites (as megatron-core's own loaders load over dummy values)."""
-        for adam in self._torch_adams_of_distributed_optimizers():
-            for group in adam.param_groups:
-                for param in group["params"]:
-                    if not adam.state[param]:
-                        adam.state[param] = {"step": torch.zeros((), dtype=torch.float32),
-                                             "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+        """Adam creates a parameter's state at its first step; megatron-core 0.16.1 can neither save nor load an Adam
+        that never stepped (every update so far skipped: no kept samples, or fp16 overflows): the distributed
+        optimizer asserts on torch Adam's missing step counts, and both optimizers describe a checkpoint without the
+        moments a later load asks for. Each parameter without a state gets the one Adam's first step would create:
+        zero moments (megatron-core's own `init_state_fn`, as its loaders call it) and, for torch Adam, step 0. Before
+        a save, so that the checkpoint holds it, and before a load, as placeholders the load overwrites (as
+        megatron-core's own loaders load over dummy values); a later step computes what it would have from none."""
+        for optimizer in self._megatron_optimizers():
+            if optimizer.init_state_fn is not None:
+                optimizer.init_state_fn(optimizer.optimizer, optimizer.config)
+            if isinstance(optimizer.optimizer, torch.optim.Adam | torch.optim.AdamW):
+                for state in optimizer.optimizer.state.values():
+                    state.setdefault("step", torch.zeros((), dtype=torch.float32))
+
+    def _step_zero_where_unsaved(self, loaded: dict) -> None:
+        """megatron-core 0.16.1 saves the shared step count of an optimizer without --use-distributed-optimizer only
+        when it is non-zero (`if step:` in Float16OptimizerWithFloat16Params' and FP32Optimizer's
+        sharded_state_dict), so the checkpoint of an Adam that never stepped has none, and torch Adam refuses states
+        without one: they load with step 0, the count that was saved."""
+        optimizers = self._megatron_optimizers()
+        parts = [loaded] if len(optimizers) == 1 else [loaded[index] for index in sorted(loaded)]
+        for optimizer, part in zip(optimizers, parts):
+            if isinstance(optimizer, DistributedOptimizer) or not isinstance(
+                    optimizer.optimizer, torch.optim.Adam | torch.optim.AdamW):
+                continue
+            state = part["optimizer"]["state"] if "optimizer" in part else part["state"]
+            if "common_step" not in state:
+                for param_state in state.values():
+                    param_state.setdefault("step", torch.zeros((), dtype=torch.float32))
 
     def _restore_adam_step_counts(self) -> None:
         """megatron-core 0.16.1's distributed optimizer, loading into torch Adam, sets every parameter's `step` to one
@@ -165,8 +198,29 @@ class Actor:
                 for param in group["params"]:
                     adam.state[param]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
+    def restorable_state(self) -> dict[str, torch.Tensor]:
+        """Copies of every tensor a resume restores and the next step trains on, by name: the model's weights and,
+        per parameter, the optimizer's fp32 main copy, Adam's moments and step count, and the loss scaler's state.
+        What two runs' checkpoints restore is compared through it (tests/workers/optimizer_state_checks.py,
+        tools/gpu_check.py); a checkpoint also stores what is never restored (the distributed optimizer's flat
+        buffers keep uninitialised bytes in the alignment gaps between parameters)."""
+        state = {f"model.{name}": param.detach().clone() for name, param in self.model.named_parameters()}
+        for index, optimizer in enumerate(self._megatron_optimizers() if self.optimizer is not None else []):
+            torch_optimizer = optimizer.optimizer
+            for group_index, group in enumerate(torch_optimizer.param_groups):
+                for param_index, param in enumerate(group["params"]):
+                    where = f"optimizer{index}.group{group_index}.param{param_index}"
+                    state[f"{where}.main_param"] = param.detach().clone()
+                    for key, value in torch_optimizer.state[param].items():
+                        state[f"{where}.{key}"] = torch.as_tensor(value).clone()
+            if getattr(optimizer, "grad_scaler", None) is not None:
+                for key, value in optimizer.grad_scaler.state_dict().items():
+                    state[f"optimizer{index}.grad_scaler.{key}"] = torch.as_tensor(value).clone()
+        return state
+
     def load_sharded(self, checkpoint, with_optimizer: bool) -> None:
-        """Load model (and optimizer) state from a Megatron checkpoint saved under any TP/PP."""
+        """Load model (and optimizer) state from a Megatron checkpoint: the model's saved under any TP/PP, the
+        optimizer's as actor/checkpoint.py says (the distributed optimizer's under its own TP/PP only)."""
         from megatron_dppo.actor.checkpoint import load_module_state, load_sharded
 
         model_state = self.model.sharded_state_dict()
@@ -178,6 +232,7 @@ class Actor:
         loaded = load_sharded(checkpoint, request)
         load_module_state(self.model, loaded["model"])
         if with_optimizer:
+            self._step_zero_where_unsaved(loaded["optimizer"])
             self.optimizer.load_state_dict(loaded["optimizer"])
             self._restore_adam_step_counts()
         elif self.optimizer is not None:

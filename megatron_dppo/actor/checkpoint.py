@@ -1,4 +1,5 @@
-"""Megatron distributed checkpoints of the actor: atomic, resumable, loadable under any TP/PP.
+"""Megatron distributed checkpoints of the actor: atomic and resumable; the model loads under any TP/PP, the
+optimizer as its format allows (below).
 
 Layout of a save directory:
 
@@ -6,7 +7,8 @@ Layout of a save directory:
         .metadata, __*.distcp      the sharded state: {"model": ..., "optimizer": ..., "scheduler": ...}
         hf_config.json             the HF config.json the model was built from (export needs it)
         dppo_state.pt              trainer state that is not sharded: step, data position, pruner history,
-                                   RNG states per rank, metrics cursor (absent in a converter's checkpoint)
+                                   RNG states per rank, metrics cursor, the optimizer's layout (absent in a
+                                   converter's checkpoint)
         complete                   written last: a checkpoint without it is partial and never loaded
     <save>/latest                  "iter_0000040", replaced atomically after the checkpoint is complete
 
@@ -14,6 +16,15 @@ Loading is strict, with one exception. Transformer Engine's modules save FP8 met
 checkpoint written under the local spec (our converter's, the CPU mode's) has no such entry for modules the TE spec
 adds (core attention, norms), so a TE model loading it keeps those modules' own extra state. Any other key the model
 or optimizer needs and the checkpoint lacks is an error naming it.
+
+What loads under another layout: the model's weights, under any TP/PP (megatron-core reshards them); the optimizer's
+state (fp32 main parameters, Adam's moments and step counts) without --use-distributed-optimizer, under any TP/PP
+too (it is kept per model parameter); with it, only under the TP/PP it was saved with, at any DP: its
+`dp_reshardable` format (Megatron-LM's default) saves each model-parallel rank's flat buffers as they are, keyed by
+that rank. megatron-core's `fully_reshardable` format would reshard them, by gathering the whole optimizer state on
+DP rank 0 at every save (about 48 GB for Qwen3-4B): not used. A load of the optimizer under another layout is
+therefore refused, naming the change (`optimizer_layout_error`, from the layout the trainer saves in dppo_state.pt),
+and --no-load-optim loads the weights alone.
 
 Writes go to `<save>/.tmp_iter_XXXXXXX` first and are renamed when every rank has finished, so a crash leaves
 either the old checkpoint or the new one, never half of one under its final name.
@@ -152,9 +163,12 @@ def load_sharded(checkpoint: str | Path, sharded_state: dict) -> dict:
     # A damaged shard surfaces as torch's CheckpointException (a BaseException, not an Exception) or as the
     # reader's own error, depending on where the bytes run out.
     except (Exception, CheckpointException) as error:
+        # a checkpoint saved before the trainer recorded its optimizer layout reaches here under a layout change too
+        layout = (" (or, if it holds distributed-optimizer state saved under another TP/PP, resume under that layout "
+                  "or with --no-load-optim)") if "optimizer" in sharded_state else ""
         raise RuntimeError(
             f"checkpoint {path} could not be read ({type(error).__name__}: {error}); its shard files are damaged or "
-            "incomplete: load an earlier checkpoint"
+            f"incomplete: load an earlier checkpoint{layout}"
         ) from error
     missing = [key for key in _on_every_rank(absent) if not _is_extra_state(key)]
     if missing:
@@ -171,6 +185,33 @@ def load_module_state(module: torch.nn.Module, state: dict) -> None:
     if missing or result.unexpected_keys:
         raise KeyError(f"loaded state does not fit the model: missing {missing[:8]}, "
                        f"unexpected {result.unexpected_keys[:8]}")
+
+
+def optimizer_layout(tp: int, pp: int, distributed_optimizer: bool) -> dict:
+    """What decides where an optimizer's saved state loads (the trainer saves it with the checkpoint)."""
+    return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+            "use_distributed_optimizer": distributed_optimizer}
+
+
+def optimizer_layout_error(checkpoint: str | Path, saved: dict | None, current: dict) -> str | None:
+    """Why the optimizer state of `checkpoint`, saved under layout `saved`, cannot load under `current` (None: it
+    can, or the checkpoint predates the record); one line naming the change and the ways on."""
+    if saved is None or saved == current:
+        return None
+    fallback = ("or pass --no-load-optim to load the model weights alone (they load under any TP/PP; Adam's moments "
+                "and the LR schedule start afresh)")
+    if saved["use_distributed_optimizer"] != current["use_distributed_optimizer"]:
+        given = "with" if saved["use_distributed_optimizer"] else "without"
+        return (f"checkpoint {checkpoint} holds optimizer state saved {given} --use-distributed-optimizer, whose "
+                f"format this run's optimizer cannot load: resume {given} --use-distributed-optimizer, {fallback}")
+    if not saved["use_distributed_optimizer"]:
+        return None  # kept per model parameter: it loads under any TP/PP
+    layout = "TP {tensor_model_parallel_size} x PP {pipeline_model_parallel_size}"
+    return (f"checkpoint {checkpoint} holds optimizer state saved by the distributed optimizer under "
+            f"{layout.format(**saved)}, which loads only under that layout (its dp_reshardable format keeps each "
+            f"model-parallel rank's buffers as they are), and this run is {layout.format(**current)}: resume with "
+            f"--tensor-model-parallel-size {saved['tensor_model_parallel_size']} --pipeline-model-parallel-size "
+            f"{saved['pipeline_model_parallel_size']}, {fallback}")
 
 
 def load_trainer_state(checkpoint: str | Path) -> dict | None:

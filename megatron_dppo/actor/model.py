@@ -17,7 +17,7 @@ parameter and buffer is on the actor's device and in the training dtype.
 """
 
 import math
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,21 @@ from megatron_dppo.errors import UserInputError
 from megatron_dppo.platform import default_transformer_impl, is_cpu, transformer_impl_error
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Megatron-LM's activation recompute (`--recompute-granularity`, `--recompute-method`, `--recompute-num-layers`),
+    passed to TransformerConfig under its own field names, as Megatron-LM passes them. full: each layer (uniform: each
+    chunk of `num_layers` layers; block: the first `num_layers` layers of each pipeline stage) keeps only its input
+    and runs its forward again in backward; selective: core attention alone, in every layer. None: nothing."""
+
+    granularity: str | None = None  # full | selective
+    method: str | None = None  # uniform | block (full only)
+    num_layers: int | None = None  # full only
+
+    def config_fields(self) -> dict:
+        return {f"recompute_{name}": value for name, value in asdict(self).items()}
 
 
 class SDPACoreAttention(MegatronModule):

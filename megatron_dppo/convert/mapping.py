@@ -14,15 +14,19 @@ Layouts (Megatron's local and Transformer Engine specs share them):
 - gated: linear_fc1 holds [gate; up]; each TP rank holds [gate shard; up shard] (not a slice of [gate; up]).
 """
 
+from __future__ import annotations
+
 import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the layouts import torch when they move tensors: reading a config (--dry-run) stays torch-free
+    import torch
 
 # read(hf_name, dim, start, stop) -> the slice [start:stop) of that HF tensor along dim (dim=None: whole tensor).
-SliceReader = Callable[[str, int | None, int | None, int | None], torch.Tensor]
+SliceReader = Callable[[str, "int | None", "int | None", "int | None"], "torch.Tensor"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,8 @@ class Layout:
     def shard(self, hf_names: Sequence[str], read: SliceReader, shape: ModelShape, tp_rank: int, tp_size: int,
               padded_vocab: int, hf_shape: Callable[[str], tuple]) -> torch.Tensor:
         """Build TP rank `tp_rank`'s shard of a Megatron parameter from the HF tensors `hf_names`."""
+        import torch
+
         if self.kind == "replicated":
             return read(hf_names[0], None, None, None)
         if self.kind == "column":
@@ -125,6 +131,8 @@ class Layout:
 
     def merge(self, hf_names: Sequence[str], shards: Sequence[torch.Tensor], shape: ModelShape) -> list:
         """Rebuild the HF tensors (name, tensor) from the TP shards of one Megatron parameter, in rank order."""
+        import torch
+
         if self.kind == "replicated":
             return [(hf_names[0], shards[0])]
         if self.kind == "column":

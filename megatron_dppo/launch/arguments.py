@@ -42,6 +42,8 @@ from megatron_dppo.flags import (
     require_domains,
 )
 from megatron_dppo.launch import rollout_correction_flags as correction
+from megatron_dppo.launch.memory_plan import memory_flags, recompute_errors
+from megatron_dppo.launch.rollout_servers import SGLANG_TP_FLAGS, rollout_server_gpus
 from megatron_dppo.metrics import wandb_project_flag
 from megatron_dppo.platform import TRANSFORMER_IMPLS, transformer_impl_error
 from megatron_dppo.rewards.custom import reward_function_flag
@@ -92,8 +94,8 @@ def build_parser() -> FlagParser:
         description="GRPO-family RL with DPPO on Megatron-Core. With no arguments on a CPU machine: the embedded "
         "default (tiny model, synthetic arithmetic, embedded rollout engine).",
     )
-    for add_flags in (megatron_flags, rollout_flags, algorithm_flags, correction.add_flags, reward_flags, data_flags,
-                      embedded_flags, operation_flags):
+    for add_flags in (megatron_flags, memory_flags, rollout_flags, algorithm_flags, correction.add_flags, reward_flags,
+                      data_flags, embedded_flags, operation_flags):
         add_flags(parser)
     require_domains(parser)
     parser.note_replaced_defaults("the embedded default", EMBEDDED_DEFAULTS, EMBEDDED_TASK_DEFAULTS,
@@ -121,6 +123,10 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron.add_argument("--hf-checkpoint", metavar="DIR_OR_ORG/NAME", help="the HF model to start from: a folder, "
                           "or a Hub name (Qwen/Qwen3-4B) downloaded to the HF cache (HF_HUB_OFFLINE=1: read from it)")
     megatron.add_argument("--load", help="resume from a Megatron checkpoint (save dir or iter_* dir)")
+    megatron.add_argument("--no-load-optim", action="store_true",
+                          help="--load the model (and the run's step, data position and history) without the "
+                               "optimizer and its LR schedule, which start afresh (Megatron-LM's flag): e.g. for a "
+                               "checkpoint whose distributed-optimizer state was saved under another TP/PP")
     megatron.add_argument("--save", help="directory for Megatron distributed checkpoints")
     megatron.add_argument("--save-interval", type=COUNT_OR_NONE, default=0,
                           help="save every N steps (0: only at the end)")
@@ -195,6 +201,9 @@ def rollout_flags(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--rollout-engine-disable-radix-cache", action="store_true",
                          help="the embedded engine keeps no prefix K/V between requests (SGLang's "
                               "--disable-radix-cache): each partial-rollout chunk prefills its prompt and tokens again")
+    rollout.add_argument("--rollout-engine-device", choices=("cpu", "cuda"), default="cpu",
+                         help="where the embedded engine decodes: the host, or the GPU of trainer rank 0 (beside the "
+                              "trainer; for tiny models, as bench/step_cost.py measures a GPU's decode cost)")
     rollout.add_argument("--rollout-colocate", action="store_true",
                          help="--rollout-backend sglang: the servers share the trainer's GPUs (a one-GPU machine; "
                               "leave them memory with --sglang-mem-fraction-static) and weights sync over gloo, as "
@@ -389,8 +398,9 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     flag and the fix; then fill in the defaults that depend on other flags. One check per group of flags, in the
     order of --help; where a check asks whether a flag was given, the parser's default answers it."""
     server_gpus, server_errors = rollout_server_gpus(args)
-    errors = [*megatron_errors(args), *rollout_errors(args), *server_errors, *vllm_errors(args),
-              *algorithm_errors(args, parser), *correction.errors(args, parser), *batch_filling_errors(args, parser),
+    errors = [*megatron_errors(args), *recompute_errors(args), *rollout_errors(args), *server_errors,
+              *vllm_errors(args), *algorithm_errors(args, parser), *correction.errors(args, parser),
+              *batch_filling_errors(args, parser),
               *range_combination_errors(args), *model_and_data_errors(args, parser), *embedded_errors(args)]
     if errors:
         parser.error(errors[0] if len(errors) == 1 else "\n  ".join(["invalid arguments:", *errors]))
@@ -431,6 +441,9 @@ def rollout_errors(args: argparse.Namespace) -> list[str]:
         errors.append("--rollout-backend external needs --rollout-urls URL [URL ...]")
     if args.rollout_urls and backend != "external":
         errors.append(f"--rollout-urls is given but --rollout-backend is {backend}: use --rollout-backend external")
+    if args.rollout_engine_device != "cpu" and backend != "embedded":
+        errors.append(f"--rollout-engine-device {args.rollout_engine_device} places the embedded engine, but "
+                      f"--rollout-backend is {backend}: drop it or use --rollout-backend embedded")
     if args.rollout_colocate and backend != "sglang":
         errors.append("--rollout-colocate places SGLang servers on the trainer's GPUs: use --rollout-backend sglang")
     if args.sglang_args and backend != "sglang":
@@ -448,39 +461,6 @@ def vllm_errors(args: argparse.Namespace) -> list[str]:
         return [f"--rollout-python is for --rollout-backend vllm, but --rollout-backend is {args.rollout_backend}: "
                 "drop it or use --rollout-backend vllm"]
     return []
-
-
-# SGLang's names for its tensor- and data-parallel sizes (srt/arg_groups/fields/parallel.py in sglang 0.5.23)
-SGLANG_TP_FLAGS = ("--tp-size", "--tensor-parallel-size")
-SGLANG_DP_FLAGS = ("--dp-size", "--data-parallel-size")
-
-
-def rollout_server_gpus(args: argparse.Namespace) -> tuple[int, list[str]]:
-    """(GPUs of one rollout server, errors). One number: an SGLang server's GPUs are its tensor-parallel size, given
-    by --sglang-tp-size or --rollout-server-gpus (both only if they agree), as SGLang refuses weight updates with more
-    than one data-parallel replica (its tokenizer manager asserts dp_size == 1)."""
-    given = args.rollout_server_gpus
-    if args.rollout_backend in ("vllm", "embedded") and (given or 1) > 1:
-        return 1, [f"--rollout-server-gpus {given}: a --rollout-backend {args.rollout_backend} server joins the "
-                   "weight-sync group as one rank (the group would wait for ranks that never join): drop it, and "
-                   "start more servers with --rollout-num-servers instead"]
-    if args.rollout_backend != "sglang":
-        return given or 1, []
-    errors = []
-    dp = sglang_flag_value(args.sglang_args, SGLANG_DP_FLAGS)
-    if dp is not None and dp.strip() != "1":
-        errors.append(f"--sglang-dp-size {dp}: SGLang refuses weight updates from the trainer with more than one "
-                      "data-parallel replica; start more servers instead (--rollout-num-servers)")
-    tp = sglang_flag_value(args.sglang_args, SGLANG_TP_FLAGS)
-    if tp is None:
-        return given or 1, errors
-    if not tp.isdigit() or int(tp) < 1:
-        return given or 1, [*errors, f"--sglang-tp-size {tp} must be a positive integer"]
-    if given is not None and given != int(tp):
-        errors.append(f"--rollout-server-gpus {given} and --sglang-tp-size {tp} disagree on an SGLang server's GPUs: "
-                      "give one of them")
-    return int(tp), errors
-
 
 
 def algorithm_errors(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:

@@ -5,6 +5,8 @@
                            the torchrun rendezvous, rollout servers with URLs, GPUs, their full command lines and
                            CUDA_VISIBLE_DEVICES, the weight-sync group
         ──► format_plan ──► text;  print_plan: the text, or one line saying why the plan cannot be laid out
+    + --hf-checkpoint's config.json ──► memory_plan.dry_run_memory_plan ──► each trainer GPU's memory plan, or one
+        line naming the flags that would make it fit (a plan for GPUs that cannot hold it ends the dry run, status 2)
 
 `plan_from_environment` reads the inputs from what examples/slurm/dppo.sbatch exports (DPPO_NODES,
 DPPO_TRAINER_NODES, DPPO_ROLLOUT_NODES, DPPO_GPUS_PER_NODE, DPPO_ROLLOUT_PORT, DPPO_RDZV_PORT), falling back to
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from megatron_dppo.launch.arguments import is_embedded_default
+from megatron_dppo.launch.memory_plan import dry_run_memory_plan
 from megatron_dppo.weight_update_protocol import sync_rank_offsets
 
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"
@@ -356,12 +359,18 @@ def format_plan(plan: LaunchPlan) -> str:
 
 
 def print_plan(args, env=None) -> None:
-    """--dry-run: print the plan, or, if it cannot be laid out, one line saying why and exit with status 2."""
+    """--dry-run: print the plan and each trainer GPU's memory plan (launch/memory_plan.py); if it cannot be laid out,
+    or the trainer's GPUs cannot hold it, end with one line saying why and exit with status 2."""
     from megatron_dppo.rollout.client import RolloutServerError
 
     try:
-        text = format_plan(plan_from_environment(args, env))
+        plan = plan_from_environment(args, env)
+        text = format_plan(plan)
     except (ValueError, RolloutServerError) as error:
         print(f"pretrain_dppo.py --dry-run: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    print(text, flush=True)
+    memory, error = dry_run_memory_plan(args, plan.dp, on_gpus=plan.gpus_per_node > 0)
+    print("\n".join([text, "", *memory]), flush=True)
+    if error:
+        print(f"pretrain_dppo.py --dry-run: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2)

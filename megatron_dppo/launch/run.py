@@ -3,6 +3,7 @@
     parse/validate args ─► rank 0: the layout of the SGLang / vLLM servers it will start (enough GPUs?)
     ─► --hf-checkpoint: its tokenizer and the task (prompts + reward), read before anything starts
     ─► torch.distributed + Megatron parallel state
+    ─► the memory plan of a trainer GPU (launch/memory_plan.py): refused here if it cannot fit
     ─► or the embedded default: tiny model + cached warm start, and the synthetic task
     ─► actor (+ frozen reference when --kl-coef > 0)
     ─► rank 0: rollout servers (embedded engine | SGLang | vLLM | external URLs), client, weight syncer, server pool
@@ -14,22 +15,27 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import torch
 import torch.distributed as dist
 
 from megatron_dppo.actor.actor import Actor, OptimConfig
 from megatron_dppo.actor.checkpoint import read_hf_config, resolve_checkpoint
+from megatron_dppo.actor.model import Recompute
 from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint, read_config
 from megatron_dppo.convert.mapping import model_shape
+from megatron_dppo.errors import UserInputError
 from megatron_dppo.launch.arguments import is_embedded_default
 from megatron_dppo.launch.launch_plan import weight_sync_backend
+from megatron_dppo.launch.memory_plan import start_memory_error
 from megatron_dppo.metrics import MetricsLogger, WandbRun
 from megatron_dppo.pipeline.tasks import Task, dataset_task, synthetic_task
 from megatron_dppo.pipeline.trainer import Trainer
-from megatron_dppo.platform import is_cpu
+from megatron_dppo.platform import device_memory_bytes, is_cpu
 from megatron_dppo.platform.network import address_reaching
 from megatron_dppo.platform.process import is_rank0
 from megatron_dppo.rollout.launcher import local_servers
@@ -71,18 +77,37 @@ def embedded_engine_options(args, local_processes: int) -> dict:
     matmuls use the freed cores best (measured by bench/step_cost.py: 1.05-1.07x the steps per second of one
     single-thread worker per process). Under --async the trainer computes while the engine generates, so the cores
     are shared: one single-thread worker per process, which slows down gracefully where one two-thread kernel waits
-    for its slower thread (docs/rollout.md). --rollout-engine-weight-noise passes on, seeded by --rl-seed."""
+    for its slower thread (docs/rollout.md). --rollout-engine-weight-noise passes on, seeded by --rl-seed.
+    --rollout-engine-device cuda: the engine decodes on rank 0's GPU."""
     shared_cores = args.async_rollout
     workers = args.rollout_engine_workers or (local_processes if shared_cores else 1)
     threads = args.rollout_engine_threads or (1 if shared_cores else max(1, local_processes // workers))
+    device = {} if args.rollout_engine_device == "cpu" else {"device": args.rollout_engine_device}
     return {"threads": threads, "workers": workers, "enable_deterministic_inference": True,
-            "disable_radix_cache": args.rollout_engine_disable_radix_cache,
+            "disable_radix_cache": args.rollout_engine_disable_radix_cache, **device,
             **({"weight_noise": args.rollout_engine_weight_noise, "weight_noise_seed": args.rl_seed}
                if args.rollout_engine_weight_noise else {})}
 
 
-def start_rollout(args, model_dir: Path):
-    """rank 0: the servers, a client on them, a weight syncer, and the pool that restarts dead servers."""
+def keeps_host_copy(args) -> bool:
+    """Whether rank 0 keeps a host copy of the weights it last synced, for a server it restarts.
+
+    A server started here (embedded, SGLang, vLLM) is restarted when it dies (ServerPool.ensure_alive) and must then
+    get the weights the other servers hold. Rank 0 exports them again from its own model, with no copy, where it
+    holds the whole model (TP = PP = 1, as every data-parallel rank then does) and the model still holds the synced
+    version while the servers generate (synchronous rollouts: the update runs after generation; evaluation after
+    the sync). Otherwise the copy is the only source: under TP or PP > 1 the other shards are on ranks blocked in a
+    collective meanwhile, and under --async the update changes the model while the servers generate. Servers started
+    elsewhere (external) are never restarted from here. The copy costs host memory of one model (about 8 GB for
+    Qwen3-4B in bf16) and a device-to-host copy of every byte at every sync."""
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    return args.rollout_backend != "external" and (model_parallel > 1 or args.async_rollout)
+
+
+def start_rollout(args, model_dir: Path, synced_weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]):
+    """rank 0: the servers, a client on them, a weight syncer, and the pool that restarts dead servers and re-syncs
+    them: from the syncer's host copy where rank 0 keeps one (keeps_host_copy), else from `synced_weights`, which
+    exports the model's weights (as HF tensors) again."""
     from megatron_dppo.rollout.client import RolloutClient, SGLangGenerateAPI, control_request
     from megatron_dppo.rollout.launcher import ServerPool, external_servers, launch_embedded_engine, start_local_servers
     from megatron_dppo.rollout.vllm import VLLMCompletionsAPI, VLLMControl
@@ -113,9 +138,10 @@ def start_rollout(args, model_dir: Path):
     syncer = WeightSyncer(urls, master_address=master_address, backend=weight_sync_backend(args, is_cpu()),
                           bucket_bytes=args.rollout_weight_bucket_mb * 2**20, timeout_s=args.rollout_timeout_s,
                           engine_ranks=[args.rollout_server_gpus] * len(urls),
-                          keep_host_copy=args.rollout_backend != "external", control=control,
+                          keep_host_copy=keeps_host_copy(args), control=control,
                           load_format=AUTO_FORMAT if args.rollout_backend == "embedded" else FLATTENED_BUCKET)
-    pool = ServerPool(handles, weight_syncer=syncer, resync=syncer.resend)
+    resync = syncer.resend if syncer.keep_host_copy else lambda: syncer.sync(synced_weights(), syncer.last_version)
+    pool = ServerPool(handles, weight_syncer=syncer, resync=resync)
     client = RolloutClient(urls, max_concurrency=args.rollout_max_concurrency, request_timeout_s=args.rollout_timeout_s,
                            supervisor=pool, api=api)
     return pool, client, syncer
@@ -166,6 +192,11 @@ def run(args) -> dict:
         task = build_task(args, tokenizer)
     hf_config = read_hf_config(resolve_checkpoint(args.load)) if args.load else read_config(model_dir)
     shape = model_shape(hf_config)
+    memory_error = start_memory_error(args, dist.get_world_size() // (args.tensor_model_parallel_size *
+                                                                       args.pipeline_model_parallel_size),
+                                      shape, device_memory_bytes())
+    if memory_error:  # every rank finds it alike; before the model is built, so nothing is allocated for nothing
+        raise UserInputError(memory_error)
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     checkpoint = HFCheckpoint(model_dir)
     optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
@@ -175,7 +206,8 @@ def run(args) -> dict:
                         use_distributed_optimizer=args.use_distributed_optimizer,
                         initial_loss_scale=args.initial_loss_scale)
     actor = Actor(shape, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, dtype, optim,
-                  checkpoint, args.sequence_parallel, args.transformer_impl)
+                  checkpoint, args.sequence_parallel, args.transformer_impl,
+                  recompute=Recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers))
     if warm_start is not None and not args.load:
         actor.load_sharded(warm_start, with_optimizer=False)
     reference = None
@@ -187,7 +219,7 @@ def run(args) -> dict:
     pool = client = syncer = None
     with contextlib.ExitStack() as stack:
         if rank0:
-            pool, client, syncer = start_rollout(args, model_dir)
+            pool, client, syncer = start_rollout(args, model_dir, actor.hf_tensors)
             stack.callback(pool.stop)
         trainer = Trainer(args, actor, task, tokenizer, client, syncer, hf_config, reference)
         resumed = trainer.load(args.load) if args.load else {}

@@ -28,10 +28,17 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_dppo.actor.checkpoint import load_trainer_state, resolve_checkpoint, save_checkpoint
+from megatron_dppo.actor.checkpoint import (
+    load_trainer_state,
+    optimizer_layout,
+    optimizer_layout_error,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from megatron_dppo.actor.export import is_export_source
 from megatron_dppo.actor.step import logprob_loss_fn, next_token_targets
 from megatron_dppo.algo.losses import combine_metrics, loss_normalizer, packed_policy_loss
+from megatron_dppo.errors import UserInputError
 from megatron_dppo.pipeline.experience import Experience, ExperienceMaker, Rollouts, run_progress
 from megatron_dppo.pipeline.packing import pack_micro_batches, padding_token_id, sequence_pad_multiple
 from megatron_dppo.platform import collectives
@@ -180,20 +187,31 @@ class Trainer:
                  "history": self.history.state_dict(), "scheduler": self.actor.scheduler.state_dict(),
                  "rng": rng_states, "pending_rollouts": self.rollouts.ready,
                  "partial_rollouts": self.maker.partial.state_dict() if self.maker.partial and self.rank0 else None,
-                 **extra}
+                 "optimizer_layout": self.optimizer_layout(), **extra}
         save_checkpoint(self.args.save, self.step, self.actor.sharded_state_dict(),
                         self.hf_config, state if self.rank0 else None, self.args.keep_last_checkpoints)
 
+    def optimizer_layout(self) -> dict:
+        return optimizer_layout(self.args.tensor_model_parallel_size, self.args.pipeline_model_parallel_size,
+                                self.args.use_distributed_optimizer)
+
     def load(self, checkpoint) -> dict:
-        """Resume: model, optimizer, scheduler, step, data position, pruner history, RNG, pending rollouts."""
+        """Resume: model, optimizer, scheduler, step, data position, pruner history, RNG, pending rollouts. With
+        --no-load-optim (Megatron-LM's flag) the optimizer and its LR schedule start afresh, the rest resumes."""
         path = resolve_checkpoint(checkpoint)
         state = load_trainer_state(path)
-        self.actor.load_sharded(path, with_optimizer=state is not None)
+        with_optimizer = state is not None and not self.args.no_load_optim
+        if with_optimizer:  # refused on every rank alike, before any collective of the load
+            problem = optimizer_layout_error(path, state.get("optimizer_layout"), self.optimizer_layout())
+            if problem:
+                raise UserInputError(problem)
+        self.actor.load_sharded(path, with_optimizer=with_optimizer)
         if state is None:  # a converter's (model-only) checkpoint: start training from these weights
             return {}
         self.step = state["step"]
         self.history.load_state_dict(state["history"])
-        self.actor.scheduler.load_state_dict(state["scheduler"])
+        if with_optimizer:
+            self.actor.scheduler.load_state_dict(state["scheduler"])
         if self.rank0:
             self.task.load_state_dict(state["task"])
             self.rollouts.ready = state["pending_rollouts"]

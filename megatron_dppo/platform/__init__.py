@@ -25,6 +25,13 @@ def current_device():
     return torch.device("cpu") if is_cpu() else torch.device("cuda", torch.cuda.current_device())
 
 
+def device_memory_bytes() -> int | None:
+    """The memory of this rank's GPU (after `setup_device`), or None on the CPU (the host's memory is not planned)."""
+    import torch
+
+    return None if is_cpu() else torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
 TRANSFORMER_IMPLS = ("transformer_engine", "local")  # Megatron-LM's --transformer-impl
 
 

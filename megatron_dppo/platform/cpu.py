@@ -21,6 +21,12 @@ Assumptions it covers, each measured on megatron-core 0.16.1 (see docs/cpu_mode.
 5. Grad clipping (`clip_grads.py`) and the (distributed) optimizer assert `param.type() == 'torch.cuda.FloatTensor'`
    (or Half/BFloat16). Inside the mode, `Tensor.type()` with no argument reports the CUDA type name of a CPU tensor.
    The tensor itself is untouched; only the string differs.
+6. Activation recompute (`tensor_parallel.checkpoint`, Megatron-LM's --recompute-granularity) saves and restores the
+   CUDA generator's state around each recomputed forward (`_get_cuda_rng_state` / `_set_cuda_rng_state`), which a
+   torch without CUDA refuses ("Torch not compiled with CUDA enabled"). On the CPU there is no CUDA generator: the
+   host's is the one random source, and the checkpoint saves and restores it itself (`torch.get_rng_state`). The
+   two functions become: get = an empty state, set = nothing to set. A recomputed forward therefore draws exactly
+   what the first one drew (tests/test_recompute.py: equal losses and gradients).
 
 The mode is a process-wide state: it is entered once on the calling thread and stays on. It costs one Python
 dispatch per torch call, which measured as unmeasurable at the sizes we run on the CPU.
@@ -115,6 +121,11 @@ def _no_op(*args, **kwargs):
     return None
 
 
+def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
+    """The CUDA generator's state where none exists (assumption 6): empty; the host generator's is saved apart."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
 def enable_cpu_mode() -> None:
     """Switch megatron-core to the CPU (idempotent). Raises if a CUDA device is available: use the GPU path there."""
     global _enabled
@@ -126,9 +137,11 @@ def enable_cpu_mode() -> None:
                 "enable_cpu_mode() was called on a machine with a CUDA device; the CPU mode is only for machines "
                 "without one. Run with the GPU path (platform='cuda') instead."
             )
-        from megatron.core.tensor_parallel.random import initialize_rng_tracker
+        from megatron.core.tensor_parallel import random as megatron_random
 
-        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        megatron_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        megatron_random._get_cuda_rng_state = _no_cuda_rng_state
+        megatron_random._set_cuda_rng_state = _no_op
         torch.cuda.current_device = lambda: 0
         torch.cuda.synchronize = _no_op
         torch.cuda.empty_cache = _no_op

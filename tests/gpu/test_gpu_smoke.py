@@ -23,13 +23,13 @@ import math
 import pytest
 import torch
 
+from tests.gpu.limits import LAUNCH_TIMEOUT_S, TEST_TIMEOUT_S
 from tests.launch import REPO_ROOT, run_torchrun
 
-LAUNCH_TIMEOUT_S = 900  # the torchrun launch's own limit, under the test's: its handler prints the run's log
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(),
                                  reason="GPU smoke run: needs a CUDA GPU (with Transformer Engine and SGLang: the "
                                         "Docker image); run examples/gpu_smoke.sh there"),
-              pytest.mark.timeout(1200)]
+              pytest.mark.timeout(TEST_TIMEOUT_S)]
 
 ENTRY = REPO_ROOT / "examples" / "pretrain_dppo.py"
 STEPS = 3

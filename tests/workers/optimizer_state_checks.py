@@ -3,10 +3,10 @@
 Usage: torchrun --nproc-per-node N optimizer_state_checks.py --first DIR --second DIR --dtype bf16|fp16 --tp T
        [--use-distributed-optimizer]
 
-The restored state is what a resume trains on: the model's weights, each parameter's optimizer state as the torch
-optimizer holds it (fp32 main parameter, Adam moments, step count) and the loss scaler. Comparing it here, rather
-than the files, leaves out what a checkpoint stores but never restores: the distributed optimizer writes its flat
-buffers with the alignment gaps between parameters filled from uninitialised memory. Prints
+The restored state is what a resume trains on (Actor.restorable_state): the model's weights, each parameter's
+optimizer state as the torch optimizer holds it (fp32 main parameter, Adam moments, step count) and the loss scaler.
+Comparing it here, rather than the files, leaves out what a checkpoint stores but never restores: the distributed
+optimizer writes its flat buffers with the alignment gaps between parameters filled from uninitialised memory. Prints
 `CHECK restored_state_equal ok <tensors>` on rank 0; any difference raises, naming it.
 """
 
@@ -25,19 +25,7 @@ def restored_state(checkpoint: str, args) -> dict[str, torch.Tensor]:
     optim = OptimConfig(use_distributed_optimizer=args.use_distributed_optimizer)
     actor = Actor(model_shape(read_hf_config(path)), args.tp, 1, args.dtype, optim)
     actor.load_sharded(path, with_optimizer=True)
-    state = {f"model.{name}": param.detach().clone() for name, param in actor.model.named_parameters()}
-    for index, optimizer in enumerate(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])):
-        torch_optimizer = optimizer.optimizer
-        for group_index, group in enumerate(torch_optimizer.param_groups):
-            for param_index, param in enumerate(group["params"]):
-                where = f"optimizer{index}.group{group_index}.param{param_index}"
-                state[f"{where}.main_param"] = param.detach().clone()
-                for key, value in torch_optimizer.state[param].items():
-                    state[f"{where}.{key}"] = torch.as_tensor(value).clone()
-        if getattr(optimizer, "grad_scaler", None) is not None:
-            for key, value in optimizer.grad_scaler.state_dict().items():
-                state[f"optimizer{index}.grad_scaler.{key}"] = torch.as_tensor(value).clone()
-    return state
+    return actor.restorable_state()
 
 
 def main():

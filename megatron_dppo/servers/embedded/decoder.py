@@ -17,6 +17,11 @@ here is HF's own, op for op: RMSNorm in fp32 then cast, q/k norms (Qwen3), the m
 rotary module (so every RoPE type HF implements), SDPA with a boolean mask for the prefill, softmax(q·kᵀ·scale)·v
 for single-position steps, SiLU-gated MLP. tests/test_rollout_decoder.py checks it against HF's forward.
 
+The decoder runs where the model's parameters are (the engine's --device): the CPU, or a GPU, where a decode step
+costs about the same for 1 row as for 64 (bench/step_cost.py measures what that does to partial rollouts). Its
+callers stay on the host: prefill and step take host token ids, keep takes host row indices, and logits come back
+to the host, where sampling draws from its seeded uniforms alike on either device.
+
 Invariants:
 - the parameters are read through the model's Parameter objects on every call, so a weight update (in place or by
   re-pointing `.data`) is seen by the next step, and nothing is cached across weight versions;
@@ -149,13 +154,17 @@ class KVCacheDecoder:
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
     def kv_bytes_per_token(self) -> int:
         """Cache bytes one token of one sequence takes (keys and values of every layer)."""
         return 2 * len(self.layers) * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output layer on final hidden states [..., hidden] → fp32 logits [..., vocab]."""
-        return F.linear(hidden, self.model.lm_head.weight).float()
+        """The output layer on final hidden states [..., hidden] → fp32 logits [..., vocab], on the host."""
+        return F.linear(hidden, self.model.lm_head.weight).float().cpu()
 
     def prefill(self, contexts: list[list[int]], pad_token_id: int = 0,
                 prefixes: list[CachedPrefix | None] | None = None) -> tuple[DecodeState, torch.Tensor]:
@@ -173,7 +182,7 @@ class KVCacheDecoder:
                                                distinct_prefixes)
         if len(distinct) < len(contexts):
             self.keep(state, source)
-            hidden = hidden.index_select(0, source)
+            hidden = hidden.index_select(0, source.to(self.device))
         return state, hidden
 
     def _prefill_distinct(self, contexts: list[list[int]], pad_token_id: int,
@@ -189,16 +198,18 @@ class KVCacheDecoder:
         for row, context in enumerate(contexts):
             input_ids[row, width - len(context):] = torch.tensor(context, dtype=torch.long)
             valid[row, width - len(context):width] = True
+        input_ids, valid, starts, cached = (tensor.to(self.device) for tensor in (input_ids, valid, starts, cached))
         position_ids = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)  # [B, T], as HF numbers left padding
-        query_slots = torch.arange(width - window, width)  # [W]
-        key_slots = torch.arange(width)
+        query_slots = torch.arange(width - window, width, device=self.device)  # [W]
+        key_slots = torch.arange(width, device=self.device)
         # [B, 1, W, T]: causal and not padding; a pad position sees itself so that its row of scores is not empty
         mask = ((key_slots[None] <= query_slots[:, None])[None] & valid[:, None, :width]
                 | (key_slots[None] == query_slots[:, None])[None])[:, None]
         shape = (batch, self.num_kv_heads, slots, self.head_dim)
-        keys = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
-        values = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
-        bias = torch.zeros(batch, 1, 1, slots, dtype=self.dtype).masked_fill_(~valid[:, None, None], float("-inf"))
+        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        bias = torch.zeros(batch, 1, 1, slots, dtype=self.dtype, device=self.device).masked_fill_(
+            ~valid[:, None, None], float("-inf"))
         state = DecodeState(keys, values, bias, position_ids[:, -1] + 1, width, starts)
         for row, prefix in enumerate(prefixes):
             if prefix is not None:
@@ -243,7 +254,7 @@ class KVCacheDecoder:
         if slot == state.keys[0].shape[2]:
             state.grow(BLOCK)
         state.attention_bias[:, :, :, slot] = 0.0
-        hidden = self.embed(tokens[:, None])  # [B, 1, hidden]
+        hidden = self.embed(tokens.to(self.device)[:, None])  # [B, 1, hidden]
         cos, sin = self.rotary(hidden, state.positions[:, None])
         groups = self.num_heads // self.num_kv_heads
         for index, layer in enumerate(self.layers):
@@ -264,6 +275,7 @@ class KVCacheDecoder:
     @staticmethod
     def keep(state: DecodeState, rows: torch.Tensor) -> None:
         """Keep the cache rows `rows` (long indices, in that order; a row may appear more than once)."""
+        rows = rows.to(state.positions.device)
         state.keys = [select_rows(keys, rows) for keys in state.keys]
         state.values = [select_rows(values, rows) for values in state.values]
         state.attention_bias = select_rows(state.attention_bias, rows)

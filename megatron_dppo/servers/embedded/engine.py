@@ -1,4 +1,5 @@
-"""Embedded rollout server for CPU: SGLang's HTTP endpoints served from an HF transformers model.
+"""Embedded rollout server for CPU (or one GPU, --device cuda): SGLang's HTTP endpoints served from an HF transformers
+model.
 
 requests ──► RequestParser.parse (request_parser.py) ──► BatchScheduler (scheduler.py): queue ──► batch loop (until
              a quiet millisecond, at most `batch_window_s`) ──► split over the decode workers ──► each:
@@ -48,7 +49,7 @@ Invariants:
   through the rounding of its logits.
 
 Run: python -m megatron_dppo.servers.embedded --model-dir DIR [--host 127.0.0.1] [--port P] [--api-key K]
-     [--workers W] [--threads T] [--max-total-tokens KV_BUDGET] [--max-n N] [--disable-radix-cache]
+     [--workers W] [--threads T] [--max-total-tokens KV_BUDGET] [--max-n N] [--disable-radix-cache] [--device cuda]
      [--weight-noise S [--weight-noise-seed N]]
 """
 
@@ -79,14 +80,16 @@ class EmbeddedEngine:
                  batch_window_s: float = 0.005, seed: int = 0, model_name: str | None = None,
                  deterministic_inference: bool = False, workers: int = 1, max_total_tokens: int | None = None,
                  max_n: int = DEFAULT_MAX_N, prefix_cache: bool = True, weight_noise: float = 0.0,
-                 weight_noise_seed: int = 0):
+                 weight_noise_seed: int = 0, device: str = "cpu"):
         """deterministic_inference: SGLang's --enable-deterministic-inference, without which sampling_seed is
         ignored (see the module docstring). workers: a batch of at least MIN_ROWS_PER_WORKER sequences per worker is
         split into that many contiguous parts, decoded concurrently by as many threads. max_total_tokens: the KV
         budget, the cache slots one batch may take (rows x (longest context + largest token budget)) and one
         request may ask for; default: what DEFAULT_KV_CACHE_BYTES hold. max_n: samples per prompt in one request.
         weight_noise: the engine samples from its weights plus seeded Gaussian noise of this size relative to each
-        parameter's RMS, at start and after every weight load (WeightNoise, weights.py); 0: off."""
+        parameter's RMS, at start and after every weight load (WeightNoise, weights.py); 0: off.
+        device: where the model runs and decodes ("cpu", or "cuda" for this process's GPU); weights still arrive
+        over gloo in host memory and are copied in."""
         if min(workers, max_batch_size, max_n, 1 if max_total_tokens is None else max_total_tokens) < 1:
             raise ValueError(f"--workers {workers}, --max-batch-size {max_batch_size}, --max-n {max_n} and "
                              f"--max-total-tokens {max_total_tokens} must be >= 1")
@@ -99,7 +102,7 @@ class EmbeddedEngine:
             raise ValueError(f"--dtype {dtype!r} is not a torch floating dtype (float32, bfloat16, float16)")
         self.model_dir = model_dir
         self.model_name = model_name or model_dir
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
         self.decoder = KVCacheDecoder(self.model)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -170,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="sample from a perturbed copy of the weights: every parameter loaded gets seeded Gaussian "
                              "noise of this size times its RMS (a controlled engine/trainer gap); 0: off")
     parser.add_argument("--weight-noise-seed", type=SEED, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the model decodes: the host, or the GPU of CUDA_VISIBLE_DEVICES' first device "
+                             "(a decode step then costs about the same for 1 row as for 64)")
     parser.add_argument("--disable-radix-cache", action="store_true",
                         help="as SGLang's flag: keep no prefix K/V between requests (a continued chunk is prefilled "
                              "again)")
@@ -183,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
                             deterministic_inference=args.enable_deterministic_inference, workers=args.workers,
                             max_total_tokens=args.max_total_tokens, max_n=args.max_n,
                             prefix_cache=not args.disable_radix_cache, weight_noise=args.weight_noise,
-                            weight_noise_seed=args.weight_noise_seed)
+                            weight_noise_seed=args.weight_noise_seed, device=args.device)
     start = time.perf_counter()
     print(f"embedded engine: model {args.model_dir} loaded, serving http://{args.host}:{args.port}", flush=True)
     web.run_app(build_app(engine, args.api_key), host=args.host, port=args.port, print=None,

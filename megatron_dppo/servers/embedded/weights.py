@@ -146,7 +146,8 @@ class WeightUpdates:
         Zero-copy: a flattened bucket is received into a new buffer and the parameters it names become views into
         it; the next sync with the same bucket layout broadcasts straight into that buffer, i.e. into the
         parameters. Per-tensor broadcasts go straight into the parameters. A tensor whose dtype differs from its
-        parameter's, or that names a buffer, is copied (and converted) instead. Names and shapes are checked
+        parameter's, that names a buffer, or whose parameter is on a GPU (--device cuda: the gloo group carries host
+        tensors) is copied (and converted) instead. Names and shapes are checked
         before anything is loaded; a refused bucket is still received, so the group stays in step. Outside a
         begin/end session nothing is received (SGLang's rule): the trainer's broadcast is left to its teardown."""
         self.prefix_cache.clear()  # K/V computed by the weights this update replaces
@@ -185,7 +186,7 @@ class WeightUpdates:
             received = []
             for tensor_name, dtype, shape in zip(names, dtypes, shapes, strict=True):
                 target = targets.get(tensor_name)
-                direct = (target is not None and target.dtype == getattr(torch, dtype)
+                direct = (target is not None and target.dtype == getattr(torch, dtype) and target.device.type == "cpu"
                           and list(target.shape) == list(shape) and target.is_contiguous())
                 tensor = target.data if direct else torch.empty(shape, dtype=getattr(torch, dtype))
                 received.append((tensor_name, tensor))
@@ -248,7 +249,7 @@ class WeightUpdates:
         adopted_all = True
         for name, tensor in named_tensors:
             target = targets[name]
-            if adopt and name in parameters and target.dtype == tensor.dtype:
+            if adopt and name in parameters and target.dtype == tensor.dtype and target.device == tensor.device:
                 parameters[name].data = tensor  # tied embeddings are one Parameter: both names follow
             else:
                 target.copy_(tensor)
