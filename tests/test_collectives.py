@@ -29,7 +29,7 @@ def test_embedded_engine_syncs_over_gloo_where_the_trainer_runs_nccl(monkeypatch
     monkeypatch.setattr(run, "is_cpu", lambda: False)  # a CUDA machine, whose trainer runs NCCL
     monkeypatch.setattr(launcher, "launch_embedded_engine",
                         lambda model_dir, **options: launcher.ServerHandle("http://127.0.0.1:9"))
-    _, _, syncer = run.start_rollout(parse_args([]), tmp_path)
+    _, _, syncer = run.start_rollout(parse_args([]), tmp_path, synced_weights=lambda: iter(()))
     assert syncer.backend == "gloo"
 
 

@@ -131,8 +131,9 @@ def test_peer_metrics_are_read_by_plot_metrics_and_time_to_accuracy(tmp_path):
     costed = run_costs.with_costs(run, size, old_logprob_pass=False)
     assert [r["seconds_steps"] for r in costed.records] == pytest.approx([0.5, 0.9])
     assert [r["tokens_generated_total"] for r in costed.records] == [30, 94]
-    # warm start at 0, the step-2 evaluation, the final one at the last step's time
-    assert accuracy_curves.accuracy_points(costed, "seconds_steps") == [(0.0, 0.25), (0.9, 0.4), (0.9, 0.5)]
+    # warm start at 0, then the final evaluation at the last step's time: the step-2 evaluation stands at the same x
+    # (the last step), and a time has one accuracy, the final one (accuracy_curves counts each evaluation once)
+    assert accuracy_curves.accuracy_points(costed, "seconds_steps") == [(0.0, 0.25), (0.9, 0.5)]
     phases = run_costs.phase_breakdown([costed])
     assert phases["seconds_step"] == pytest.approx(0.45) and phases["seconds_rollout"] == pytest.approx(0.2)
     assert plot_runs([costed], tmp_path / "figures", ("heldout_accuracy",), ("seconds_steps",))
