@@ -73,23 +73,31 @@ def quality(predictions: list[float], outcomes: list[bool], weights: list[float]
                    hits / zeros if zeros else math.nan)
 
 
+def replayed_steps(records: list[dict], decay: float, prior: float):
+    """A run's steps in order through a fresh PromptHistory(decay, prior): yields (visits, z, seen) per step, z [P]
+    the history's predictions before the step and seen [P] whether each prompt was visited before; the history then
+    folds the step's outcomes."""
+    history = PromptHistory(decay, prior)
+    for step in sorted({r["step"] for r in records}):
+        visits = [r for r in records if r["step"] == step]
+        ids = [r["prompt_id"] for r in visits]
+        difficulties = [r["difficulty"] for r in visits]
+        yield (visits, history.zero_variance_probability(ids, difficulties),
+               [history.visits(prompt_id) > 0 for prompt_id in ids])
+        history.update(ids, [0.0] * len(ids), [r["response_length_mean"] for r in visits],
+                       rewards=[r["rewards"] for r in visits], difficulties=difficulties)
+
+
 def replay(runs: list[list[dict]], decay: float, prior: float) -> dict[str, tuple[list, list]]:
     """Per visit kind ("seen", "first"): (predictions, outcomes) of the history's predictor over every run."""
     kinds = {"seen": ([], []), "first": ([], [])}
     for records in runs:
-        history = PromptHistory(decay, prior)
-        for step in sorted({r["step"] for r in records}):
-            visits = [r for r in records if r["step"] == step]
-            ids = [r["prompt_id"] for r in visits]
-            difficulties = [r["difficulty"] for r in visits]
-            predicted = history.zero_variance_probability(ids, difficulties).tolist()
-            for record, z in zip(visits, predicted):
+        for visits, predicted, seen in replayed_steps(records, decay, prior):
+            for record, z, before in zip(visits, predicted.tolist(), seen):
                 if not math.isnan(z):
-                    kind = kinds["seen" if history.visits(record["prompt_id"]) else "first"]
+                    kind = kinds["seen" if before else "first"]
                     kind[0].append(z)
                     kind[1].append(bool(record["zero_variance"]))
-            history.update(ids, [0.0] * len(ids), [r["response_length_mean"] for r in visits],
-                           rewards=[r["rewards"] for r in visits], difficulties=difficulties)
     return kinds
 
 
@@ -113,25 +121,19 @@ def keep_rule_gain(runs: list[list[dict]], keep_fraction: float, p_min: float = 
 
     uniform = predicted = oracle = kept = informative_kept = informative = drawn = 0.0
     for records in runs:
-        history = PromptHistory(decay, prior)
-        for step in sorted({r["step"] for r in records}):
-            visits = [r for r in records if r["step"] == step]
-            ids = [r["prompt_id"] for r in visits]
-            difficulties = [r["difficulty"] for r in visits]
-            z = history.zero_variance_probability(ids, difficulties)
+        for visits, z, _ in replayed_steps(records, decay, prior):
             varied = torch.tensor([0.0 if r["zero_variance"] else 1.0 for r in visits], dtype=torch.float64)
-            if not torch.isnan(z).any():
-                keep = proportional_keep_probs((1 - z).clamp(min=0).sqrt(), keep_fraction, p_min)
-                perfect = proportional_keep_probs(varied, keep_fraction, p_min)
-                uniform += float(varied.sum()) / keep_fraction
-                predicted += float((varied / keep).sum())
-                oracle += float((varied / perfect).sum())
-                kept += float(keep.sum())
-                informative_kept += float((keep * varied).sum())
-                informative += float(varied.sum())
-                drawn += len(visits)
-            history.update(ids, [0.0] * len(ids), [r["response_length_mean"] for r in visits],
-                           rewards=[r["rewards"] for r in visits], difficulties=difficulties)
+            if torch.isnan(z).any():
+                continue
+            keep = proportional_keep_probs((1 - z).clamp(min=0).sqrt(), keep_fraction, p_min)
+            perfect = proportional_keep_probs(varied, keep_fraction, p_min)
+            uniform += float(varied.sum()) / keep_fraction
+            predicted += float((varied / keep).sum())
+            oracle += float((varied / perfect).sum())
+            kept += float(keep.sum())
+            informative_kept += float((keep * varied).sum())
+            informative += float(varied.sum())
+            drawn += len(visits)
     if not predicted:
         raise ValueError("no step with a prediction and a group with varied rewards: the runs are too short")
     return KeepRuleGain(uniform / predicted, informative_kept / kept, informative / drawn, uniform / oracle)

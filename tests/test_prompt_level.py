@@ -197,15 +197,22 @@ def test_the_maker_draws_the_refill_and_records_each_groups_prediction_and_outco
     assert experience.stats["prompts_pruned"] == rollouts.num_drawn - len(rollouts.prompts)
 
 
-def test_prompt_prediction_bench_replays_outcomes_through_the_trainers_history(tmp_path):
+def prompt_prediction_bench():
+    """bench/prompt_prediction.py, loaded as a module."""
     import importlib.util
-    import json
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "bench" / "prompt_prediction.py"
     spec = importlib.util.spec_from_file_location("prompt_prediction", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_prompt_prediction_bench_replays_outcomes_through_the_trainers_history(tmp_path):
+    import json
+
+    bench = prompt_prediction_bench()
     # prompts 0-9 always all-right, 10-19 always mixed, each visited on 5 steps
     records = [{"step": step, "prompt_id": i, "difficulty": "c", "rewards": ALL_RIGHT if i < 10 else MIXED,
                 "zero_variance": i < 10, "response_length_mean": 10.0} for step in range(5) for i in range(20)]
@@ -217,13 +224,7 @@ def test_prompt_prediction_bench_replays_outcomes_through_the_trainers_history(t
 
 
 def test_keep_rule_gain_measures_what_the_history_buys_against_uniform_keeping_and_a_perfect_predictor():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "prompt_prediction.py"
-    spec = importlib.util.spec_from_file_location("prompt_prediction", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = prompt_prediction_bench()
     # prompts 0-9 always all-right (no gradient), 10-19 always mixed: once seen, the history tells them apart
     learnable = [{"step": step, "prompt_id": i, "difficulty": "c", "rewards": ALL_RIGHT if i < 10 else MIXED,
                   "zero_variance": i < 10, "response_length_mean": 10.0} for step in range(6) for i in range(20)]
