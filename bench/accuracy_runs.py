@@ -155,11 +155,16 @@ def page_block(task: str, quick: bool) -> str:
     return ("quick" if quick else "full") + ("" if task == "worked" else f"-{task}")
 
 
-def run_order(settings: Settings, seed: int) -> list[str]:
-    """The methods run with `seed`, in a random order of their own (seeded by the seed): the methods compared are
-    interleaved, so that a slow stretch of the shared machine falls on no method more than another."""
-    methods = [m for m in settings.methods
-               if m not in SECONDARY_METHODS or seed in settings.seeds[:settings.secondary_seeds]]
+def run_order(settings: Settings, seed: int, secondary: bool = False) -> list[str]:
+    """The methods of settings.methods run with `seed`, in a random order of their own (seeded by the seed): the
+    methods compared are interleaved, so that a slow stretch of the shared machine falls on no method more than
+    another. secondary=False: the baselines and DPPO's two forms (the headline's, with every seed); True: the other
+    methods, with the first settings.secondary_seeds seeds only."""
+    if secondary:
+        methods = [m for m in settings.methods
+                   if m in SECONDARY_METHODS and seed in settings.seeds[:settings.secondary_seeds]]
+    else:
+        methods = [m for m in settings.methods if m not in SECONDARY_METHODS]
     return random.Random(seed).sample(methods, len(methods))
 
 

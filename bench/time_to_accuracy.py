@@ -9,9 +9,9 @@ with CPPO, D3S, the paper's deterministic DPPO and GRPO with partial rollouts be
        embedded default's 2048-problem pool; seed s of every method shares GRPO's seed s (the pool, its order, the
        held-out set, the start: accuracy_runs.PAIRING_FLAGS). Within a seed the methods run in a random order of the
        seed's own (accuracy_runs.run_order), so a slow stretch of the shared machine falls on none more than another.
-       The baselines and DPPO's two forms run with every seed, the other methods with the first 3. After --seeds,
-       one more paired seed at a time until every headline interval is narrower than 0.5 (wall or cost-model time),
-       up to --max-seeds
+       The baselines and DPPO's two forms run first, with every seed; after --seeds, one more paired seed at a time
+       until every headline interval is narrower than 0.5 (wall or cost-model time), up to --max-seeds; then the
+       other methods with the first 3 seeds
     3. control: a longer supervised warm start that spends the RL budget on more supervised steps instead
     4. analysis ─► the generated part of docs/results.md (bench/results_page.py): the estimator's calibration on
        simulated curves of known ratio and on grpo against grpo-paper; per baseline, every method's speed-up in wall
@@ -99,14 +99,17 @@ def main(argv: list[str] | None = None) -> None:
         if settings.page:
             write_page(settings.page, "grpo-tuning", report)
         return
-    for seed in settings.seeds:  # seed by seed, methods interleaved: a change in the machine's load falls on all alike
+    # the headline first (the baselines and DPPO's two forms), seed by seed, methods interleaved: a change in the
+    # machine's load falls on all alike; then one more paired seed at a time until it decides, up to --max-seeds
+    for seed in settings.seeds:
         run_seed(settings, seed, warm_start, started)
-    # seeds until the headline decides: one more paired seed at a time, up to --max-seeds
     while not settings.analyse_only and len(settings.seeds) < settings.max_seeds and not headline_decided(settings):
         settings.seeds.append(max(settings.seeds) + 1)
         print(f"the headline intervals are not yet narrower than {DECIDED_WIDTH}: adding seed {settings.seeds[-1]}",
               flush=True)
         run_seed(settings, settings.seeds[-1], warm_start, started)
+    for seed in settings.seeds[:settings.secondary_seeds]:  # then the other methods, with the first seeds
+        run_seed(settings, seed, warm_start, started, secondary=True)
     control = run_control(settings, sft_steps_per_second) if settings.control else None
     math_model = run_math_methods(settings) if settings.math_budget_s > 0 else None
     report, last_lines = results_report(settings, sft_steps_per_second, control, math_model, started)
@@ -116,9 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     print(last_lines)
 
 
-def run_seed(settings, seed: int, warm_start: Path, started: float) -> None:
-    """Every method's run with `seed`, in the seed's own random order (run_order)."""
-    for method in run_order(settings, seed):
+def run_seed(settings, seed: int, warm_start: Path, started: float, secondary: bool = False) -> None:
+    """The headline's (or, `secondary`, the other) methods' runs with `seed`, in the seed's own order (run_order)."""
+    for method in run_order(settings, seed, secondary):
         if finished(run_rl(settings, method, seed, warm_start)):
             print(f"finished {method} seed {seed} ({time.perf_counter() - started:.0f} s so far)", flush=True)
 

@@ -485,9 +485,10 @@ def test_runs_are_interleaved_in_a_seeded_order_and_the_other_methods_run_with_t
     orders = {seed: accuracy_runs.run_order(settings, seed) for seed in settings.seeds}
     headline = set(accuracy_runs.BASELINES) | set(accuracy_runs.HEADLINE_METHODS)
     for seed, order in orders.items():
-        expected = set(accuracy_runs.METHODS) if seed <= 3 else headline
-        assert set(order) == expected and len(order) == len(expected)
+        assert set(order) == headline and len(order) == len(headline)
         assert order == accuracy_runs.run_order(settings, seed)  # the same order when a sitting resumes
+        others = accuracy_runs.run_order(settings, seed, secondary=True)
+        assert set(others) == (set(accuracy_runs.SECONDARY_METHODS) if seed <= 3 else set())
     assert len({tuple(order) for order in orders.values()}) > 1  # not one fixed order
 
 
@@ -586,11 +587,12 @@ def test_main_runs_every_seed_then_adds_seeds_until_the_headline_decides(tmp_pat
     monkeypatch.setattr(time_to_accuracy, "results_report", fake_report)
     monkeypatch.setattr(time_to_accuracy, "headline_decided", lambda settings: next(decisions))
     (tmp_path / "cache" / "warm" / "embedded_x" / "warm_start").mkdir(parents=True)
-    time_to_accuracy.main(["--out-dir", str(tmp_path), "--methods", "dppo", "--seeds", "1", "2", "--budget-s", "30",
-                           "--no-control"])
-    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--methods", "dppo"])
+    time_to_accuracy.main(["--out-dir", str(tmp_path), "--methods", "dppo", "cppo", "--seeds", "1", "2", "--budget-s",
+                           "30", "--no-control"])
+    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--methods", "dppo", "cppo"])
     expected = ["warm_start/build", "warm_start/cached"]
     for seed in (1, 2, 3):  # seed 3 added once (not decided), then decided
         expected += [f"runs/{method}/seed_{seed}" for method in accuracy_runs.run_order(settings, seed)]
+    expected += [f"runs/cppo/seed_{seed}" for seed in (1, 2, 3)]  # the other methods last, with the first 3 seeds
     assert events == [*expected, "report"]
     assert "adding seed 3" in capsys.readouterr().out
