@@ -146,7 +146,7 @@ def test_bad_command_line_values_are_rejected_with_the_flag_name(capsys):
     assert settings.methods == ["grpo-paper", "grpo", "dapo-dynamic-sampling", "cppo"]
     assert settings.seeds == [1] and settings.budget_s == 25.0
     full = accuracy_runs.parse_args([])
-    assert full.methods == list(accuracy_runs.METHODS) and (full.budget_s, full.eval_interval) == (240.0, 24)
+    assert full.methods == list(accuracy_runs.METHODS) and (full.budget_s, full.eval_interval) == (240.0, 10)
     assert (full.seeds, full.max_seeds, full.secondary_seeds, full.eval_size) == ([1, 2, 3, 4, 5, 6], 12, 3, 512)
     assert accuracy_runs.pool_size() == 2048  # the embedded default's pool: the regime where RL learns
 
