@@ -32,6 +32,7 @@ TARGET_FRACTIONS = (0.5, 0.75, 0.9)  # of the gain over the warm start: the head
 PAPER_TARGET = 1.0  # the baseline's final accuracy itself: the paper's definition of time to accuracy
 GRID_POINTS = 801  # points of the common grid the seeds' curves are averaged on
 CONFIDENCE = 0.95
+MIN_INTERVAL_SEEDS = 3  # paired seeds an interval needs (its leave-one-out estimates less one: 2 degrees of freedom)
 
 
 def accuracy_points(run: Run, x_key: str) -> list[tuple[float, float]]:
@@ -155,7 +156,7 @@ def jackknife_interval(estimate: float, leave_one_out: list[float],
     """A t interval for a positive ratio on the log scale: log(estimate) ± t(n-1) x the jackknife standard error of
     the leave-one-seed-out estimates (n seeds). None with fewer than 3 seeds."""
     n = len(leave_one_out)
-    if n < 3:
+    if n < MIN_INTERVAL_SEEDS:
         return None
     logs = [math.log(value) for value in leave_one_out]
     centre = statistics.fmean(logs)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from bench import prompt_prediction
 from bench.accuracy_curves import (
+    MIN_INTERVAL_SEEDS,
     PAPER_TARGET,
     TARGET_FRACTIONS,
     accuracy_points,
@@ -140,9 +141,12 @@ def compare_all(groups: dict[str, dict[int, Run]]) -> dict[str, dict[str, dict[s
 
 
 def interval_text(result: dict | None, kind: str = "headline") -> str:
-    """`X [low, high]`, or nan where a run, the baseline's gain or an interval (fewer than 3 seeds) is missing."""
-    if not result or not result["estimate"] or not result[f"{kind}_interval"]:
+    """`X [low, high]`; `X [no interval: fewer than 3 seeds]` before the third paired seed; nan where a run or the
+    baseline's gain is missing."""
+    if not result or not result["estimate"]:
         return "nan"
+    if not result[f"{kind}_interval"]:
+        return f"{result['estimate'][kind]:.2f} [no interval: fewer than {MIN_INTERVAL_SEEDS} seeds]"
     low, high = result[f"{kind}_interval"]
     return f"{result['estimate'][kind]:.2f} [{low:.2f}, {high:.2f}]"
 
@@ -201,11 +205,16 @@ def known_ratio_section(groups: dict[str, dict[int, Run]], comparisons: dict, se
     """The estimator's calibration on simulated curves of known ratio (bench/estimator_check.py) at this bench's
     seed count, and its reading of grpo against grpo-paper, whose ratio is their step-time ratio."""
     seeds = max(len(by_seed) for by_seed in groups.values())
-    rows = calibration(list(CALIBRATION_RATIOS), seeds, CALIBRATION_DATASETS)
-    return (f"Simulated benches of {seeds} paired seeds whose true speed-up is set in advance (`python "
-            f"bench/estimator_check.py --seeds {seeds}`: the curve, noise and step times of the "
-            f"embedded default's runs; {CALIBRATION_DATASETS} benches per ratio), read by this page's estimator:\n\n"
-            f"{calibration_table(rows, seeds)}\n\n"
+    if seeds >= MIN_INTERVAL_SEEDS:
+        rows = calibration(list(CALIBRATION_RATIOS), seeds, CALIBRATION_DATASETS)
+        simulated = (f"Simulated benches of {seeds} paired seeds whose true speed-up is set in advance (`python "
+                     f"bench/estimator_check.py --seeds {seeds}`: the curve, noise and step times of the "
+                     f"embedded default's runs; {CALIBRATION_DATASETS} benches per ratio), read by this page's "
+                     f"estimator:\n\n{calibration_table(rows, seeds)}\n\n")
+    else:
+        simulated = (f"The simulated calibration needs {MIN_INTERVAL_SEEDS} paired seeds or more (an interval over "
+                     f"fewer has no degrees of freedom); the runs have {seeds}.\n\n")
+    return (simulated +
             "On the runs: grpo and grpo-paper are the same optimiser step by step (the filter drops only "
             "zero-advantage groups and keeps the full batch's normaliser), so grpo's speed-up over grpo-paper must "
             "read their step-time ratio (the RL time of their first K steps, K the fewest steps any of their runs "
