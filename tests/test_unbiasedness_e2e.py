@@ -1,14 +1,15 @@
 """DPPO is unbiased as users run it: bench/unbiasedness.py drives the trainer's own step (ExperienceMaker: prompt
 draw from a pool four steps' worth, prompt level, rewards, advantages, history, full-batch counts, DAPO filter,
-completion level) over a fixed world, 20,000 draws per shipped configuration, every loss aggregation, and Dense
+completion level) over a fixed world, 12,000 draws per shipped configuration, every loss aggregation, and Dense
 Prompt Packing at DP=2. Each draw is compared with its own drawn prompts' full batch.
 
 Tolerances: an unbiased configuration's mean gradient is within 3 standard errors of the gradient it estimates (the
 drawn samples over the rule's count) along that gradient's direction (one z-score per configuration and aggregation),
 within 4 standard errors on every coordinate (16 coordinates x 3 aggregations x 17 pairs of an unbiased configuration
 and a rollout correction: with fixed seeds the outcome is reproducible, and at 4 SE a true-zero bias exceeds it
-somewhere with probability about 5%), with a scale standard error under 1.5% (enough to show a 5% bias); the gradient
-through packing equals the linear form Σ w_i ∇f_i / Z to 1e-6 relative (the packed batch holds the sample weights in
+somewhere with probability about 5%), with a scale standard error under 2% (enough to show a 6% bias; the bench's
+default of 20,000 draws keeps it under 1.5%, the test runs 12,000 for the suite's time); the gradient through packing
+equals the linear form Σ w_i ∇f_i / Z to 1e-6 relative (the packed batch holds the sample weights in
 float32), and each draw's normaliser is the rule's, computed from the draw alone. Against the full batch's loss (the
 drawn candidates' real counts): with exact history lengths the scale is 1 within 3 SE; with stale ones (recorded when
 the answers were up to 40% shorter) the token-mean scale is the predicted real count / the rule's count within 3 SE,
@@ -19,7 +20,7 @@ configurations include the prompt level's refill (a fixed draw of M = B / (1 - r
 never seen, and partial rollouts (each draw continued chunk by chunk over two steps, trained whole; the weights do not
 change here, so this covers their bookkeeping, the off-policy part aside). With an engine that disagrees with the
 trainer, the embedded default's draws are unbiased under each of the six rollout corrections for the full batch with the
-same correction (the same standards; a power of 3.5% scale SE there, its gradients being noisier), and each correction
+same correction (the same standards; a power of 4.5% scale SE there, its gradients being noisier), and each correction
 moves that gradient (so none is checked while doing nothing).
 """
 
@@ -33,7 +34,7 @@ from megatron_dppo.launch.rollout_correction_flags import ROLLOUT_CORRECTIONS
 from tests.launch import REPO_ROOT, kill_group
 
 BENCH = REPO_ROOT / "bench" / "unbiasedness.py"
-DRAWS = 20_000
+DRAWS = 12_000
 NUM_CONFIGURATIONS = 17
 CORRECTED = "embedded default, engine disagrees, every correction"
 
@@ -77,9 +78,9 @@ def test_unbiased_configurations_match_their_full_batch_gradient_through_the_tra
         assert row["max_bias_se"] <= 4.0, f"{where}: {row['max_bias_se']:.2f} standard errors"
         assert row["projection_bias_se"] <= 3.0, f"{where}: {row['projection_bias_se']:.2f} standard errors"
         # the disagreeing engine's world gives noisier gradients along their mean (measured: 1.5 to 3 times the scale
-        # SE of the embedded default at equal draws): its draws show a 12% bias (3 SE), below the 18-38% share of
+        # SE of the embedded default at equal draws): its draws show a 13.5% bias (3 SE), below the 18-38% share of
         # tokens its corrections cap or mask, by about which a normaliser over the kept tokens would be off
-        power = 0.035 if row["configuration"] == CORRECTED else 0.015
+        power = 0.045 if row["configuration"] == CORRECTED else 0.02
         assert row["scale_se"] <= power, f"{where}: too few draws to see a {3 * power:.0%} bias ({row['scale_se']:.4f})"
         assert row["cosine_to_full"] > 0.995, f"{where}: the mean gradient points away from the full batch's"
         assert row["normaliser_from_draw"], f"{where}: the normaliser was not the rule's count of the draw"
@@ -120,7 +121,7 @@ def test_stale_history_lengths_scale_the_token_mean_gradient_by_real_over_estima
 
 
 def test_dppo_with_each_rollout_correction_is_unbiased_for_the_full_batch_with_the_same_correction(rows):
-    # The engine disagrees with the trainer (per-token log ratios ~ N(0, 0.3²)); the same 20,000 draws of the
+    # The engine disagrees with the trainer (per-token log ratios ~ N(0, 0.3²)); the same 12,000 draws of the
     # embedded default (prompt level with refill, DAPO filter, completion level) are compared, under each
     # correction, with the drawn prompts' full batch under that correction: within 4 SE on every coordinate (the
     # general check above), the gradient through packing at DP=2 is the linear form, and each correction changes
