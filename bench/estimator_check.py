@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.accuracy_curves import compare_paired  # noqa: E402
+from bench.accuracy_curves import MIN_INTERVAL_SEEDS, compare_paired  # noqa: E402
 from bench.markdown_table import markdown  # noqa: E402
 
 
@@ -67,6 +67,8 @@ def calibration(ratios: list[float], seeds: int, datasets: int, model: CurveMode
                 seed: int = 0) -> list[dict]:
     """Per true ratio: `datasets` simulated benches of `seeds` paired seeds, each read by compare_paired; the median
     headline estimate, the share whose interval holds the true ratio, and the intervals' median width."""
+    if seeds < MIN_INTERVAL_SEEDS:
+        raise ValueError(f"{seeds} paired seeds give no interval to calibrate: {MIN_INTERVAL_SEEDS} or more do")
     rng = np.random.default_rng(seed)
     rows = []
     for ratio in ratios:
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[6, 12], help="paired seeds per simulated bench")
     parser.add_argument("--datasets", type=int, default=400, help="simulated benches per ratio")
     args = parser.parse_args(argv)
+    if min(args.seeds) < MIN_INTERVAL_SEEDS:
+        parser.error(f"--seeds {min(args.seeds)}: an interval needs {MIN_INTERVAL_SEEDS} paired seeds or more")
     for seeds in args.seeds:
         print(calibration_table(calibration(args.ratios, seeds, args.datasets), seeds), flush=True)
 
