@@ -108,7 +108,7 @@ def test_vllm_server_commands_parse_with_vllms_own_parser_which_refuses_an_unkno
     for command, result in zip(commands, parsed, strict=True):
         assert result["error"] is None, f"vLLM refuses {' '.join(command)}: {result['error']}"
         values = result["values"]
-        assert (values["model"], values["logprobs_mode"]) == ("/models/qwen3", "raw_logprobs")
+        assert (values["model"], values["logprobs_mode"]) == ("/models/qwen3", "processed_logprobs")
         assert values["enforce_eager"] == ("--enforce-eager" in command)
         assert values["port"] == int(command[command.index("--port") + 1])
         assert values["worker_extension_cls"] == "megatron_dppo.servers.vllm_extension.WeightSyncExtension"

@@ -9,13 +9,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_dppo.actor.logprobs import output_layer_logprobs
+from megatron_dppo.actor.logprobs import output_layer_logprobs, unfused_logprobs
 
 
-def unfused(hidden, weight, targets, vocab):
-    """Per-token log-probs and entropy through the [T, V] logits and a full log-softmax (in fp32 at least)."""
+def unfused(hidden, weight, targets, vocab, temperature=1.0):
+    """Per-token log-probs and entropy through the [T, V] logits / temperature and a full log-softmax (in fp32 at
+    least)."""
     logits = hidden @ weight.T
-    log_softmax = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32))[:, :vocab], dim=-1)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))[:, :vocab] / temperature
+    log_softmax = torch.log_softmax(logits, dim=-1)
     return log_softmax.gather(1, targets[:, None]).squeeze(1), -(log_softmax.exp() * log_softmax).sum(-1)
 
 
@@ -56,6 +58,46 @@ def test_fused_logprobs_entropy_and_gradients_equal_the_unfused_full_softmax(chu
     assert relative(grad_hidden, ref_grad_hidden) < 1e-5
     assert relative(grad_weight, ref_grad_weight) < 1e-5
     assert grad_weight[96:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
+def test_logprobs_at_a_sampling_temperature_are_those_of_logits_over_temperature_on_the_fused_and_full_paths(
+        temperature):
+    """The trainer's log-probs at the rollout temperature: the fused path (values and both gradients) and the full
+    path (actor/logprobs.py's unfused_logprobs, materialised logits) equal a float64 log-softmax of logits / t; at
+    0.6 they differ from the untempered ones by far more than the tolerance, so a path that ignored t would fail."""
+    hidden, weight, targets, loss_weights = problem(padded_vocab=128)
+    fused = lambda h, w, t, v: output_layer_logprobs(h, w, t, v, chunk_size=7, temperature=temperature)  # noqa: E731
+    reference = lambda h, w, t, v: unfused(h, w, t, v, temperature)  # noqa: E731
+    logprobs, entropy, grad_hidden, grad_weight = gradients(fused, hidden, weight, targets, 96, loss_weights.float(),
+                                                            torch.float32)
+    ref_lp, ref_h, ref_grad_hidden, ref_grad_weight = gradients(reference, hidden, weight, targets, 96, loss_weights,
+                                                                torch.float64)
+    assert (logprobs - ref_lp).abs().max() < 1e-5 and (entropy - ref_h).abs().max() < 1e-5
+    assert relative(grad_hidden, ref_grad_hidden) < 1e-5 and relative(grad_weight, ref_grad_weight) < 1e-5
+
+    full = lambda h, w, t, v: unfused_logprobs(h, w[:v], t, chunk_size=5, temperature=temperature)  # noqa: E731
+    full_lp, full_h, full_grad_hidden, full_grad_weight = gradients(full, hidden.detach(), weight.detach(), targets,
+                                                                    96, loss_weights.float(), torch.float32)
+    assert (full_lp - ref_lp).abs().max() < 1e-5 and (full_h - ref_h).abs().max() < 1e-5
+    assert relative(full_grad_hidden, ref_grad_hidden) < 1e-5
+    assert relative(full_grad_weight[:96], ref_grad_weight[:96]) < 1e-5
+    if temperature != 1.0:
+        untempered, _ = unfused(hidden.detach(), weight.detach(), targets, 96)
+        assert (untempered - ref_lp).abs().max() > 1e3 * 1e-5
+
+
+def test_greedy_temperature_zero_gives_the_untempered_logprobs_and_a_negative_one_is_refused():
+    """Greedy evaluation or rollouts (temperature 0): the engines report the model's own distribution there (SGLang
+    and vLLM treat a greedy row as temperature 1), and nothing divides by 0."""
+    hidden, weight, targets, _ = problem(tokens=9, hidden_size=8, vocab=20, padded_vocab=20)
+    for path in (lambda t: output_layer_logprobs(hidden, weight, targets, 20, temperature=t),
+                 lambda t: unfused_logprobs(hidden, weight, targets, temperature=t)):
+        greedy, untempered = path(0.0), path(1.0)
+        assert torch.isfinite(greedy[0]).all() and torch.equal(greedy[0], untempered[0])
+        assert torch.equal(greedy[1], untempered[1])
+        with pytest.raises(ValueError, match="temperature -0.5 must be >= 0"):
+            path(-0.5)
 
 
 def test_entropy_only_and_logprob_only_backward_match_the_unfused_path():

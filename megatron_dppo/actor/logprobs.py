@@ -1,16 +1,16 @@
 """Per-token log-probs and entropy straight from the last hidden states and the vocab-parallel output weight, fused
 with the output layer, so that no [T, V/tp] logits tensor (nor its gradient) ever exists.
 
-    hidden [T, H], W [V/tp, H] (this TP rank's vocabulary slice), targets [T]
-    forward, per chunk of tokens:   x = h_chunk @ W^T                              [chunk, V/tp], fp32
+    hidden [T, H], W [V/tp, H] (this TP rank's vocabulary slice), targets [T], the sampling temperature t
+    forward, per chunk of tokens:   x = (h_chunk @ W^T) / t                        [chunk, V/tp], fp32
                                     m = max over the whole vocabulary              (all-reduce MAX)
                                     s = sum exp(x - m), sum exp(x - m)(x - m), x[target]   (all-reduce SUM)
                                     logZ = m + log s,  E[x] = m + sum exp(x - m)(x - m) / s
                                     logp = x[target] - logZ,  H = logZ - E[x]      (= -sum p log p)
         keeps only h, W, the targets and the per-token logZ and E[x]
-    backward, per slice of the vocabulary:  x = h @ W_slice^T  (recomputed)        [T, slice], fp32
+    backward, per slice of the vocabulary:  x = (h @ W_slice^T) / t  (recomputed)  [T, slice], fp32
                                     dx_j = g_logp (1[j = target] - p_j) - g_H p_j (x_j - E[x])
-                                    dW_slice = dx^T h,  dh += dx W_slice
+                                    dW_slice = (dx / t)^T h,  dh += (dx / t) W_slice
 
 The backward runs over vocabulary slices rather than token chunks so that each slice of dW is one GEMM over all
 tokens, written once as the unfused output layer writes it; over token chunks the whole [V/tp, H] dW would be summed
@@ -20,6 +20,12 @@ chunk by chunk (an fp32 accumulator the size of the weight for bf16 models). Wha
 
 Vocabulary padding rows (ids >= the real vocabulary size) are excluded from every softmax, so the result equals the
 unpadded model's. `OutputLayerInput` is what the actor's last pipeline stage hands a loss in place of logits.
+
+Temperature: the log-probs are those of the distribution the rollout engine samples from, softmax(logits / t) (verl
+divides the actor's logits by the rollout temperature alike), and so is the entropy; the engines report the same
+(SGLang and the embedded engine always, vLLM as the trainer starts it: docs/rollout.md), so that the rollout
+correction's ratios carry only the gap between engine and trainer. t = 0 (greedy) is t = 1, as SGLang and vLLM treat
+a greedy row's log-probs. The division is done in fp32 after the GEMM, as the engines divide their fp32 logits.
 """
 
 from dataclasses import dataclass
@@ -57,16 +63,23 @@ def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[rows, columns] logits in the softmax dtype, from the GEMM in the weights' dtype as the output layer
-    computes them."""
-    logits = hidden @ weight.T
-    return logits.to(_softmax_dtype(logits.dtype))
+def logit_temperature(temperature: float) -> float:
+    """What the logits are divided by for sampling temperature `temperature`: itself, or 1 for greedy (0)."""
+    if temperature < 0:
+        raise ValueError(f"temperature {temperature} must be >= 0 (0: greedy)")
+    return temperature if temperature > 0 else 1.0
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[rows, columns] logits / temperature in the softmax dtype, from the GEMM in the weights' dtype as the output
+    layer computes them."""
+    logits = (hidden @ weight.T).to(_softmax_dtype(hidden.dtype))
+    return logits if temperature == 1.0 else logits.div_(temperature)
 
 
 class _OutputLayerLogProbEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_start, vocab_size, chunk_size, group):
+    def forward(ctx, hidden, weight, targets, vocab_start, vocab_size, chunk_size, group, temperature):
         tokens, local_vocab = hidden.shape[0], weight.shape[0]
         padding = _padding_columns(0, local_vocab, vocab_start, vocab_size, hidden.device)
         local_targets = targets - vocab_start
@@ -76,7 +89,7 @@ class _OutputLayerLogProbEntropy(torch.autograd.Function):
             torch.empty(tokens, dtype=_softmax_dtype(hidden.dtype), device=hidden.device) for _ in range(4))
         for start in range(0, tokens, chunk_size):
             stop = min(start + chunk_size, tokens)
-            x = _logits(hidden[start:stop], weight)  # [chunk, V/tp]
+            x = _logits(hidden[start:stop], weight, temperature)  # [chunk, V/tp]
             target_logit = torch.where(in_slice[start:stop], x.gather(1, gather_index[start:stop]).squeeze(1), 0.0)
             if padding is not None:
                 x.masked_fill_(padding, float("-inf"))
@@ -94,6 +107,7 @@ class _OutputLayerLogProbEntropy(torch.autograd.Function):
             entropy[start:stop] = log_z - mean_logit[start:stop]
         ctx.save_for_backward(hidden, weight, local_targets, log_normalizer, mean_logit)
         ctx.vocab_start, ctx.vocab_size, ctx.chunk_size = vocab_start, vocab_size, chunk_size
+        ctx.temperature = temperature
         return logprobs, entropy
 
     @staticmethod
@@ -110,7 +124,7 @@ class _OutputLayerLogProbEntropy(torch.autograd.Function):
         for first in range(0, local_vocab, width):
             stop = min(first + width, local_vocab)
             weight_slice = weight[first:stop]
-            x = _logits(hidden, weight_slice)  # [T, slice]
+            x = _logits(hidden, weight_slice, ctx.temperature)  # [T, slice]
             padding = _padding_columns(first, stop, ctx.vocab_start, ctx.vocab_size, hidden.device)
             if grad_entropy is None:  # -g_logp p_j, built in x's buffer
                 grad = x.sub_(log_normalizer[:, None]).exp_()
@@ -127,6 +141,8 @@ class _OutputLayerLogProbEntropy(torch.autograd.Function):
             in_range = (local_targets >= first) & (local_targets < stop)
             grad.scatter_add_(1, (local_targets - first).clamp(0, stop - first - 1)[:, None],
                               torch.where(in_range, grad_logprobs, 0.0)[:, None])
+            if ctx.temperature != 1.0:  # d(x / t) / dx
+                grad.div_(ctx.temperature)
             grad = grad.to(weight.dtype)
             if want_weight:
                 torch.mm(grad.T, hidden, out=grad_weight[first:stop])
@@ -134,12 +150,14 @@ class _OutputLayerLogProbEntropy(torch.autograd.Function):
                 grad_hidden += grad @ weight_slice
         if want_hidden:
             grad_hidden = grad_hidden.to(hidden.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def output_layer_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                          tp_group=None, vocab_start: int = 0, chunk_size: int | None = None):
-    """Log-prob of `targets` and entropy, per token, of the softmax over `hidden @ weight^T`, never materialised.
+                          tp_group=None, vocab_start: int = 0, chunk_size: int | None = None,
+                          temperature: float = 1.0):
+    """Log-prob of `targets` and entropy, per token, of the softmax over `hidden @ weight^T / temperature` (0:
+    greedy, as 1), never materialised.
 
     hidden: [T, H], the same on every rank of `tp_group`. weight: [V/tp, H], the slice [vocab_start,
     vocab_start + V/tp) of the padded vocabulary. targets: [T] global token ids. vocab_size: the real (unpadded)
@@ -158,7 +176,7 @@ def output_layer_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return _OutputLayerLogProbEntropy.apply(hidden, weight, targets.long(), vocab_start, vocab_size, chunk_size,
-                                            tp_group)
+                                            tp_group, float(logit_temperature(temperature)))
 
 
 @dataclass
@@ -171,8 +189,10 @@ class OutputLayerInput:
     weight: torch.Tensor  # [V/tp, H]
     vocab_size: int  # real (unpadded)
 
-    def logprobs(self, targets: torch.Tensor, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fused log-probs and entropy of `targets` ([b, s], or [s] for one packed stream), in that shape, fp32.
+    def logprobs(self, targets: torch.Tensor, chunk_size: int | None = None,
+                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused log-probs and entropy of `targets` ([b, s], or [s] for one packed stream), in that shape, fp32, at
+        the sampling `temperature` (the rollout's; 1: the model's own distribution).
 
         The hidden states reach every TP rank as they reach ColumnParallelLinear: gathered over the sequence under
         sequence parallelism (the gradient is reduce-scattered back), otherwise as they are (the gradient is
@@ -188,28 +208,29 @@ class OutputLayerInput:
             hidden = copy_to_tensor_model_parallel_region(hidden, group=layer.tp_group)
         vocab_start = dist.get_rank(layer.tp_group) * self.weight.shape[0]
         logprobs, entropy = output_layer_logprobs(hidden, self.weight, targets.reshape(-1), self.vocab_size,
-                                                  layer.tp_group, vocab_start, chunk_size)
+                                                  layer.tp_group, vocab_start, chunk_size, temperature)
         return logprobs.view(targets.shape), entropy.view(targets.shape)
 
     def logits(self) -> torch.Tensor:
-        """[b, s, V/tp]: the unfused path, GPTModel's own output layer. It materialises the logits: for checks
-        against the fused path and for callers that need the logits themselves."""
+        """[b, s, V/tp]: GPTModel's own output layer, the model's logits before any temperature. It materialises
+        them: for checks against the fused path and for callers that need the logits themselves."""
         logits, _ = self.output_layer(self.hidden, weight=self.weight)
         return logits.transpose(0, 1)
 
 
 def unfused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                     chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunk_size: int | None = None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The path `output_layer_logprobs` replaces, at its leanest, for measuring and checking the fused one against
     (bench/logprob_memory.py, tools/gpu_check.py): the output layer's [T, V] logits materialised whole, as GPTModel
-    gives them, then log-probs and entropy in fp32 per chunk of tokens under activation checkpointing, so that only
-    the logits and their gradient are whole. One rank, no vocabulary padding."""
+    gives them, then log-probs and entropy of logits / temperature in fp32 per chunk of tokens under activation
+    checkpointing, so that only the logits and their gradient are whole. One rank, no vocabulary padding."""
     from torch.utils.checkpoint import checkpoint
 
     chunk_size = chunk_size or max(1, CHUNK_ELEMENTS // weight.shape[0])
+    temperature = logit_temperature(temperature)
 
     def log_softmax_terms(logits, chunk_targets):  # [chunk, V] -> logprobs, entropy [chunk], in fp32
-        log_softmax = torch.log_softmax(logits.float(), dim=-1)
+        log_softmax = torch.log_softmax(logits.float() / temperature, dim=-1)
         return (log_softmax.gather(1, chunk_targets[:, None]).squeeze(1),
                 -(log_softmax.exp() * log_softmax).sum(-1))
 

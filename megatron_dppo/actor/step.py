@@ -126,11 +126,12 @@ def finalize_grads_without_token_scaling(model, num_tokens=None, *args, **kwargs
     return finalize_model_grads(model, None, *args, **kwargs)
 
 
-def logprob_loss_fn(with_entropy: bool = False, chunk_size: int | None = None) -> LossFn:
-    """A forward-only loss_fn that returns each micro-batch's per-token log-probs (and entropy) of the next token."""
+def logprob_loss_fn(with_entropy: bool = False, chunk_size: int | None = None, temperature: float = 1.0) -> LossFn:
+    """A forward-only loss_fn that returns each micro-batch's per-token log-probs (and entropy) of the next token, at
+    the sampling `temperature` (the rollout's)."""
 
     def loss_fn(micro_batch, output: OutputLayerInput):
-        logprobs, entropy = output.logprobs(next_token_targets(micro_batch), chunk_size)
+        logprobs, entropy = output.logprobs(next_token_targets(micro_batch), chunk_size, temperature)
         outputs = {"logprobs": logprobs.detach()}
         if with_entropy:
             outputs["entropy"] = entropy.detach()

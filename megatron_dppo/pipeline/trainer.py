@@ -17,6 +17,8 @@ older tokens corrected the same way.
 
 On-policy with one update epoch, the old log-probs equal the current ones: the update uses the forward pass's own
 log-probs (detached) as old log-probs and skips a forward pass; otherwise a forward-only pass computes them first.
+Every log-prob the trainer computes (old, new, reference) is of logits / --rollout-temperature, the distribution the
+engine samples from and reports (actor/logprobs.py).
 """
 
 import random
@@ -56,6 +58,9 @@ class Trainer:
         self.history, self.pruner, self.loss_config = self.maker.history, self.maker.pruner, self.maker.loss_config
         self.pad_multiple = sequence_pad_multiple(args.tensor_model_parallel_size, 1, args.sequence_parallel)
         self.rollouts = NextRollouts(self.maker, args.async_rollout and self.rank0)
+        # the log-probs of the distribution the rollout samples from (actor/logprobs.py): the engine's log-probs are
+        # those of logits / temperature, and the old, new and reference log-probs must be too
+        self.temperature = args.rollout_temperature
 
     # ------------------------------------------------------------------------------------------- the loop
     def train_one_step(self, elapsed_s: float = 0.0) -> dict:
@@ -97,7 +102,7 @@ class Trainer:
         start = time.perf_counter()
         with_entropy = self.pruner.selects_tokens
         if self.needs_old_logprob_pass():
-            outputs = self.actor.forward(micro_batches, logprob_loss_fn(with_entropy=with_entropy)) \
+            outputs = self.actor.forward(micro_batches, logprob_loss_fn(with_entropy, temperature=self.temperature)) \
                 if micro_batches else []
             for batch, output in zip(micro_batches, self._per_micro_batch(outputs, micro_batches)):
                 batch.old_logprobs = output["logprobs"]
@@ -105,7 +110,7 @@ class Trainer:
             if with_entropy and parallel_state.is_pipeline_last_stage():  # where the entropy and the loss are
                 experience.normalizer_counts = select_step_tokens(self.pruner, micro_batches, experience.progress)
         if micro_batches and self.reference is not None:
-            outputs = self.reference.forward(micro_batches, logprob_loss_fn())
+            outputs = self.reference.forward(micro_batches, logprob_loss_fn(temperature=self.temperature))
             for batch, output in zip(micro_batches, self._per_micro_batch(outputs, micro_batches)):
                 batch.ref_logprobs = output["logprobs"]
         return time.perf_counter() - start
@@ -135,10 +140,10 @@ class Trainer:
         return {**metrics, **combine_metrics(collected)}
 
     def _policy_loss_fn(self, normalizer: float):
-        config = self.loss_config
+        config, temperature = self.loss_config, self.temperature
 
         def loss_fn(micro_batch, output):  # output: the last hidden states and output weight (actor/logprobs.py)
-            logprobs, entropy = output.logprobs(next_token_targets(micro_batch))
+            logprobs, entropy = output.logprobs(next_token_targets(micro_batch), temperature=temperature)
             return packed_policy_loss(config, micro_batch, logprobs, normalizer, entropy)
 
         return loss_fn

