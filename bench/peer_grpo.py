@@ -170,7 +170,7 @@ def score_completions(task, tokenizer, prompts_by_id: dict, prompt_ids: list[int
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompt ids for {len(completion_ids)} completions")
     return task.score([tokenizer.decode(ids) for ids in completion_ids],
-                      [prompts_by_id[prompt_id].reference for prompt_id in prompt_ids])
+                      [prompts_by_id[prompt_id] for prompt_id in prompt_ids]).scores
 
 
 def serve_scores(connection: Connection, score, process: subprocess.Popen, deadline: float) -> None:

@@ -3,8 +3,13 @@
 (plot_runs), which `tools/plot_metrics.py` and the benchmarks use.
 
     MetricsLogger.log(step, metrics) ─► <log dir>/metrics.jsonl (+ prompt_outcomes.jsonl, tensorboard/)
-                                     ─► W&B run (--wandb-project, --wandb-exp-name; files in --wandb-save-dir):
-                                        the very scalars TensorBoard gets, at the same step
+                                     ─► W&B run (--wandb-project, --wandb-entity, --wandb-group, --wandb-exp-name;
+                                        files in --wandb-save-dir): the very scalars TensorBoard gets, at the same
+                                        step, and every --wandb-rollout-table-interval steps a table of sample
+                                        rollouts (--wandb-rollout-table-rows of them)
+                                     ─► --save-debug-rollout-data DIR: the step's "rollout_samples", one JSON line per
+                                        response, in DIR/step_NNNNNN.jsonl (RolloutRecords says at which steps a
+                                        step carries them: pipeline/experience.py builds them only then)
     load_run(<log dir>) ─► Run(label, records in step order, summary.json) ─► Run.series(metric, x) ─► (xs, ys)
     plot_runs([Run, ...]) ─► <output dir>/<metric>_vs_<x>.png, every run on one figure per (metric, x)
 
@@ -12,7 +17,10 @@ The JSONL file is the record of a run. Beside it, prompt_outcomes.jsonl has
 one line per rolled-out group (the step's "prompt_outcomes": what the prompt level predicted before rollout and what
 the group turned out to be), from which bench/prompt_prediction.py measures how well history predicts. On resume
 from the checkpoint of step s, both files keep steps 1..s only (later lines came from work the checkpoint does not
-hold), so a resumed run's files read as if the run had never stopped.
+hold), so a resumed run's files read as if the run had never stopped; so do the debug directory's (its files of later
+steps are removed). The W&B run resumes too: its id is saved with the checkpoint (launch/run.py) and passed back to
+wandb.init(id=..., resume="allow"); W&B cannot forget what the stopped run logged after its checkpoint, and keeps a
+step's first values (it takes only steps above the last it has, docs/trainer.md).
 """
 
 import argparse
@@ -44,29 +52,72 @@ def wandb_project_flag(text: str) -> str:
 
 @dataclass(frozen=True)
 class WandbRun:
-    """A Weights & Biases run as Megatron-LM's flags name it: --wandb-project, --wandb-exp-name, --wandb-save-dir."""
+    """A Weights & Biases run as Megatron-LM's flags name it (--wandb-project, --wandb-exp-name, --wandb-save-dir)
+    with W&B's entity and group; `run_id`: the id of the run to continue (a resumed training run's), else None."""
 
     project: str
     name: str | None  # None: W&B names the run
     save_dir: Path  # where W&B keeps the run's files (WANDB_MODE=offline: all of it, for `wandb sync`)
     config: dict  # the run's flags
+    entity: str | None = None  # None: the logged-in user's default entity
+    group: str | None = None
+    run_id: str | None = None
+
+
+ROLLOUT_TABLE_COLUMNS = ("step", "prompt", "response", "reward", "finish_reason", "weight")
+
+
+@dataclass(frozen=True)
+class RolloutRecords:
+    """Where a step's rollout samples go: every step to `debug_dir` (--save-debug-rollout-data), and every
+    `table_interval` steps `table_rows` of them to the W&B run as a table (none without a W&B run)."""
+
+    debug_dir: Path | None = None
+    table_rows: int = 0
+    table_interval: int = 1
+
+    @classmethod
+    def from_args(cls, args) -> "RolloutRecords":
+        return cls(Path(args.save_debug_rollout_data) if args.save_debug_rollout_data else None,
+                   args.wandb_rollout_table_rows if args.wandb_project else 0, args.wandb_rollout_table_interval)
+
+    def table_due(self, step: int) -> bool:
+        return self.table_rows > 0 and step % self.table_interval == 0
+
+    def wanted(self, step: int) -> bool:
+        """Whether step `step`'s metrics should carry its "rollout_samples"."""
+        return self.debug_dir is not None or self.table_due(step)
+
+    def table_rows_of(self, samples: list[dict]) -> list[list]:
+        """The W&B table's rows: one response of each prompt first (the first prompts'), then the next ones."""
+        chosen = sorted(samples, key=lambda sample: (sample["sample_index"], sample["prompt_index"]))
+        return [[sample["step"]] + [sample[column] for column in ROLLOUT_TABLE_COLUMNS[1:]]
+                for sample in chosen[:self.table_rows]]
 
 
 class MetricsLogger:
     def __init__(self, log_dir: str | Path, enabled: bool, total_steps: int | None, start_step: int = 0,
-                 prompt_totals: dict | None = None, wandb: WandbRun | None = None):
+                 prompt_totals: dict | None = None, wandb: WandbRun | None = None,
+                 records: RolloutRecords | None = None):
         """`prompt_totals` (prompts_drawn, prompts_pruned so far; the run's, kept up to date by its owner) feeds the
-        progress bar's pruned share. `wandb`: also log to this Weights & Biases run."""
+        progress bar's pruned share. `wandb`: also log to this Weights & Biases run (`wandb_run_id` is its id, for
+        the checkpoint). `records`: where a step's "rollout_samples" go."""
         self.enabled = enabled
         self.prompt_totals = prompt_totals if prompt_totals is not None else {}
         self.path = Path(log_dir) / "metrics.jsonl"
         self.outcomes_path = self.path.parent / OUTCOMES_FILE
-        self.writer = self.progress = self.wandb_run = None
+        self.records = records or RolloutRecords()
+        self.writer = self.progress = self.wandb_run = self.wandb_run_id = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for path in (self.path, self.outcomes_path):
             _truncate_after(path, start_step)
+        if self.records.debug_dir is not None:
+            self.records.debug_dir.mkdir(parents=True, exist_ok=True)
+            for later in self.records.debug_dir.glob("step_*.jsonl"):  # from work the checkpoint does not hold
+                if later.stem.removeprefix("step_").isdigit() and int(later.stem.removeprefix("step_")) > start_step:
+                    later.unlink()
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
@@ -75,8 +126,10 @@ class MetricsLogger:
             import wandb as wandb_sdk
 
             wandb.save_dir.mkdir(parents=True, exist_ok=True)
-            self.wandb_run = wandb_sdk.init(project=wandb.project, name=wandb.name, dir=str(wandb.save_dir),
-                                            config=wandb.config)
+            resume = {"id": wandb.run_id, "resume": "allow"} if wandb.run_id else {}
+            self.wandb_run = wandb_sdk.init(project=wandb.project, entity=wandb.entity, group=wandb.group,
+                                            name=wandb.name, dir=str(wandb.save_dir), config=wandb.config, **resume)
+            self.wandb_run_id = self.wandb_run.id
         self.progress = tqdm(total=total_steps, initial=start_step, desc="rl", unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict) -> None:
@@ -88,13 +141,23 @@ class MetricsLogger:
         if metrics.get("prompt_outcomes"):
             with open(self.outcomes_path, "a") as f:
                 f.writelines(json.dumps({"step": step, **outcome}) + "\n" for outcome in metrics["prompt_outcomes"])
+        samples = [{"step": step, **sample} for sample in metrics.get("rollout_samples") or []]
+        if samples and self.records.debug_dir is not None:
+            with open(self.records.debug_dir / f"step_{step:06d}.jsonl", "w") as f:
+                f.writelines(json.dumps(sample) + "\n" for sample in samples)
         scalars = {key: value for key, value in record.items()
                    if isinstance(value, (int, float)) and key != "step" and math.isfinite(value)}
         for key, value in scalars.items():
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
         if self.wandb_run is not None:
-            self.wandb_run.log(scalars, step=step)
+            tables = {}
+            if samples and self.records.table_due(step):
+                import wandb as wandb_sdk
+
+                tables["rollouts"] = wandb_sdk.Table(columns=list(ROLLOUT_TABLE_COLUMNS),
+                                                     data=self.records.table_rows_of(samples))
+            self.wandb_run.log({**scalars, **tables}, step=step)
         shown = {k: record[k] for k in ("reward_mean", "kept_fraction", "seconds_step") if k in record}
         if self.prompt_totals.get("prompts_drawn"):
             shown["pruned"] = self.prompt_totals["prompts_pruned"] / self.prompt_totals["prompts_drawn"]

@@ -13,7 +13,7 @@ from megatron_dppo.data.synthetic import TASK_CELLS, SyntheticArithmetic, format
 from megatron_dppo.data.tokenizer import SYNTHETIC_ALPHABET, CharTokenizer
 from megatron_dppo.launch.arguments import EMBEDDED_TASK_DEFAULTS, parse_args
 from megatron_dppo.launch.embedded import cache_key, tiny_model, warm_start_cells
-from megatron_dppo.pipeline.tasks import synthetic_task
+from megatron_dppo.pipeline.tasks import Prompt, synthetic_task
 from tests.launch import REPO_ROOT, finish, start_torchrun
 
 
@@ -35,7 +35,7 @@ def test_synthetic_task_flag_selects_the_task_its_embedded_defaults_and_its_rewa
     worked_response, answer_response = format_target(problem, "worked"), format_target(problem, "answer")
     for task, scores in (("worked", [1.0, 0.0]), ("answer", [0.0, 1.0])):
         prompts = synthetic_task(tokenizer, seed=0, train_size=8, heldout_size=8, task=task)
-        assert prompts.score([worked_response, answer_response], [problem.answer] * 2) == scores
+        assert prompts.score([worked_response, answer_response], [Prompt(0, [], problem.answer)] * 2).scores == scores
         assert {p.text.count("+") + p.text.count("-") for p in prompts.heldout(8)} <= {
             int(cell.split("x")[0]) for cell in TASK_CELLS[task]}
 

@@ -18,9 +18,11 @@ TEXT_FLAGS = {
     "--weight-sync-master-address", "--prompt-data", "--prompt-data-split", "--eval-prompt-data",
     "--eval-prompt-data-split", "--input-key", "--label-key", "--data-synthetic-cells", "--warm-start-cells",
     "--cache-dir", "--difficulty-key",
-    # checked by their argparse type: the reward file loads (rewards/custom.py), the wandb package is installed
-    "--custom-reward-function", "--wandb-project",
-    "--wandb-exp-name", "--wandb-save-dir",  # free text: W&B's run name, a folder
+    # checked by their argparse type: the reward file loads (rewards/custom.py), the wandb package is installed, a
+    # JSON object (data/templates.py; its keys against the tokenizer's template where the prompts are encoded)
+    "--custom-reward-function", "--wandb-project", "--apply-chat-template-kwargs",
+    # free text: W&B's run name, entity and group, folders
+    "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity", "--wandb-group", "--save-debug-rollout-data",
 }
 
 

@@ -36,6 +36,9 @@ def test_help_lists_the_new_flags_and_every_default_with_the_embedded_defaults_b
     assert "(default: off; the embedded default: on)" in flag_help(text, "--dapo-filter")
     assert "NAME(response, label, **fields) -> float" in flag_help(text, "--custom-reward-function")
     assert "Weights & Biases" in flag_help(text, "--wandb-project")
+    assert "'{\"enable_thinking\": false}' for Qwen3 without thinking" in flag_help(text,
+                                                                                 "--apply-chat-template-kwargs")
+    assert "DIR/step_NNNNNN.jsonl" in flag_help(text, "--save-debug-rollout-data")
     assert "default on every GPU" in flag_help(text, "--transformer-impl")
     assert "--sglang-FLAG [VALUE]: any flag of `python -m sglang.launch_server`" in " ".join(text.split())
     parser = build_parser()

@@ -21,8 +21,14 @@ from megatron_dppo.data.tokenizer import CharTokenizer
 from megatron_dppo.launch.arguments import parse_args
 from megatron_dppo.metrics import load_run, plot_runs
 from megatron_dppo.pipeline.tasks import Prompt, Task
+from megatron_dppo.rewards import RewardBatch
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def exact_match(responses, rows) -> RewardBatch:
+    """A reward of 1 where the decoded response is the label itself."""
+    return RewardBatch.of([float(response == row.label) for response, row in zip(responses, rows)])
 
 
 def grpo_args(tmp_path, *extra: str):
@@ -176,8 +182,7 @@ def test_peer_rewards_are_our_task_score_on_our_decoding_over_the_socket_pair():
         return Prompt(prompt_id, tokenizer.encode("Q:1+1=?A:"), reference)
 
     train, heldout = [prompt(0, "12$"), prompt(1, "7$")], [prompt(-1, "30$")]
-    task = Task(train, heldout, lambda responses, refs, fields: [float(r == ref) for r, ref in zip(responses, refs)],
-                seed=0)
+    task = Task(train, heldout, exact_match, seed=0)
     pool = {p.prompt_id: p for p in train + heldout}
     completions = [tokenizer.encode("12$"), tokenizer.encode("30$"), tokenizer.encode("7")]
     parent_end, child_end = socket.socketpair()

@@ -11,10 +11,16 @@ from megatron_dppo.algo.history import zero_variance_groups
 from megatron_dppo.launch.arguments import parse_args
 from megatron_dppo.pipeline.experience import ExperienceMaker
 from megatron_dppo.pipeline.tasks import Prompt, Task
+from megatron_dppo.rewards import RewardBatch
 from megatron_dppo.rollout.client import Completion
 
 G = 4
 ALL_RIGHT, ALL_WRONG, MIXED = [1.0] * G, [0.0] * G, [1.0, 0.0, 1.0, 0.0]
+
+
+def exact_match(responses, rows) -> RewardBatch:
+    """A reward of 1 where the decoded response is the label itself."""
+    return RewardBatch.of([float(response == row.label) for response, row in zip(responses, rows)])
 
 
 def history_with(visits: list[tuple[int, str, list[float]]], decay=0.5, prior=2.0) -> PromptHistory:
@@ -148,8 +154,7 @@ class ScriptedTokenizer:
 
 def scripted_maker(flags: list[str], patterns: list[list[float]]) -> tuple[ExperienceMaker, ScriptedClient]:
     prompts = [Prompt(i, [i], "right", difficulty="cell") for i in range(len(patterns))]
-    task = Task(prompts, [], lambda responses, refs, fields: [float(r == ref) for r, ref in zip(responses, refs)],
-                seed=0)
+    task = Task(prompts, [], exact_match, seed=0)
     args = parse_args(["--n-samples-per-prompt", str(G), "--rollout-batch-size", "4", *flags])
     client = ScriptedClient(dict(enumerate(patterns)))
     return ExperienceMaker(args, task, ScriptedTokenizer(), client), client

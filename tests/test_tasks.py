@@ -7,6 +7,7 @@ import pytest
 from megatron_dppo.data.datasets import load_prompt_data
 from megatron_dppo.data.tokenizer import CharTokenizer
 from megatron_dppo.pipeline.tasks import dataset_task, reward_scorer
+from megatron_dppo.rewards import RewardBatch, RewardRow
 
 
 def test_a_jsonl_file_in_gsm8k_layout_trains_with_the_gsm8k_reward_and_stable_ids(tmp_path):
@@ -22,7 +23,8 @@ def test_a_jsonl_file_in_gsm8k_layout_trains_with_the_gsm8k_reward_and_stable_id
     assert all(p.input_ids == tokenizer.encode(rows[p.prompt_id]["question"]) for p in drawn)  # as written
     assert [p.prompt_id for p in task.heldout(3)] == [-1, -2, -3]
     assert [p.reference for p in task.heldout(3)] == [rows[i]["answer"] for i in (5, 6, 7)]
-    assert task.score(["so the answer is #### 4", "#### 5"], ["4", "4"]) == [1.0, 0.0]
+    assert task.score(["so the answer is #### 4", "#### 5"], drawn[2:4]).scores == [
+        float(rows[p.prompt_id]["answer"].endswith("#### 4")) for p in drawn[2:4]]
 
 
 def test_chat_message_prompts_train_through_the_tokenizers_chat_template(tmp_path):
@@ -40,7 +42,8 @@ def test_chat_message_prompts_train_through_the_tokenizers_chat_template(tmp_pat
 
 
 def test_reward_scorer_names_the_choices_for_an_unknown_reward():
-    assert reward_scorer("synthetic")(["5+7=12#12$", "12$"], [12, 12]) == [1.0, 0.0]
-    assert reward_scorer("synthetic_answer")(["12$", "12"], [12, 12]) == [1.0, 0.0]
+    rows = [RewardRow("12", {})] * 2
+    assert reward_scorer("synthetic")(["5+7=12#12$", "12$"], rows) == RewardBatch([1.0, 0.0], [{}, {}])
+    assert reward_scorer("synthetic_answer")(["12$", "12"], rows).scores == [1.0, 0.0]
     with pytest.raises(ValueError, match="unknown reward type 'f1'.*gsm8k.*math.*synthetic"):
         reward_scorer("f1")

@@ -3,7 +3,8 @@ tools/install_vllm_cpu.sh builds it; $MEGATRON_DPPO_VLLM_PYTHON names its interp
 
 One server on a tiny Qwen3 (head_dim 32: vLLM's CPU attention supports 32, 64, ..., not 16) serves, in order:
 generation (n > 1, seeds, top-k/top-p, stop tokens, log-probs against transformers), partial rollouts (samples paused
-mid-response and continued from their prefix; at temperature 1 a chunk does not reuse chunk 1's noise), weight
+mid-response and continued from their prefix; at temperature 1 a chunk does not reuse chunk 1's noise), the trainer's
+log-probs at temperatures 0.6, 1.0 and greedy against vLLM's (tests/workers/temperature_checks.py), weight
 sync from a Megatron TP=2 actor under torchrun (tests/workers/vllm_checks.py: log-probs differ before and equal after,
 version advances), then kill -9. A server start costs 1-2 minutes on 2 cores, so checks are grouped per server. The
 embedded default's run with `--rollout-backend vllm` starts its own.
@@ -307,6 +308,15 @@ def test_vllm_partial_rollout_chunks_at_temperature_1_do_not_repeat_the_first_ch
     print(f"chunk 2 repeats chunk 1 at {repeats} of 48 offsets; with chunk 1's seed at {control_repeats} of 48")
     assert control_repeats >= 24, f"the control repeats only {control_repeats} of 48: the test model is not flat"
     assert repeats <= 8, f"chunk 2 repeats chunk 1's token at {repeats} of 48 offsets: it reuses chunk 1's noise"
+
+
+def test_trainer_logprobs_equal_vllms_at_temperatures_0_6_1_and_greedy(server, model_dir):
+    """vLLM's processed log-probs (--logprobs-mode processed_logprobs) are those of logits / temperature, which the
+    trainer computes (tests/test_rollout_temperature.py runs the same check on the embedded engine). Before the sync
+    test below, so that the server still holds model_dir's weights."""
+    from tests.test_rollout_temperature import assert_trainer_logprobs_equal_the_engines
+
+    assert_trainer_logprobs_equal_the_engines(model_dir, server.url, "vllm")
 
 
 def test_megatron_tp2_actor_syncs_into_vllm_logprobs_match_after_differ_before_and_version_advances(server,

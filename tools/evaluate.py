@@ -11,7 +11,9 @@ Examples:
     python tools/evaluate.py --urls http://node2:30000 --tokenizer-dir hf/run --benchmarks math500 --output-dir eval
     python tools/evaluate.py --model-dir ckpt/hf --benchmarks math500 gsm8k --k 4 --temperature 0.6 --output-dir eval
     python tools/evaluate.py --model-dir ckpt/hf --benchmarks data/heldout.parquet --apply-chat-template \\
-        --output-dir eval
+        --apply-chat-template-kwargs '{"enable_thinking": false}' --output-dir eval
+    python tools/evaluate.py --model-dir ckpt/hf --benchmarks data/heldout.parquet \\
+        --custom-reward-function examples/verl_style_reward.py:compute_score --output-dir eval
 """
 
 import argparse
@@ -21,10 +23,13 @@ import sys
 from pathlib import Path
 
 from megatron_dppo.data.checks import hf_model_folder
-from megatron_dppo.data.datasets import BENCHMARKS, PromptDataError
+from megatron_dppo.data.datasets import BENCHMARKS
+from megatron_dppo.data.templates import chat_template_kwargs_flag
 from megatron_dppo.errors import UserInputError
+from megatron_dppo.flags import COUNT_OR_NONE
 from megatron_dppo.hub import HubError, resolve_model
 from megatron_dppo.pipeline.evaluation import EVALUATION_REWARDS, evaluate, load_benchmarks, markdown_table
+from megatron_dppo.rewards.custom import CustomReward, reward_function_flag
 from megatron_dppo.rewards.math import VerifierPool
 from megatron_dppo.rollout.client import RolloutClient, SamplingParams
 from megatron_dppo.rollout.launcher import launch_embedded_engine
@@ -48,8 +53,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-dir", required=True, help="where results.json and results.md go")
     parser.add_argument("--apply-chat-template", action="store_true",
                         help="render prompts with the tokenizer's chat template (as the model was trained)")
+    parser.add_argument("--apply-chat-template-kwargs", type=chat_template_kwargs_flag, default=None, metavar="JSON",
+                        help="the chat template's arguments, as the model was trained, e.g. "
+                             "'{\"enable_thinking\": false}'")
     parser.add_argument("--reward-type", choices=EVALUATION_REWARDS, default="math",
                         help="the reward of your own files (built-in sets bring their own)")
+    parser.add_argument("--custom-reward-function", type=reward_function_flag, default=None, metavar="PATH.py:NAME",
+                        help="score every benchmark with your reward, as the trainer's flag (NAME(response, label, "
+                             "**fields) or verl's compute_score); maj@k votes with the 'pred' its dicts return")
+    parser.add_argument("--custom-reward-max-failures", type=COUNT_OR_NONE, default=0,
+                        help="calls of --custom-reward-function that may raise or return no score (each scores 0); "
+                             "the next one stops the evaluation naming the row")
     parser.add_argument("--input-key", default="prompt", help="prompt field of your own files")
     parser.add_argument("--label-key", default="label", help="reference answer field of your own files")
     parser.add_argument("--split", default="test", help="split of Hugging Face data sets")
@@ -64,6 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--urls needs --tokenizer-dir (the tokenizer the servers' model uses)")
     if args.k < 1 or (args.limit is not None and args.limit < 1):
         parser.error(f"--k ({args.k}) and --limit ({args.limit}) must be >= 1")
+    if args.apply_chat_template_kwargs is not None and not args.apply_chat_template:
+        parser.error("--apply-chat-template-kwargs are arguments of the chat template: add --apply-chat-template")
     try:  # a Hub name becomes its snapshot folder
         args.tokenizer_dir = args.tokenizer_dir and str(resolve_model(args.tokenizer_dir, "--tokenizer-dir"))
     except HubError as error:
@@ -94,10 +110,12 @@ def main(argv: list[str] | None = None) -> None:
         else:
             urls = args.urls
         pool = stack.enter_context(VerifierPool(args.reward_workers, timeout_s=args.reward_timeout_s))
+        custom = args.custom_reward_function and CustomReward(args.custom_reward_function, args.reward_timeout_s,
+                                                              args.custom_reward_max_failures)
         try:
             results = evaluate(benchmarks, RolloutClient(urls), tokenizer, args.k, params, args.apply_chat_template,
-                               pool, show_progress=not args.no_progress)
-        except PromptDataError as error:  # a prompt the chat template (or its absence) cannot render
+                               pool, not args.no_progress, custom or None, args.apply_chat_template_kwargs)
+        except UserInputError as error:  # a prompt the chat template cannot render, a reward that fails
             sys.exit(f"evaluate.py: error: {error}")
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

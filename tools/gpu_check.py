@@ -20,7 +20,8 @@ with the project's Python dependencies on its path (megatron-core and math-verif
                                            full-vocabulary path at Qwen3-4B's output layer (V 151936, H 2560, bf16):
                                            the log-probs, and the gradients of the hidden states and the weight
                                            (the custom autograd function's backward), at a few token counts and
-                                           chunk sizes; time (best of 3) and peak memory
+                                           chunk sizes, and at rollout temperature 0.6; time (best of 3) and peak
+                                           memory
     actor_step      a GPU                  the actor's bf16 training step at the Qwen3-0.6B shape, about 30k tokens in
                                            packed micro-batches of at most 8192: tokens/s, model FLOP/s and their
                                            share of the GPU's dense bf16 peak, and the peak memory against the memory
@@ -73,6 +74,7 @@ FUSED_LOGPROB_TOL = 0.05  # largest |fused - full| log-prob: two bf16 GEMM order
 # Largest |fused - full| gradient of h and of W over the largest element of the full path's: one bf16 rounding of
 # the logits' gradient apart (tests/test_logprobs.py: 1e-2 for bf16 inputs; observed 4e-3 for dh on the CPU)
 FUSED_GRAD_TOL = 1e-2
+TEMPERATURE = 0.6  # fused_logprobs also compares the paths at this rollout temperature (Qwen3's recommended one)
 # Largest |resumed - uninterrupted| of a restored tensor over its largest element (step counts and the loss scaler
 # exactly). On the CPU the two are bitwise equal; a GPU's kernels may sum in another order from run to run, so the
 # runs may drift apart by rounding, never by this much: a resume that dropped Adam's moments differs by about 100%
@@ -284,7 +286,7 @@ def check_fused_logprobs(options) -> bool:
     device = options.device
     tokens_list, vocab, hidden_size = ((256,), 1000, 64) if options.rehearse_on_cpu else ((8192, 32768), 151936, 2560)
     default_chunk = CHUNK_ELEMENTS // vocab
-    gib, parts, worst, worst_grad = 2**30, [], 0.0, 0.0
+    gib, parts, worst, worst_grad, moved = 2**30, [], 0.0, 0.0, 0.0
     for tokens in tokens_list:
         generator = torch.Generator(device=device).manual_seed(0)
         hidden = (torch.randn(tokens, hidden_size, device=device, generator=generator) * 0.5).to(
@@ -301,14 +303,24 @@ def check_fused_logprobs(options) -> bool:
             worst_grad = max(worst_grad, relative_difference(dh, full_dh), relative_difference(dw, full_dw))
             row.append(f"chunk {chunk}{' (default)' if chunk == default_chunk else ''} {seconds * 1e3:.0f} ms "
                        f"{peak / gib:.2f} GiB")
+        # at a rollout temperature (the logits divided by it, forward and backward), the default chunk
+        _, _, tempered, (full_dh, full_dw) = timed_backward(
+            lambda h, w, t: unfused_logprobs(h, w, t, temperature=TEMPERATURE), hidden, weight, targets, device, 1)
+        _, _, logprobs, (dh, dw) = timed_backward(
+            lambda h, w, t: output_layer_logprobs(h, w, t, vocab, temperature=TEMPERATURE), hidden, weight, targets,
+            device, 1)
+        worst = max(worst, (logprobs - tempered).abs().max().item())
+        worst_grad = max(worst_grad, relative_difference(dh, full_dh), relative_difference(dw, full_dw))
+        moved = max(moved, (tempered - reference).abs().max().item())
         parts.append(", ".join(row))
         del hidden, weight, targets, full_dh, full_dw, dh, dw
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return say("fused_logprobs", worst <= FUSED_LOGPROB_TOL and worst_grad <= FUSED_GRAD_TOL,
+    return say("fused_logprobs", worst <= FUSED_LOGPROB_TOL and worst_grad <= FUSED_GRAD_TOL and moved > worst,
                f"V={vocab} H={hidden_size} bf16, fwd+bwd best of 3; " + "; ".join(parts) +
                f"; largest |fused - full| log-prob {worst:.2e} (<= {FUSED_LOGPROB_TOL}), gradient of h and W "
-               f"{worst_grad:.2e} of the largest element (<= {FUSED_GRAD_TOL})")
+               f"{worst_grad:.2e} of the largest element (<= {FUSED_GRAD_TOL}), at temperatures 1 and {TEMPERATURE} "
+               f"(which moves the log-probs by up to {moved:.2e})")
 
 
 def sequence_lengths(total: int, shortest: int, longest: int, seed: int) -> list[int]:

@@ -395,14 +395,19 @@ def load_prompt_data(source: str, input_key: str = "prompt", label_key: str = "l
     return examples
 
 
-def encode_examples(examples: Sequence[Example], apply_chat_template: bool, tokenizer) -> list[list[int]]:
-    """Token ids of each example's prompt; an error names the row it comes from."""
+def encode_examples(examples: Sequence[Example], apply_chat_template: bool, tokenizer,
+                    template_kwargs: dict | None = None) -> list[list[int]]:
+    """Token ids of each example's prompt (`template_kwargs`: the chat template's arguments); an error names the row
+    it comes from."""
     if apply_chat_template:
-        require_chat_template(tokenizer)
+        try:
+            require_chat_template(tokenizer, template_kwargs)
+        except ValueError as error:
+            raise PromptDataError(str(error)) from None
     encoded = []
     for example in examples:
         try:
-            encoded.append(encode_prompt(example.prompt, apply_chat_template, tokenizer))
+            encoded.append(encode_prompt(example.prompt, apply_chat_template, tokenizer, template_kwargs))
         except ValueError as error:
             raise PromptDataError(f"{example.location}: {error}") from error
     return encoded

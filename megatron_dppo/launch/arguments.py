@@ -26,6 +26,7 @@ from megatron_dppo.data.checks import (
     prompt_data_errors,
 )
 from megatron_dppo.data.synthetic import TASKS as SYNTHETIC_TASKS
+from megatron_dppo.data.templates import chat_template_kwargs_flag
 from megatron_dppo.flags import (
     ABOVE_ONE,
     AT_LEAST_ONE,
@@ -41,10 +42,10 @@ from megatron_dppo.flags import (
     FlagParser,
     require_domains,
 )
+from megatron_dppo.launch import logging_flags
 from megatron_dppo.launch import rollout_correction_flags as correction
 from megatron_dppo.launch.memory_plan import memory_flags, recompute_errors
 from megatron_dppo.launch.rollout_servers import SGLANG_TP_FLAGS, rollout_server_gpus
-from megatron_dppo.metrics import wandb_project_flag
 from megatron_dppo.platform import TRANSFORMER_IMPLS, transformer_impl_error
 from megatron_dppo.rewards.custom import reward_function_flag
 from megatron_dppo.rollout.launcher import (
@@ -95,7 +96,7 @@ def build_parser() -> FlagParser:
         "default (tiny model, synthetic arithmetic, embedded rollout engine).",
     )
     for add_flags in (megatron_flags, memory_flags, rollout_flags, algorithm_flags, correction.add_flags, reward_flags,
-                      data_flags, embedded_flags, operation_flags):
+                      data_flags, embedded_flags, logging_flags.add_flags, operation_flags):
         add_flags(parser)
     require_domains(parser)
     parser.note_replaced_defaults("the embedded default", EMBEDDED_DEFAULTS, EMBEDDED_TASK_DEFAULTS,
@@ -154,10 +155,6 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron.add_argument("--max-tokens-per-gpu", type=COUNT, default=8192, help="token budget of one micro-batch")
     megatron.add_argument("--packing-window", type=COUNT, default=256, help="Dense Prompt Packing window W")
     megatron.add_argument("--log-dir", default="runs/dppo", help="metrics.jsonl and TensorBoard events")
-    megatron.add_argument("--wandb-project", type=wandb_project_flag, help="also log the metrics TensorBoard gets to "
-                          "this Weights & Biases project (pip install -e '.[wandb]'; WANDB_MODE=offline: on disk)")
-    megatron.add_argument("--wandb-exp-name", help="the W&B run's name (default: W&B picks one)")
-    megatron.add_argument("--wandb-save-dir", help="where W&B keeps the run's files (default: --log-dir/wandb)")
     megatron.add_argument("--time-budget-s", type=POSITIVE, default=None,
                           help="stop RL once this many seconds of it have passed (after the current step); held-out "
                                "evaluations (--eval-interval) are not counted")
@@ -311,8 +308,12 @@ def reward_flags(parser: argparse.ArgumentParser) -> None:
                              "it the response scores 0")
     reward.add_argument("--custom-reward-function", type=reward_function_flag, default=None, metavar="PATH.py:NAME",
                         help="your reward in place of --reward-type's: NAME(response, label, **fields) -> float, "
-                             "plain or async, fields the prompt's row; a call that raises, returns no finite number or "
-                             "overruns --reward-timeout-s scores 0, with a warning line")
+                             "fields the prompt's row, or verl's compute_score(data_source, solution_str, "
+                             "ground_truth, extra_info); plain or async; a dict with 'score' also (its other keys "
+                             "logged); a call that overruns --reward-timeout-s scores 0, with a warning line")
+    reward.add_argument("--custom-reward-max-failures", type=COUNT_OR_NONE, default=0,
+                        help="--custom-reward-function calls that may raise or return no finite score over the run, "
+                             "each scoring 0 with a warning line; the next one stops the run naming the row")
 
 
 def data_flags(parser: argparse.ArgumentParser) -> None:
@@ -336,6 +337,9 @@ def data_flags(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--apply-chat-template", action="store_true",
                       help="render prompts with the tokenizer's chat template (a text prompt becomes one user turn); "
                            "without it a prompt is used as written")
+    data.add_argument("--apply-chat-template-kwargs", type=chat_template_kwargs_flag, default=None, metavar="JSON",
+                      help="--apply-chat-template: a JSON object of the template's own arguments, e.g. "
+                           "'{\"enable_thinking\": false}' for Qwen3 without thinking (slime's flag)")
     data.add_argument("--skip-bad-rows", action="store_true",
                       help="leave out rows without a usable prompt or label (counted and reported) instead of stopping")
     data.add_argument("--data-train-size", type=COUNT, default=4000,
@@ -401,7 +405,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     errors = [*megatron_errors(args), *recompute_errors(args), *rollout_errors(args), *server_errors,
               *vllm_errors(args), *algorithm_errors(args, parser), *correction.errors(args, parser),
               *batch_filling_errors(args, parser),
-              *range_combination_errors(args), *model_and_data_errors(args, parser), *embedded_errors(args)]
+              *range_combination_errors(args), *model_and_data_errors(args, parser), *embedded_errors(args),
+              *logging_flags.errors(args, changed_flags(args, parser, *logging_flags.WANDB_ONLY))]
     if errors:
         parser.error(errors[0] if len(errors) == 1 else "\n  ".join(["invalid arguments:", *errors]))
     fill_dependent_defaults(args, server_gpus)
@@ -531,6 +536,8 @@ def model_and_data_errors(args: argparse.Namespace, parser: argparse.ArgumentPar
         errors.append(f"{reason} needs --hf-checkpoint DIR or ORG/NAME, the Hugging Face model to train and serve "
                       f"({HF_MODEL_FILES}); only the embedded default (--prompt-data synthetic with the embedded "
                       "engine) runs without one, on its own tiny model")
+    if args.apply_chat_template_kwargs is not None and not args.apply_chat_template:
+        errors.append("--apply-chat-template-kwargs are arguments of the chat template: add --apply-chat-template")
     if args.hf_checkpoint and not args.dry_run:  # the trainer and the servers it starts read the model's folder
         args.hf_checkpoint, model_errors = hf_model_folder(args.hf_checkpoint)
         errors.extend(model_errors)

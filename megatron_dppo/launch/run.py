@@ -32,7 +32,7 @@ from megatron_dppo.errors import UserInputError
 from megatron_dppo.launch.arguments import is_embedded_default
 from megatron_dppo.launch.launch_plan import weight_sync_backend
 from megatron_dppo.launch.memory_plan import start_memory_error
-from megatron_dppo.metrics import MetricsLogger, WandbRun
+from megatron_dppo.metrics import MetricsLogger, RolloutRecords, WandbRun
 from megatron_dppo.pipeline.tasks import Task, dataset_task, synthetic_task
 from megatron_dppo.pipeline.trainer import Trainer
 from megatron_dppo.platform import device_memory_bytes, is_cpu
@@ -55,7 +55,7 @@ def build_task(args, tokenizer) -> Task:
     if args.custom_reward_function:
         from megatron_dppo.rewards.custom import CustomReward
 
-        scorer = CustomReward(args.custom_reward_function, args.reward_timeout_s)
+        scorer = CustomReward(args.custom_reward_function, args.reward_timeout_s, args.custom_reward_max_failures)
     if args.prompt_data == "synthetic":
         return synthetic_task(tokenizer, args.rl_seed, args.data_train_size, args.eval_size, args.data_synthetic_cells,
                               args.synthetic_task, scorer)
@@ -67,7 +67,7 @@ def build_task(args, tokenizer) -> Task:
     heldout = load_prompt_data(args.eval_prompt_data, split=args.eval_prompt_data_split, limit=args.eval_size,
                                flag="--eval-prompt-data", **fields)
     return dataset_task(train, heldout, tokenizer, args.rl_seed, args.reward_type, args.apply_chat_template,
-                        args.reward_timeout_s, scorer)
+                        args.reward_timeout_s, scorer, args.apply_chat_template_kwargs)
 
 
 def embedded_engine_options(args, local_processes: int) -> dict:
@@ -147,14 +147,15 @@ def start_rollout(args, model_dir: Path, synced_weights: Callable[[], Iterable[t
     return pool, client, syncer
 
 
-def wandb_run(args) -> WandbRun | None:
-    """The Weights & Biases run of --wandb-project (rank 0 logs to it), with the run's flags as its config."""
+def wandb_run(args, run_id: str | None = None) -> WandbRun | None:
+    """The Weights & Biases run of --wandb-project (rank 0 logs to it), with the run's flags as its config; `run_id`:
+    the W&B run a resumed training run continues (saved with its checkpoint)."""
     if not args.wandb_project:
         return None
     config = {key: value for key, value in vars(args).items()
-              if value is None or isinstance(value, (str, int, float, bool, list, tuple))}
-    return WandbRun(args.wandb_project, args.wandb_exp_name,
-                    Path(args.wandb_save_dir or Path(args.log_dir) / "wandb"), config)
+              if value is None or isinstance(value, (str, int, float, bool, list, tuple, dict))}
+    return WandbRun(args.wandb_project, args.wandb_exp_name, Path(args.wandb_save_dir or Path(args.log_dir) / "wandb"),
+                    config, args.wandb_entity, args.wandb_group, run_id)
 
 
 def budget_spent(budget_s: float | None, elapsed_s: float) -> bool:
@@ -227,7 +228,8 @@ def run(args) -> dict:
         before = resumed.get("eval_before") or trainer.evaluate(args.eval_size)
         elapsed_before = resumed.get("seconds_rl", 0.0)
         prompts = resumed.get("prompt_totals") or {"prompts_drawn": 0.0, "prompts_pruned": 0.0}
-        metrics = MetricsLogger(args.log_dir, rank0, args.train_iters, trainer.step, prompts, wandb_run(args))
+        metrics = MetricsLogger(args.log_dir, rank0, args.train_iters, trainer.step, prompts,
+                                wandb_run(args, resumed.get("wandb_run_id")), RolloutRecords.from_args(args))
         rl_start, eval_seconds = time.perf_counter(), 0.0
 
         def rl_seconds() -> float:  # RL time so far: the periodic evaluations do not count against the budget
@@ -246,11 +248,13 @@ def run(args) -> dict:
                 eval_seconds += time.perf_counter() - eval_start
             metrics.log(trainer.step, step_metrics)
             if args.save and args.save_interval and trainer.step % args.save_interval == 0:
-                trainer.save({"eval_before": before, "prompt_totals": dict(prompts), "seconds_rl": rl_seconds()})
+                trainer.save({"eval_before": before, "prompt_totals": dict(prompts), "seconds_rl": rl_seconds(),
+                              "wandb_run_id": metrics.wandb_run_id})
         seconds_rl = rl_seconds()
         after = trainer.evaluate(args.eval_size)
         if args.save and not (args.save_interval and trainer.step % args.save_interval == 0):
-            trainer.save({"eval_before": before, "seconds_rl": seconds_rl, "prompt_totals": dict(prompts)})
+            trainer.save({"eval_before": before, "seconds_rl": seconds_rl, "prompt_totals": dict(prompts),
+                          "wandb_run_id": metrics.wandb_run_id})
         metrics.close()
     # the prompt level's work over the run: the share of drawn prompts it pruned, and the samples it never generated
     pruned_fraction = prompts["prompts_pruned"] / prompts["prompts_drawn"] if prompts["prompts_drawn"] else 0.0

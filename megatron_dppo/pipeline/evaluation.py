@@ -3,14 +3,16 @@
     load_benchmarks: built-in name (its local copy, else its public source: load_builtin) or file / directory / hub
                      set (load_prompt_data)[:limit] ──► encode_examples
         ──► RolloutClient.agenerate(n=k) (progress bar) ──► decode
-        ──► score each sample (math: math-verify pool; gsm8k: exact number) ──► aggregate
+        ──► score each sample (math: math-verify pool; gsm8k: exact number; or a --custom-reward-function for every
+            benchmark) ──► aggregate
         ──► {"benchmarks": {name: {pass@1, maj@k, problems: [...]}}} and a markdown table
 
 - pass@1 is the mean over problems of the mean score of the k samples.
 - maj@k votes over the samples' parsed final answers (normalised string for math, exact number for GSM8K);
   samples without an answer do not vote; ties go to the answer seen first; a problem with no vote scores 0.
   Samples that share a vote key share a score (same answer against the same reference), so the majority's
-  score is that of any of its members.
+  score is that of any of its members. A custom reward votes with the "pred" its dicts return (verl's key for the
+  parsed answer, with which verl computes maj@N; empty: no vote); where no sample votes, maj@k is not reported.
 """
 
 import asyncio
@@ -22,7 +24,9 @@ from tqdm import tqdm
 
 from megatron_dppo.data.datasets import DATASETS, Example, encode_examples, load_prompt_data
 from megatron_dppo.data.public_sources import load_builtin
+from megatron_dppo.rewards import RewardRow
 from megatron_dppo.rewards import gsm8k as gsm8k_reward
+from megatron_dppo.rewards.custom import CustomReward
 from megatron_dppo.rewards.math import VerifierPool, normalize_answer, score_batch
 from megatron_dppo.rollout.client import Completion, RolloutClient, SamplingParams
 
@@ -42,9 +46,15 @@ class SampleScore:
 
 
 def score_samples(
-    reward: str, texts: Sequence[str], references: Sequence[str], pool: VerifierPool | None
+    reward: str, texts: Sequence[str], references: Sequence[str], pool: VerifierPool | None,
+    custom: CustomReward | None = None, rows: Sequence[RewardRow] = ()
 ) -> list[SampleScore]:
-    """Score decoded samples against their references with the benchmark's reward."""
+    """Score decoded samples against their references with the benchmark's reward, or with `custom` (rows: each
+    sample's prompt row)."""
+    if custom is not None:
+        batch = custom(texts, rows)
+        return [SampleScore(score, str(extras["pred"]) if extras.get("pred") not in (None, "") else None)
+                for score, extras in zip(batch.scores, batch.extras)]
     if reward == "math":
         results = score_batch(texts, references, pool=pool)
         return [SampleScore(r.score, normalize_answer(r.answer) if r.answer else None) for r in results]
@@ -66,11 +76,12 @@ def majority_score(samples: Sequence[SampleScore]) -> float:
     return next(sample.score for sample in samples if sample.vote_key == winner)
 
 
-def aggregate(per_problem: Sequence[Sequence[SampleScore]]) -> dict[str, float]:
+def aggregate(per_problem: Sequence[Sequence[SampleScore]], voted: bool = True) -> dict[str, float | None]:
+    """pass@1, and maj@k where the samples vote (`voted`; None otherwise)."""
     if not per_problem:
         raise ValueError("no problems to aggregate; check --limit and the benchmark file")
     pass_at_1 = sum(sum(s.score for s in samples) / len(samples) for samples in per_problem) / len(per_problem)
-    maj_at_k = sum(majority_score(samples) for samples in per_problem) / len(per_problem)
+    maj_at_k = sum(majority_score(samples) for samples in per_problem) / len(per_problem) if voted else None
     return {"pass@1": pass_at_1, "maj@k": maj_at_k}
 
 
@@ -94,27 +105,33 @@ def generate_grouped(client: RolloutClient, prompts: list[list[int]], params: Sa
 
 def evaluate_benchmark(name: str, benchmark: Benchmark, client: RolloutClient, tokenizer, k: int,
                        params: SamplingParams, apply_chat_template: bool, pool: VerifierPool | None,
-                       show_progress: bool = True) -> dict:
-    """Generate k samples per problem, score them, and return the summary with per-problem records."""
+                       show_progress: bool = True, custom: CustomReward | None = None,
+                       template_kwargs: dict | None = None) -> dict:
+    """Generate k samples per problem, score them (with the benchmark's reward, or `custom`), and return the summary
+    with per-problem records."""
     examples = benchmark.examples
-    prompts = encode_examples(examples, apply_chat_template, tokenizer)
+    prompts = encode_examples(examples, apply_chat_template, tokenizer, template_kwargs)
     grouped = generate_grouped(client, prompts, params, k, name, show_progress)
     texts = [tokenizer.decode(c.output_ids, skip_special_tokens=True) for group in grouped for c in group]
     references = [example.answer for example in examples for _ in range(k)]
-    flat = score_samples(benchmark.reward, texts, references, pool)
+    rows = [RewardRow(example.answer, example.fields, example.source, example.location)
+            for example in examples for _ in range(k)]
+    flat = score_samples(benchmark.reward, texts, references, pool, custom, rows)
     per_problem = [flat[i * k : (i + 1) * k] for i in range(len(examples))]
     problems = [
         {
             "row": example.row,
+            "prompt": tokenizer.decode(prompt_ids),  # as the model saw it, the chat template's rendering included
             "reference": example.answer,
             "scores": [s.score for s in samples],
             "answers": [s.vote_key for s in samples],
             "finish_reasons": [c.finish_reason for c in group],
             "responses": texts[index * k : (index + 1) * k],
         }
-        for index, (example, samples, group) in enumerate(zip(examples, per_problem, grouped))
+        for index, (example, prompt_ids, samples, group) in enumerate(zip(examples, prompts, per_problem, grouped))
     ]
-    return {"num_problems": len(examples), "k": k, **aggregate(per_problem), "problems": problems}
+    voted = custom is None or any(sample.vote_key is not None for sample in flat)
+    return {"num_problems": len(examples), "k": k, **aggregate(per_problem, voted), "problems": problems}
 
 
 def load_benchmarks(sources: Sequence[str], reward_type: str = "math", input_key: str = "prompt",
@@ -137,17 +154,21 @@ def load_benchmarks(sources: Sequence[str], reward_type: str = "math", input_key
 
 
 def evaluate(benchmarks: dict[str, Benchmark], client: RolloutClient, tokenizer, k: int, params: SamplingParams,
-             apply_chat_template: bool = False, pool: VerifierPool | None = None, show_progress: bool = True) -> dict:
+             apply_chat_template: bool = False, pool: VerifierPool | None = None, show_progress: bool = True,
+             custom: CustomReward | None = None, template_kwargs: dict | None = None) -> dict:
+    """Every benchmark's summary (evaluate_benchmark); `custom` scores every benchmark in place of its own reward,
+    `template_kwargs` are the chat template's arguments (--apply-chat-template-kwargs)."""
     if k < 1:
         raise ValueError(f"k={k} samples per problem must be >= 1")
     return {name: evaluate_benchmark(name, benchmark, client, tokenizer, k, params, apply_chat_template, pool,
-                                     show_progress) for name, benchmark in benchmarks.items()}
+                                     show_progress, custom, template_kwargs) for name, benchmark in benchmarks.items()}
 
 
 def markdown_table(results: dict) -> str:
-    """| benchmark | problems | k | pass@1 | maj@k |, scores in percent."""
+    """| benchmark | problems | k | pass@1 | maj@k |, scores in percent (maj@k "-" where the samples cast no vote)."""
     lines = ["| benchmark | problems | k | pass@1 (%) | maj@k (%) |", "|---|---|---|---|---|"]
     for name, summary in results.items():
+        majority = "-" if summary["maj@k"] is None else f"{100 * summary['maj@k']:.1f}"
         lines.append(f"| {name} | {summary['num_problems']} | {summary['k']} | {100 * summary['pass@1']:.1f} | "
-                     f"{100 * summary['maj@k']:.1f} |")
+                     f"{majority} |")
     return "\n".join(lines) + "\n"

@@ -32,8 +32,10 @@ from megatron_dppo.algo.pruning import (
     normalizer_scale_estimate,
 )
 from megatron_dppo.algo.rollout_correction import RolloutCorrection
+from megatron_dppo.metrics import RolloutRecords
 from megatron_dppo.pipeline.packing import TrainingSample
 from megatron_dppo.pipeline.partial_rollouts import PartialConfig, PartialRollouts
+from megatron_dppo.pipeline.rollout_records import response_statistics, rollout_samples
 from megatron_dppo.rollout.client import SamplingParams
 
 
@@ -90,6 +92,9 @@ class Rollouts:
     stats: dict = field(default_factory=dict)
     # [num_prompts * G] per token: the weight version that sampled it (partial rollouts carry tokens across versions)
     output_versions: list[list[int]] = field(default_factory=list)
+    # [num_prompts * G]: how each response ended ("stop", "length", "abort") and what else its reward returned
+    finish_reasons: list[str] = field(default_factory=list)
+    reward_extras: list[dict] = field(default_factory=list)
 
     def subset(self, rows: list[int]) -> "Rollouts":
         """The groups `rows`, each with all its samples; every one stands for the batch (DAPO's dynamic sampling)."""
@@ -100,7 +105,8 @@ class Rollouts:
             output_ids=[self.output_ids[i] for i in flat], output_logprobs=[self.output_logprobs[i] for i in flat],
             rewards=self.rewards[rows], seconds=self.seconds, reward_seconds=self.reward_seconds,
             num_drawn=self.num_drawn, capacity=self.capacity, tokens_generated=self.tokens_generated,
-            stats=dict(self.stats), output_versions=[self.output_versions[i] for i in flat])
+            stats=dict(self.stats), output_versions=[self.output_versions[i] for i in flat],
+            finish_reasons=[self.finish_reasons[i] for i in flat], reward_extras=[self.reward_extras[i] for i in flat])
 
 
 def concatenate(parts: list[Rollouts]) -> Rollouts:
@@ -115,7 +121,9 @@ def concatenate(parts: list[Rollouts]) -> Rollouts:
         reward_seconds=sum(part.reward_seconds for part in parts), num_drawn=sum(part.num_drawn for part in parts),
         capacity=first.capacity, tokens_generated=sum(part.tokens_generated for part in parts),
         stats={key: sum(part.stats.get(key, 0.0) for part in parts) for key in first.stats},
-        output_versions=[versions for part in parts for versions in part.output_versions])
+        output_versions=[versions for part in parts for versions in part.output_versions],
+        finish_reasons=[reason for part in parts for reason in part.finish_reasons],
+        reward_extras=[extras for part in parts for extras in part.reward_extras])
 
 
 @dataclass
@@ -225,6 +233,7 @@ class ExperienceMaker:
             temperature=args.rollout_temperature, top_p=args.rollout_top_p, top_k=args.rollout_top_k,
             max_new_tokens=args.rollout_max_response_len, stop_token_ids=[tokenizer.eos_token_id])
         self.weight_version = 0  # the version the rollout servers hold: the trainer sets it at every weight sync
+        self.records = RolloutRecords.from_args(args)
         self.partial = PartialRollouts(PartialConfig(args.partial_rollout_chunk_tokens,
                                                      args.partial_rollout_max_staleness,
                                                      args.rollout_max_response_len),
@@ -265,7 +274,7 @@ class ExperienceMaker:
         return self.scored(cohort.prompts, cohort.decision, [s.output_ids for s in samples],
                            [s.output_logprobs for s in samples], [s.output_versions for s in samples],
                            generation.pop("seconds"), cohort.num_drawn, cohort.capacity, generation.pop("tokens"),
-                           {**stats, **generation})
+                           {**stats, **generation}, [s.finish_reason for s in samples])
 
     def generate_until_varied(self, step: int) -> Rollouts:
         """DAPO's dynamic sampling: rounds of ceil(B x --dapo-oversample) drawn prompts until B groups with varied
@@ -303,24 +312,24 @@ class ExperienceMaker:
         return self.scored(prompts, decision, output_ids, [c.output_logprobs for c in completions],
                            [[self.weight_version] * len(ids) for ids in output_ids], time.perf_counter() - start,
                            num_drawn, capacity, sum(len(ids) for ids in output_ids),
-                           {"decode_iterations": float(iterations)})
+                           {"decode_iterations": float(iterations)}, [c.finish_reason for c in completions])
 
     def scored(self, prompts: list, decision: PromptDecision, output_ids, output_logprobs, output_versions,
                seconds: float, num_drawn: int, capacity: int, tokens_generated: int,
-               stats: dict | None = None) -> Rollouts:
+               stats: dict | None = None, finish_reasons: list[str] | None = None) -> Rollouts:
         """The rollouts of `prompts` (G samples each, in (prompt, sample) order) with their rewards."""
         start = time.perf_counter()
         group = self.args.n_samples_per_prompt
         responses = [self.tokenizer.decode(ids) for ids in output_ids]
-        references = [p.reference for p in prompts for _ in range(group)]
-        fields = [p.fields for p in prompts for _ in range(group)]
-        rewards = torch.tensor(self.task.score(responses, references, fields), dtype=torch.float64).view(-1, group)
+        scores = self.task.score(responses, [p for p in prompts for _ in range(group)])
+        rewards = torch.tensor(scores.scores, dtype=torch.float64).view(-1, group)
         stats = {"groups_rolled_out": float(len(prompts)),
                  "zero_variance_groups_rolled_out": float(zero_variance_groups(rewards).sum()), **(stats or {})}
         return Rollouts(prompts=prompts, prompt_decision=decision, output_ids=output_ids,
                         output_logprobs=output_logprobs, rewards=rewards, seconds=seconds,
                         reward_seconds=time.perf_counter() - start, num_drawn=num_drawn, capacity=capacity,
-                        tokens_generated=tokens_generated, stats=stats, output_versions=output_versions)
+                        tokens_generated=tokens_generated, stats=stats, output_versions=output_versions,
+                        finish_reasons=finish_reasons, reward_extras=scores.extras)
 
     def sampling_for_step(self, step: int, round_index: int = 0) -> SamplingParams:
         """Sampling parameters with a seed fixed by (seed, step, round of dynamic sampling), so a resumed run draws
@@ -345,7 +354,10 @@ class ExperienceMaker:
         samples = self.training_samples(rollouts, selection)
         stats = step_statistics(rollouts, rewards, lengths, selection, len(samples), rollouts.reward_seconds)
         stats.update(staleness(rollouts.output_versions, self.weight_version))
+        stats.update(response_statistics(rollouts.finish_reasons, rollouts.reward_extras))
         stats["prompt_outcomes"] = prompt_outcomes(rollouts, rewards, lengths)
+        if self.records.wanted(step):  # --save-debug-rollout-data, the W&B table (metrics.RolloutRecords)
+            stats["rollout_samples"] = rollout_samples(rollouts, selection, self.tokenizer)
         return Experience(samples, selection.normalizer_counts, progress, stats)
 
     @staticmethod

@@ -46,6 +46,7 @@ class PartialSample:
     output_versions: list[int] = field(default_factory=list)
     finished: bool = False
     restarts: int = 0
+    finish_reason: str = ""  # its last chunk's: once finished, how the sample ended ("stop", "length")
 
     def request(self, chunk_tokens: int, max_response_len: int) -> SequenceRequest:
         remaining = max_response_len - len(self.output_ids)
@@ -59,6 +60,7 @@ class PartialSample:
         self.output_ids += output_ids
         self.output_logprobs += output_logprobs
         self.output_versions += [version] * len(output_ids)
+        self.finish_reason = finish_reason
         self.finished = (finish_reason == "stop" or len(self.output_ids) >= max_response_len
                          or (finish_reason == "length" and len(output_ids) < asked))
 
@@ -66,7 +68,7 @@ class PartialSample:
         """Drop its tokens (generated again from the prompt, with the same seed); returns how many were dropped."""
         dropped = len(self.output_ids)
         self.output_ids, self.output_logprobs, self.output_versions = [], [], []
-        self.finished, self.restarts = False, self.restarts + 1
+        self.finished, self.restarts, self.finish_reason = False, self.restarts + 1, ""
         return dropped
 
 

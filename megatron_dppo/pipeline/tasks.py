@@ -1,8 +1,9 @@
 """What the trainer trains on: a prompt source (ids, token ids, references) and its reward, behind one interface.
 
     task.next_prompts(n) → [Prompt(prompt_id, input_ids, reference)]   resumable (state_dict)
-    task.score(responses, references, fields) → [float]                the reward of each decoded response (fields:
-                                                                       each prompt's row, for a custom reward)
+    task.score(responses, prompts) → RewardBatch                       the reward of each decoded response (prompts:
+                                                                       its prompt's, one per response), and what else
+                                                                       a custom reward returned for it
     task.heldout(n) → [Prompt]                                         never trained on
 
 Prompt ids are stable integers (the row index in the data set, or the index in the synthetic training pool), so
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megatron_dppo.data.datasets import Example, PromptSampler
+from megatron_dppo.rewards import RewardBatch, RewardRow
 
 SYNTHETIC_REWARDS = {"worked": "synthetic", "answer": "synthetic_answer"}  # --synthetic-task -> its reward
 
@@ -25,6 +27,11 @@ class Prompt:
     text: str = ""
     difficulty: str = ""  # a stratum known before rollout (synthetic cell, MATH level/type): DPPO's prior
     fields: dict = field(default_factory=dict)  # the prompt's row (Example.fields): a custom reward's keywords
+    source: str = ""  # the data source it came from (Example.source), verl's data_source by default
+    location: str = ""  # where its row is (Example.location), for messages about it
+
+    def reward_row(self) -> RewardRow:
+        return RewardRow(str(self.reference), self.fields, self.source, self.location)
 
 
 class Task:
@@ -40,8 +47,9 @@ class Task:
     def heldout(self, count: int) -> list[Prompt]:
         return self.heldout_prompts[:count]
 
-    def score(self, responses: list[str], references: list, fields: list[dict] | None = None) -> list[float]:
-        return self.scorer(responses, references, fields if fields is not None else [{}] * len(responses))
+    def score(self, responses: list[str], prompts: list[Prompt]) -> RewardBatch:
+        """The reward of each response, whose prompt is the same place of `prompts`."""
+        return self.scorer(responses, [prompt.reward_row() for prompt in prompts])
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict()}
@@ -61,26 +69,30 @@ def synthetic_task(tokenizer, seed: int, train_size: int, heldout_size: int, cel
 
     generator = SyntheticArithmetic(rl_pool_seed(seed), cells or TASK_CELLS[check_task(task)])
 
-    def as_prompt(index, problem):
-        return Prompt(index, tokenizer.encode(problem.prompt), problem.answer, problem.prompt, problem.cell,
-                      {"prompt": problem.prompt, "cell": problem.cell})
+    def as_prompt(prompt_id, problem, location):
+        return Prompt(prompt_id, tokenizer.encode(problem.prompt), problem.answer, problem.prompt, problem.cell,
+                      {"prompt": problem.prompt, "cell": problem.cell}, "synthetic",
+                      f"{location} ({problem.prompt!r})")
 
-    train = [as_prompt(i, p) for i, p in enumerate(generator.sample(train_size))]
-    heldout = [as_prompt(-1 - i, p) for i, p in enumerate(generator.heldout(heldout_size))]
+    train = [as_prompt(i, p, f"synthetic training problem {i}") for i, p in enumerate(generator.sample(train_size))]
+    heldout = [as_prompt(-1 - i, p, f"synthetic held-out problem {i}")
+               for i, p in enumerate(generator.heldout(heldout_size))]
     return Task(train, heldout, scorer or reward_scorer(SYNTHETIC_REWARDS[task]), seed)
 
 
 def dataset_task(train: Sequence[Example], heldout: Sequence[Example], tokenizer, seed: int, reward_type: str,
-                 apply_chat_template: bool = False, timeout_s: float = 5.0, scorer=None) -> Task:
+                 apply_chat_template: bool = False, timeout_s: float = 5.0, scorer=None,
+                 chat_template_kwargs: dict | None = None) -> Task:
     """Training and held-out prompts from loaded examples (megatron_dppo.data.datasets.load_prompt_data), encoded
-    with or without the tokenizer's chat template and scored by `reward_type` (or `scorer`, a custom reward).
-    Training ids are the row order (0, 1, ...), held-out ids are negative (-1, -2, ...)."""
+    with or without the tokenizer's chat template (rendered with `chat_template_kwargs`, e.g. Qwen3's
+    enable_thinking) and scored by `reward_type` (or `scorer`, a custom reward). Training ids are the row order
+    (0, 1, ...), held-out ids are negative (-1, -2, ...)."""
     from megatron_dppo.data.datasets import encode_examples
 
     def as_prompts(examples, ids):
-        encoded = encode_examples(examples, apply_chat_template, tokenizer)
+        encoded = encode_examples(examples, apply_chat_template, tokenizer, chat_template_kwargs)
         return [Prompt(prompt_id, input_ids, example.answer, tokenizer.decode(input_ids), example.difficulty,
-                       example.fields)
+                       example.fields, example.source, example.location)
                 for prompt_id, input_ids, example in zip(ids, encoded, examples)]
 
     return Task(as_prompts(train, range(len(train))), as_prompts(heldout, range(-1, -1 - len(heldout), -1)),
@@ -88,8 +100,8 @@ def dataset_task(train: Sequence[Example], heldout: Sequence[Example], tokenizer
 
 
 def reward_scorer(reward_type: str, timeout_s: float = 5.0):
-    """`scorer(responses, references, fields) -> [float]` for a name of REWARD_FUNCTIONS (which read no fields); math
-    checks go to one verifier pool per batch (with its per-check timeout) instead of one call at a time."""
+    """`scorer(responses, rows) -> RewardBatch` for a name of REWARD_FUNCTIONS (which read the rows' labels only);
+    math checks go to one verifier pool per batch (with its per-check timeout) instead of one call at a time."""
     from megatron_dppo.rewards import REWARD_FUNCTIONS
 
     if reward_type not in REWARD_FUNCTIONS:
@@ -98,7 +110,7 @@ def reward_scorer(reward_type: str, timeout_s: float = 5.0):
         from megatron_dppo.rewards.math import VerifierPool, score_batch
 
         pool = VerifierPool(timeout_s=timeout_s)
-        return lambda responses, refs, fields=None: [
-            result.score for result in score_batch(responses, [str(a) for a in refs], pool=pool)]
+        return lambda responses, rows: RewardBatch.of(
+            [result.score for result in score_batch(responses, [row.label for row in rows], pool=pool)])
     compute_score = REWARD_FUNCTIONS[reward_type]
-    return lambda responses, refs, fields=None: [compute_score(r, str(a)) for r, a in zip(responses, refs)]
+    return lambda responses, rows: RewardBatch.of([compute_score(r, row.label) for r, row in zip(responses, rows)])

@@ -174,8 +174,7 @@ class Trainer:
             greedy = SamplingParams(temperature=0.0, max_new_tokens=self.args.rollout_max_response_len,
                                     stop_token_ids=[self.tokenizer.eos_token_id])
             completions = self.client.generate([p.input_ids for p in prompts], greedy, n=1)
-            scores = self.task.score([self.tokenizer.decode(c.output_ids) for c in completions],
-                                     [p.reference for p in prompts], [p.fields for p in prompts])
+            scores = self.task.score([self.tokenizer.decode(c.output_ids) for c in completions], prompts).scores
             result = [{"accuracy": float(np.mean(scores)) if scores else 0.0, "count": len(scores)}]
         dist.broadcast_object_list(result, src=0)
         return result[0]
