@@ -15,7 +15,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export TRAINER_NODES=${TRAINER_NODES:-1} ROLLOUT_NODES=${ROLLOUT_NODES:-1} GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 export SGLANG_TP=${SGLANG_TP:-1} TP=${TP:-1} PP=${PP:-1}
 export SGLANG_ARGS=${SGLANG_ARGS:---mem-fraction-static 0.85}
-export EVAL_ARGS=${EVAL_ARGS:---k 1 --temperature 0 --max-new-tokens 1024 --apply-chat-template}  # pass@1 [paper]; greedy [inferred]
+export EVAL_ARGS=${EVAL_ARGS:-"--k 1 --temperature 0 --max-new-tokens 1024 --apply-chat-template --apply-chat-template-kwargs {\"enable_thinking\":false}"}  # pass@1 [paper]; greedy, no thinking, as trained [inferred]
 
 MATH_TRAIN_PROMPTS=7500    # the MATH training split
 EPOCHS=15                  # [paper]
@@ -25,6 +25,7 @@ TRAIN_ITERS=$((EPOCHS * MATH_TRAIN_PROMPTS / BATCH_PROMPTS))
 ARGS=(
     --prompt-data math                           # MATH train (DPPO_DATA_DIR), math-verify reward [paper]
     --apply-chat-template                        # Qwen3's own chat template around each problem
+    --apply-chat-template-kwargs '{"enable_thinking":false}'   # no thinking: at 1024 tokens a thinking response is often cut before its \boxed{} [inferred]
     --n-samples-per-prompt 5                     # rollouts per prompt [paper]
     --rollout-max-response-len 1024              # [paper]
     --rollout-batch-size "$BATCH_PROMPTS"

@@ -9,7 +9,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export TRAINER_NODES=${TRAINER_NODES:-1} ROLLOUT_NODES=${ROLLOUT_NODES:-1} GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 export SGLANG_TP=${SGLANG_TP:-1} TP=${TP:-1} PP=${PP:-1}
 export SGLANG_ARGS=${SGLANG_ARGS:---mem-fraction-static 0.85}
-export EVAL_ARGS=${EVAL_ARGS:---k 1 --temperature 0 --max-new-tokens 1024 --apply-chat-template}
+export EVAL_ARGS=${EVAL_ARGS:-"--k 1 --temperature 0 --max-new-tokens 1024 --apply-chat-template --apply-chat-template-kwargs {\"enable_thinking\":false}"}
 
 MATH_TRAIN_PROMPTS=7500
 EPOCHS=15
@@ -18,6 +18,7 @@ TRAIN_ITERS=$((EPOCHS * MATH_TRAIN_PROMPTS / BATCH_PROMPTS))
 
 ARGS=(
     --prompt-data math --apply-chat-template
+    --apply-chat-template-kwargs '{"enable_thinking":false}'   # Qwen3 without thinking, as the DPPO recipe
     --n-samples-per-prompt 5
     --rollout-max-response-len 1024
     --rollout-batch-size "$BATCH_PROMPTS"
