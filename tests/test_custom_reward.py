@@ -181,8 +181,14 @@ EMBEDDED_REWARD = textwrap.dedent("""
         right = ground_truth in solution_str
         return {"score": 0.75 if right else 0.25, "holds_answer": right, "cell": extra_info["cell"]}
 
-    def raises(data_source, solution_str, ground_truth, extra_info=None):
-        raise KeyError("answer")
+    CALLS = []
+
+    def raises_in_step_2(data_source, solution_str, ground_truth, extra_info=None):
+        # the held-out evaluation before RL (4 problems) and step 1 (4 prompts x 4 samples) score; step 2 raises
+        CALLS.append(1)
+        if len(CALLS) > 4 + 16:
+            raise KeyError("answer")
+        return 0.5
 """)
 SHRUNK = ["--warm-start-steps", "0", "--eval-size", "4", "--rollout-batch-size", "4", "--rollout-max-response-len",
           "176", "--n-samples-per-prompt", "4"]
@@ -223,11 +229,12 @@ def test_embedded_default_trains_on_a_verl_style_dict_reward_its_records_show_an
         assert 0.0 <= record["response_clip_ratio"] <= 1.0 and "reward_extra/cell" not in record
     for step, record in zip((1, 2), metrics, strict=True):
         rows = [json.loads(line) for line in (debug / f"step_{step:06d}.jsonl").read_text().splitlines()]
-        assert len(rows) == 16 and {row["step"] for row in rows} == {step}
-        assert sum(row["reward"] for row in rows) / 16 == pytest.approx(record["reward_mean"])
+        rolled_out = 4 * int(record["groups_rolled_out"])  # DPPO's prompt level may prune prompts before rollout
+        assert rolled_out and len(rows) == rolled_out and {row["step"] for row in rows} == {step}
+        assert sum(row["reward"] for row in rows) / rolled_out == pytest.approx(record["reward_mean"])
         assert all(row["response"] and row["prompt"].startswith("Q:") and row["finish_reason"] in ("stop", "length")
                    and row["reward_extras"]["holds_answer"] == (row["reward"] == 0.75) for row in rows)
-        clipped = sum(row["finish_reason"] == "length" for row in rows) / 16
+        clipped = sum(row["finish_reason"] == "length" for row in rows) / rolled_out
         assert record["response_clip_ratio"] == pytest.approx(clipped)
 
     (first,) = wandb_runs(wandb_dir)
@@ -251,12 +258,17 @@ def test_embedded_default_trains_on_a_verl_style_dict_reward_its_records_show_an
     assert sorted(path.name for path in debug.iterdir()) == [f"step_{step:06d}.jsonl" for step in (1, 2, 3)]
 
 
-def test_a_reward_that_raises_ends_the_run_in_one_line_naming_the_function_and_the_row(tmp_path):
+def test_a_reward_that_raises_mid_run_ends_it_in_one_line_naming_the_function_and_the_row(tmp_path):
+    """Under --async, step 2's rollouts are generated and scored in rank 0's thread while step 1 trains: the failure
+    is raised where step 2 takes them, on every rank alike (trainer.from_rank0), so rank 0 alone says it and no other
+    rank dies with a traceback in a collective rank 0 left."""
     reward_file = tmp_path / "verl_reward.py"
     reward_file.write_text(EMBEDDED_REWARD)
-    returncode, output = embedded_run(tmp_path, 2, "--custom-reward-function", f"{reward_file}:raises")
-    assert returncode == 2, output[-8000:]
+    returncode, output = embedded_run(tmp_path, 3, "--custom-reward-function", f"{reward_file}:raises_in_step_2",
+                                      "--async", "--algorithm", "grpo", "--no-dapo-filter")
+    assert returncode != 0, output[-8000:]  # rank 0 exits with 2, and torchrun with 1
     errors = [line for line in output.splitlines() if "pretrain_dppo.py: error:" in line]
     assert len(errors) == 1 and "]: Traceback" not in output, output[-6000:]
-    assert (f"--custom-reward-function {reward_file}:raises: raises raised KeyError: 'answer' on synthetic held-out "
-            "problem 0 (") in errors[0], errors[0]
+    assert (f"--custom-reward-function {reward_file}:raises_in_step_2: raises_in_step_2 raised KeyError: 'answer' on "
+            "synthetic training problem ") in errors[0], errors[0]
+    assert [json.loads(line)["step"] for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()] == [1]

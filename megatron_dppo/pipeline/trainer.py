@@ -23,7 +23,9 @@ engine samples from and reports (actor/logprobs.py).
 
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -46,6 +48,8 @@ from megatron_dppo.pipeline.packing import pack_micro_batches, padding_token_id,
 from megatron_dppo.platform import collectives
 from megatron_dppo.rollout.client import SamplingParams
 
+T = TypeVar("T")
+
 
 class Trainer:
     def __init__(self, args, actor, task, tokenizer, client, syncer, hf_config: dict, reference=None):
@@ -67,8 +71,7 @@ class Trainer:
         """One RL step; `elapsed_s` is the RL wall time so far (rank 0's clock), for the run's progress."""
         self.step += 1
         start = time.perf_counter()
-        rollouts = self.rollouts.take(self.step) if self.rank0 else None  # rank 0: prompt level + generation
-        experience = self.make_experience(rollouts, elapsed_s)  # rank 0 → every rank: reward, advantages, pruning
+        experience = self.make_experience(elapsed_s)  # rank 0 → every rank: prompt level, generation, reward, ...
         if self.step < self.total_steps():
             self.rollouts.start(self.step + 1)                 # --async: step t+1 generates while t trains
         micro_batches, packing_stats = self.pack(experience)   # Dense Prompt Packing, this DP rank's bins
@@ -80,12 +83,11 @@ class Trainer:
                 "seconds_step": time.perf_counter() - start, "lr": self.actor.lr}
 
     # ------------------------------------------------------------------------------------------- phases
-    def make_experience(self, rollouts: Rollouts | None, elapsed_s: float) -> Experience:
-        """rank 0 computes, every rank receives: rewards → advantages (full groups) → history → DAPO → pruning."""
+    def make_experience(self, elapsed_s: float) -> Experience:
+        """rank 0 computes, every rank receives: the step's rollouts (prompt level, generation, rewards) → advantages
+        (full groups) → history → DAPO → pruning."""
         progress = run_progress(self.step, elapsed_s, self.args.train_iters, self.args.time_budget_s)
-        experience = [self.maker.make(rollouts, self.step, progress) if self.rank0 else None]
-        dist.broadcast_object_list(experience, src=0)
-        return experience[0]
+        return from_rank0(lambda: self.maker.make(self.rollouts.take(self.step), self.step, progress), self.rank0)
 
     def pack(self, experience: Experience) -> tuple[list, dict]:
         """Dense Prompt Packing of the kept samples; this rank's micro-batches (the same on every TP/PP rank)."""
@@ -167,17 +169,18 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- evaluation
     def evaluate(self, count: int) -> dict:
-        """rank 0: greedy accuracy on `count` held-out prompts through the rollout servers."""
-        result = [None]
-        if self.rank0:
+        """rank 0 computes, every rank receives: greedy accuracy on `count` held-out prompts through the rollout
+        servers."""
+
+        def accuracy() -> dict:
             prompts = self.task.heldout(count)
             greedy = SamplingParams(temperature=0.0, max_new_tokens=self.args.rollout_max_response_len,
                                     stop_token_ids=[self.tokenizer.eos_token_id])
             completions = self.client.generate([p.input_ids for p in prompts], greedy, n=1)
             scores = self.task.score([self.tokenizer.decode(c.output_ids) for c in completions], prompts).scores
-            result = [{"accuracy": float(np.mean(scores)) if scores else 0.0, "count": len(scores)}]
-        dist.broadcast_object_list(result, src=0)
-        return result[0]
+            return {"accuracy": float(np.mean(scores)) if scores else 0.0, "count": len(scores)}
+
+        return from_rank0(accuracy, self.rank0)
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def total_steps(self) -> int:
@@ -238,8 +241,11 @@ class NextRollouts:
         self.executor = ThreadPoolExecutor(1) if overlap else None
         self.future = None  # the next step's rollouts being generated
         self.ready: Rollouts | None = None  # the next step's rollouts, generated (also after a resume)
+        self.failed: UserInputError | None = None  # why generating the next step's failed (a reward that fails)
 
     def take(self, step: int) -> Rollouts:
+        if self.failed is not None:  # raised where the step's rollouts are taken, inside from_rank0
+            raise self.failed
         if self.ready is not None:
             rollouts, self.ready = self.ready, None
             return rollouts
@@ -251,7 +257,28 @@ class NextRollouts:
 
     def finish(self) -> None:
         if self.future is not None:
-            self.ready, self.future = self.future.result(), None
+            try:
+                self.ready = self.future.result()
+            except UserInputError as error:  # said at the next step, by every rank alike (take)
+                self.failed = error
+            self.future = None
+
+
+def from_rank0(compute: Callable[[], T], rank0: bool) -> T:
+    """compute() on rank 0, its result broadcast to every rank. A UserInputError it raises (a custom reward that
+    fails) is broadcast in its place and raised on every rank, so that every rank stops alike and rank 0 alone says
+    it (platform.process.exit_saying_once), where the other ranks would otherwise die with a traceback in the
+    collective that rank 0 left."""
+    box = [None]
+    if rank0:
+        try:
+            box = [compute()]
+        except UserInputError as error:
+            box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], UserInputError):
+        raise box[0]
+    return box[0]
 
 
 def select_step_tokens(pruner, micro_batches, progress: float):
