@@ -127,9 +127,10 @@ def test_evaluate_tool_renders_with_the_kwargs_and_scores_with_a_verl_style_rewa
     assert [problem["answers"] for problem in summary["problems"]] == [["same for all"] * 2] * 4
 
     finished = evaluate(tmp_path, thinking_model, prompts_file, "--custom-reward-function", f"{reward}:raises")
+    # the benchmark's 8 samples (4 problems x 2) are scored as one batch, every call raising
     assert finished.returncode == 1 and "Traceback" not in finished.stderr
     assert finished.stderr.strip().splitlines()[-1] == (
         f"evaluate.py: error: --custom-reward-function {reward}:raises: raises raised RuntimeError: no grader for "
-        f"{prompts_file} on {prompts_file}, row 1; 1 failed calls so far, more than --custom-reward-max-failures 0: "
+        f"{prompts_file} on {prompts_file}, row 1; 8 failed calls so far, more than --custom-reward-max-failures 0: "
         "fix raises (it must return a finite number or a dict with a finite 'score'), or raise "
         "--custom-reward-max-failures to score such calls 0")
