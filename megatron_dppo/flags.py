@@ -154,3 +154,9 @@ def require_domains(parser: argparse.ArgumentParser) -> None:
         if action.type in (int, float) or numeric_default:
             raise TypeError(f"{action.option_strings[0]} is numeric but declares no Domain: give it type=COUNT, "
                             "RATE, ... (megatron_dppo.flags), or a new Domain if none fits")
+
+
+def changed_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, *flags: str) -> list[str]:
+    """Those of `flags` whose value is not the parser's default, in the order given (--no-X: X turned off)."""
+    dests = {flag: parser._option_string_actions[flag].dest for flag in flags}
+    return [flag for flag, dest in dests.items() if getattr(args, dest) != parser.get_default(dest)]
