@@ -100,7 +100,7 @@ def test_either_design_is_unbiased_for_the_drawn_batch_and_counts_it_whole(desig
 
 
 def test_success_rate_prior_of_a_stratum_of_all_right_and_all_wrong_prompts_is_u_shaped():
-    history = PromptHistory()
+    history = PromptHistory(sample_weight=1.0)  # a sample's full weight: each prompt's one visit speaks clearly
     one_of_eight, four_of_eight = [1.0, 0, 0, 0, 0, 0, 0, 0], [1.0, 1, 1, 1, 0, 0, 0, 0]
     rewards = [[1.0] * 8] * 20 + [[0.0] * 8] * 50 + [one_of_eight] * 10 + [four_of_eight] * 10
     history.update(range(90), torch.zeros(90), torch.full((90,), 10.0), rewards=rewards, difficulties=["s"] * 90)
@@ -112,6 +112,13 @@ def test_success_rate_prior_of_a_stratum_of_all_right_and_all_wrong_prompts_is_u
     a, b = history.success_rate_posterior([75, 85, 0, 30], ["s"] * 4)  # 1/8, 4/8, 8/8 and 0/8 passed
     z = all_equal_probability(a, b, 8).tolist()
     assert z[1] < z[0] < min(z[2], z[3])  # a prompt's own passes, not only whether its group varied
+    lighter = PromptHistory(sample_weight=0.25)
+    lighter.load_state_dict({**history.state_dict(), "sample_weight": 0.25})
+    lighter.update([75], [0.0], [10.0], rewards=[one_of_eight], difficulties=["s"])  # its second 1-of-8 visit
+    history.update([75], [0.0], [10.0], rewards=[one_of_eight], difficulties=["s"])
+    a_light, b_light = lighter.success_rate_posterior([75], ["s"])
+    a_full, b_full = history.success_rate_posterior([75], ["s"])
+    assert b_full.item() - b_light.item() == pytest.approx(7 * 0.75)  # the second visit's 7 fails weigh 0.25 each
 
 
 def test_the_stratum_prior_matches_its_groups_mean_and_zero_variance_share():

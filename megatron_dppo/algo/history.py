@@ -22,7 +22,9 @@ rolled out there is no prior, and z is NaN (the prompt level then keeps every pr
 measured it on GRPO runs: docs/algorithms.md.
 
 The success-rate predictor (the default prompt score, `success_rate`; pass/fail rewards): per prompt, discounted
-counts of passing and failing samples (decay `ema_decay` per visit, an in-step probe's samples included), on top of
+counts of passing and failing samples (decay `ema_decay` per visit, each sample weighing `sample_weight`: the policy
+moves between visits, so a visit's 8 samples say less about the next group than 8 fresh ones would; an in-step
+probe's samples included), on top of
 a Beta prior fitted to its stratum's recent groups (algo/beta_binomial.py prior_matching: their mean success
 fraction and their zero-variance share): a stratum of mostly all-wrong and all-right prompts gets a U-shaped prior,
 so an unseen prompt there is predicted zero-variance as often as such prompts are. The prompt's success rate
@@ -87,12 +89,15 @@ class PromptHistory:
     """Per prompt id: EMAs of a score, of the zero-variance indicator and of the mean response length; per difficulty
     stratum: the zero-variance share and mean response length of its recent groups (the prior of unseen prompts)."""
 
-    def __init__(self, ema_decay: float = 0.5, prior_strength: float = 2.0):
+    def __init__(self, ema_decay: float = 0.5, prior_strength: float = 2.0, sample_weight: float = 0.25):
         if not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay}: 0 keeps only the latest visit")
         if not prior_strength > 0.0:
             raise ValueError(f"prior_strength must be > 0, got {prior_strength}: it is the prior's weight in visits")
-        self.ema_decay, self.prior_strength = ema_decay, prior_strength
+        if not 0.0 < sample_weight <= 1.0:
+            raise ValueError(f"sample_weight must be in (0, 1], got {sample_weight}: a sample's weight in its prompt's "
+                             "success counts")
+        self.ema_decay, self.prior_strength, self.sample_weight = ema_decay, prior_strength, sample_weight
         self._scores: dict[int, float] = {}
         self._lengths: dict[int, float] = {}
         self._visits: dict[int, int] = {}
@@ -175,8 +180,8 @@ class PromptHistory:
 
     def _fold_passes(self, prompt_id: int, passed: float, samples: int) -> None:
         old_passes, old_fails = self._passes.get(prompt_id, (0.0, 0.0))
-        self._passes[prompt_id] = (self.ema_decay * old_passes + passed,
-                                   self.ema_decay * old_fails + samples - passed)
+        self._passes[prompt_id] = (self.ema_decay * old_passes + self.sample_weight * passed,
+                                   self.ema_decay * old_fails + self.sample_weight * (samples - passed))
 
     def _fold(self, old: float | None, new: float) -> float:
         return new if old is None else self.ema_decay * old + (1.0 - self.ema_decay) * new
@@ -253,6 +258,7 @@ class PromptHistory:
         return {
             "ema_decay": self.ema_decay,
             "prior_strength": self.prior_strength,
+            "sample_weight": self.sample_weight,
             "prompt_ids": torch.tensor(ids, dtype=torch.int64),
             "scores": torch.tensor([self._scores[i] for i in ids], dtype=torch.float64),
             "mean_response_lengths": torch.tensor([self._lengths.get(i, math.nan) for i in ids], dtype=torch.float64),
@@ -293,4 +299,5 @@ class PromptHistory:
                                                             state.get("success_strata_means",
                                                                       torch.zeros(0, 2)).tolist())}
         self.group_size = int(state.get("group_size", 0))
+        self.sample_weight = float(state.get("sample_weight", self.sample_weight))
         self.rewards_pass_fail = bool(state.get("rewards_pass_fail", True))

@@ -247,8 +247,8 @@ class ExperienceMaker:
 
     def __init__(self, args, task, tokenizer, client, history: PromptHistory | None = None):
         self.args, self.task, self.tokenizer, self.client = args, task, tokenizer, client
-        self.history = history if history is not None else PromptHistory(args.history_ema_decay,
-                                                                         args.history_prior_strength)
+        self.history = history if history is not None else PromptHistory(
+            args.history_ema_decay, args.history_prior_strength, args.history_sample_weight)
         name, options = pruner_options(args)
         self.pruner = build_pruner(name, **options)
         self.dapo = DAPOFilter(DAPOConfig(args.dapo_oversample, args.rl_seed)) if args.dapo_filter else None
