@@ -35,6 +35,7 @@ from megatron_dppo.algo.rollout_correction import RolloutCorrection
 from megatron_dppo.pipeline.packing import TrainingSample
 from megatron_dppo.pipeline.partial_rollouts import PartialConfig, PartialRollouts
 from megatron_dppo.rollout.client import SamplingParams
+from megatron_dppo.servers.embedded.scheduler import MAX_BATCH_SIZE
 
 
 def pruner_options(args) -> tuple[str, dict]:
@@ -298,12 +299,16 @@ class ExperienceMaker:
             raise RuntimeError(f"the rollout servers returned {len(completions)} samples for {len(prompts)} prompts "
                                f"x {group}: a server dropped requests")
         output_ids = [c.output_ids for c in completions]
-        # the engine decodes a request's samples together, one iteration per position of the longest
-        iterations = max((len(ids) for ids in output_ids), default=0)
+        # The embedded engine decodes the request's rows in order, at most MAX_BATCH_SIZE at once: a batch's loop
+        # runs one iteration per position of its longest response, and the next batch waits for it (one batch at a
+        # time holds the model lock). Other engines batch continuously: one loop, as long as the longest response.
+        rows = MAX_BATCH_SIZE if self.args.rollout_backend == "embedded" else max(len(output_ids), 1)
+        batches = [output_ids[first:first + rows] for first in range(0, len(output_ids), rows)]
+        iterations = sum(max(len(ids) for ids in batch) for batch in batches)
         return self.scored(prompts, decision, output_ids, [c.output_logprobs for c in completions],
                            [[self.weight_version] * len(ids) for ids in output_ids], time.perf_counter() - start,
                            num_drawn, capacity, sum(len(ids) for ids in output_ids),
-                           {"decode_iterations": float(iterations)})
+                           {"decode_iterations": float(iterations), "engine_batches": float(len(batches))})
 
     def scored(self, prompts: list, decision: PromptDecision, output_ids, output_logprobs, output_versions,
                seconds: float, num_drawn: int, capacity: int, tokens_generated: int,
