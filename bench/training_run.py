@@ -74,17 +74,18 @@ def process_cpu() -> dict[tuple[int, str], tuple[str, int, float]]:
     return processes
 
 
-def other_load(before: dict, after: dict, seconds: float, top: int = 5) -> dict:
+def other_load(before: dict, after: dict, seconds: float, least_seconds: float = 0.1) -> dict:
     """What else the machine ran between two process_cpu() readings `seconds` apart, the bench's own processes aside
     (they are its children, and their time moves into the bench, which neither reading counts): other CPU seconds
     (the sum over processes of after minus before, which counts a process that started meanwhile whole and one that
-    ended in the parent that reaped it), that per second (cores busy), and the `top` busiest processes."""
+    ended in the parent that reaped it), that per second (cores busy), and every process that used `least_seconds` or
+    more, busiest first."""
     used = {key: after[key][2] - before.get(key, (None, None, 0.0))[2] for key in after}
     total = sum(process[2] for process in after.values()) - sum(process[2] for process in before.values())
-    busiest = sorted(used, key=used.get, reverse=True)[:top]
+    busiest = sorted((key for key in used if used[key] >= least_seconds), key=used.get, reverse=True)
     return {"other_cpu_seconds": total, "other_cores_busy": total / seconds,
             "other_processes": [{"pid": key[0], "name": after[key][0], "nice": after[key][1],
-                                 "cpu_seconds": round(used[key], 2)} for key in busiest if used[key] > 0]}
+                                 "cpu_seconds": round(used[key], 2)} for key in busiest]}
 
 
 def finished(run_dir: Path, flags: list[str] | None = None, processes: int = 0) -> bool:
