@@ -157,6 +157,15 @@ class Settings:
     analyse_only: bool = False  # --analyse-only: the page from the finished runs, none started
     records_dir: Path | None = None  # RECORDS_DIR, read back from; None: --no-records, --quick
     save_records: bool = False  # record finished runs in records_dir: at the full benchmark's default settings only
+    records_warm_start: float | None = None  # the warm-start accuracy of the records restored so far
+
+    @property
+    def warm_start_summary(self) -> Path:
+        return self.out_dir / "warm_start" / "build" / "summary.json"
+
+    @property
+    def warm_start_built(self) -> bool:
+        return self.warm_start_summary.is_file()
 
 
 def page_block(quick: bool) -> str:
@@ -179,17 +188,34 @@ def seed_methods(settings: Settings, seed: int) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ runs
 def prepare_warm_start(settings: Settings) -> Path:
-    """The shared warm-start checkpoint (built once, then cached)."""
-    root, cache = settings.out_dir / "warm_start", settings.out_dir / "cache" / "warm"
-    flags = ["--seed", str(WARM_START_SEED), "--cache-dir", str(cache), "--warm-start-steps",
-             str(settings.warm_start_steps), *warm_start_flags(), "--train-iters", "0", "--eval-size",
-             str(settings.eval_size), *RL_FLAGS, *task_flags()]
-    launch_unless_finished(flags, root / "build", settings.processes)
-    found = sorted(cache.glob("embedded_*/warm_start"))
-    if len(found) != 1:
-        raise RuntimeError(f"expected one warm start under {cache}, found {len(found)} (a changed warm-start "
-                           f"setting or cache key): delete {cache} and {root} and run again")
-    return found[0]
+    """The shared warm-start checkpoint (built once, then cached); --analyse-only: only where it lies, unbuilt (the
+    records say which warm start their runs started from)."""
+    path = warm_start_path(settings)
+    if settings.analyse_only:
+        return path
+    launch_unless_finished(warm_start_command(settings), settings.out_dir / "warm_start" / "build", settings.processes)
+    if not path.is_dir():
+        raise RuntimeError(f"the warm start was built, but not at {path}, where the trainer's cache key of its flags "
+                           f"puts it: delete {settings.out_dir / 'cache'} and {settings.out_dir / 'warm_start'} and "
+                           "run again")
+    return path
+
+
+def warm_start_command(settings: Settings) -> list[str]:
+    return ["--seed", str(WARM_START_SEED), "--cache-dir", str(settings.out_dir / "cache" / "warm"),
+            "--warm-start-steps", str(settings.warm_start_steps), *warm_start_flags(), "--train-iters", "0",
+            "--eval-size", str(settings.eval_size), *RL_FLAGS, *task_flags()]
+
+
+def warm_start_path(settings: Settings) -> Path:
+    """Where the warm start's checkpoint lies: the trainer's own cache key of its flags (launch/embedded.py)."""
+    from megatron_dppo.data.tokenizer import CharTokenizer
+    from megatron_dppo.launch.arguments import parse_args as trainer_args
+    from megatron_dppo.launch.embedded import cache_key
+
+    key = cache_key(trainer_args(warm_start_command(settings)), CharTokenizer.for_synthetic_task().vocab_size,
+                    settings.processes)
+    return settings.out_dir / "cache" / "warm" / f"embedded_{key}" / "warm_start"
 
 
 def rl_flags(settings: Settings, method: str, seed: int, warm_start: Path,
@@ -268,8 +294,11 @@ def record_dir_for(settings: Settings, run_dir: Path, portable: str) -> Path:
 
 
 def warm_start_accuracy(settings: Settings) -> float:
-    return json.loads((settings.out_dir / "warm_start" / "build" / "summary.json").read_text())[
-        "heldout_accuracy_before"]
+    """The held-out accuracy every restored run must start from: the warm start built here, or, under
+    --analyse-only without a build, that of the first record restored (the records must agree among themselves)."""
+    if settings.warm_start_built:
+        return json.loads(settings.warm_start_summary.read_text())["heldout_accuracy_before"]
+    return settings.records_warm_start if settings.records_warm_start is not None else float("nan")
 
 
 def save_record(run_dir: Path, record_dir: Path, portable: str) -> None:
@@ -289,11 +318,12 @@ def restore_record(settings: Settings, record_dir: Path, run_dir: Path, command:
         return False
     recorded = json.loads(gzip.decompress((record_dir / "summary.json.gz").read_bytes()))["heldout_accuracy_before"]
     expected = warm_start_accuracy(settings)
-    if abs(recorded - expected) > 1e-9:
+    if abs(recorded - expected) > 1e-9 and expected == expected:  # nan: the first record of an analysis
         raise RuntimeError(
-            f"{record_dir} starts from another warm start (held-out accuracy {recorded} against this one's "
-            f"{expected}): a changed torch build or machine. Delete {record_dir} to run it again from this warm "
-            "start, or pass --no-records")
+            f"{record_dir} starts from another warm start (held-out accuracy {recorded} against "
+            f"{'this one' if settings.warm_start_built else 'the records restored before it'}'s {expected}): a changed "
+            f"torch build or machine. Delete {record_dir} to run it again from this warm start, or pass --no-records")
+    settings.records_warm_start = recorded
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "command.txt").write_text(command + "\n")
     for name in RECORD_FILES:

@@ -172,6 +172,14 @@ def test_bad_command_line_values_are_rejected_with_the_flag_name(capsys, monkeyp
     assert accuracy_runs.parse_args(["--screen"]).seeds == [1, 2, 3]
 
 
+def test_the_warm_start_lies_where_the_trainers_cache_key_puts_it_so_an_analysis_needs_no_build(tmp_path):
+    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--analyse-only"])
+    path = accuracy_runs.prepare_warm_start(settings)  # nothing is built
+    assert not (tmp_path / "warm_start").exists()
+    recorded = next(accuracy_runs.RECORDS_DIR.glob("runs/grpo/seed_1/*/command.txt")).read_text()
+    assert f"--load $OUT/{path.relative_to(tmp_path)} " in recorded  # the warm start the records started from
+
+
 def test_bench_runs_the_worked_task_and_its_quick_smoke_check_elsewhere():
     full, quick = accuracy_runs.parse_args([]), accuracy_runs.parse_args(["--quick"])
     assert full.out_dir != quick.out_dir  # one warm start per output directory
@@ -656,7 +664,8 @@ def test_the_report_reads_every_method_against_every_baseline_and_ends_with_the_
         for method, seconds_step in (("grpo-paper", 1.2), ("grpo", 1.0), ("dapo-dynamic-sampling", 1.5),
                                      ("dppo", 0.5), ("grpo-null", 1.0)):
             run_dir = write_run(tmp_path / "runs" / method / f"seed_{seed}", [a + 0.01 * seed for a in accuracies],
-                                seconds_step, tokens=(round(1000 * seconds_step) + 10 * seed, round(500 * seconds_step)))
+                                seconds_step, tokens=(round(1000 * seconds_step) + 10 * seed,
+                                                      round(500 * seconds_step)))
             write_outcomes(run_dir, steps=7, per_step=4, pruned=0, zero_every=2)
             (run_dir / training_run.MACHINE_FILE).write_text(json.dumps({"other_cpu_seconds": 1.0 * seed,
                                                                         "other_cores_busy": 0.1 * seed}))
@@ -701,7 +710,7 @@ def test_main_runs_six_seeds_then_looks_at_9_and_12_until_the_rule_stops(tmp_pat
     monkeypatch.setattr(training_run, "launch", fake_launch)
     monkeypatch.setattr(time_to_accuracy, "results_report", fake_report)
     monkeypatch.setattr(time_to_accuracy, "rule_stops", lambda settings: next(stops))
-    (tmp_path / "cache" / "warm" / "embedded_x" / "warm_start").mkdir(parents=True)
+    accuracy_runs.warm_start_path(accuracy_runs.parse_args(["--out-dir", str(tmp_path)])).mkdir(parents=True)
     time_to_accuracy.main(["--out-dir", str(tmp_path), "--methods", "dppo", "cppo", "--no-records"])
     settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--methods", "dppo", "cppo"])
     expected = ["warm_start/build"]
