@@ -52,14 +52,13 @@ from bench.estimator_check import calibration, calibration_table
 from bench.markdown_table import markdown
 from bench.run_costs import (
     PHASES,
+    PRICED_WORK,
     ModelSize,
     fit_step_cost,
     load_groups,
     model_size,
     phase_breakdown,
     price_list,
-    speedup_decomposition,
-    token_dependent_seconds,
     with_cost_model,
     with_costs,
 )
@@ -98,11 +97,7 @@ def results_report(settings: Settings, started: float) -> tuple[str, str]:
     rule = rule_verdicts(comparisons)
     lines = last_lines(comparisons, groups, rule)
     work = work_summary(groups)
-    cap = prompt_level_cap(settings.out_dir / "runs", groups)
-    headline = comparisons[WALL][HEADLINE_BASELINE]
-    target_times = {method: result["estimate"]["times"][TARGET_FRACTIONS[-1]][0]
-                    if result["estimate"] and result["estimate"]["times"][TARGET_FRACTIONS[-1]][1] else None
-                    for method, result in headline.items()}
+    cap = prompt_level_cap(settings.out_dir / "runs", groups, method=dppo_read(groups))
     sections = [
         f"### Status\n\n{status(comparisons, groups, rule, work, cap)}",
         settings_section(settings, groups, size),
@@ -112,9 +107,9 @@ def results_report(settings: Settings, started: float) -> tuple[str, str]:
         f"### The prompt level at work (all seeds; epochs over the {pool_size()}-problem pool)\n\n"
         f"{prompt_level_table(settings.out_dir / 'runs', groups, pool_size())}\n\n{cap['text']}",
         f"### Where the time goes (mean per step, ms and share of the step)\n\n{phase_table(flat)}",
-        f"### Fewer steps or shorter steps (to {HEADLINE_BASELINE}'s {100 * TARGET_FRACTIONS[-1]:.0f}% target), and "
-        f"the price list\n\n{decomposition_table(groups, target_times, HEADLINE_BASELINE, cost)}",
-        f"### Projection for Qwen3-4B on MATH, 8 H100s (on paper, not measured)\n\n{projection(groups)}",
+        f"### The price list behind cost-model time\n\n{price_section(flat, cost)}",
+        "### Projection for Qwen3-4B on MATH, 8 H100s (on paper, not measured)\n\n"
+        f"{projection(groups, dppo_read(groups))}",
         figures_section(settings, groups),
         f"Bench wall time (runs not already finished + analysis): {time.perf_counter() - started:.0f} s. "
         "Last lines:\n\n" + "\n".join(f"    {line}" for line in lines)]
@@ -233,43 +228,53 @@ def verdict_axis_name() -> str:
     return AXES[PRIMARY]
 
 
+def dppo_read(groups: dict[str, dict[int, Run]]) -> str:
+    """The DPPO whose runs the page's DPPO sections read: the headline method, or before it has a run, the first
+    RENAMED one (its records)."""
+    return next((m for m in (HEADLINE_METHOD, *RENAMED) if m in groups), HEADLINE_METHOD)
+
+
 def status(comparisons: dict, groups: dict[str, dict[int, Run]], rule: dict[str, dict], work: dict[str, dict],
            cap: dict) -> str:
-    """The page's status paragraph, from the same numbers as the tables and last lines."""
-    seeds = max((decided["seeds"] for decided in rule.values()), default=0)
+    """The page's status paragraph, from the same numbers as the tables and last lines: the rule's verdict for the
+    headline method and, read by the same rule, for each RENAMED one that has runs; the goals; the checks."""
     rows = []
-    for baseline, decided in rule.items():
-        goal, low_end = GOALS[baseline]
-        result = comparisons[PRIMARY][baseline].get(HEADLINE_METHOD)
-        estimate = result["estimate"]["headline"] if result and result["estimate"] else None
-        interval = decided["interval"]
-        met = (estimate is not None and estimate >= goal and (low_end is None or (interval and interval[0] > low_end)))
-        rows.append([baseline, f"**{decided['verdict']}**", interval_text(result),
-                     interval_text(comparisons[WALL][baseline].get(HEADLINE_METHOD)),
-                     f"{goal}x" + (f", low end above {low_end}" if low_end else ""), "met" if met else "not met"])
-    table = markdown(["against", f"verdict ({verdict_axis_name()})", "speed-up in cost-model time [95%]",
+    for method in (HEADLINE_METHOD, *RENAMED):
+        decided_by = rule if method == HEADLINE_METHOD else rule_verdicts(comparisons, method)
+        if method != HEADLINE_METHOD and method not in groups:
+            continue
+        for baseline, decided in decided_by.items():
+            goal, low_end = GOALS[baseline]
+            result = comparisons[PRIMARY][baseline].get(method)
+            estimate = result["estimate"]["headline"] if result and result["estimate"] else None
+            interval = decided["interval"]
+            met = estimate is not None and estimate >= goal and (low_end is None or bool(interval and
+                                                                                      interval[0] > low_end))
+            rows.append([method, baseline, f"**{decided['verdict']}** ({decided['seeds']} seeds)",
+                         interval_text(result), interval_text(comparisons[WALL][baseline].get(method)),
+                         f"{goal}x" + (f", low end above {low_end}" if low_end else ""), "met" if met else "not met"])
+    table = markdown(["method", "against", f"verdict ({verdict_axis_name()})", "speed-up in cost-model time [95%]",
                       "speed-up in RL wall time [95%]", "the goal", ""], rows)
     checks = []
     for name, (baseline, method), truth in (("filter check", FILTER_CHECK, None), ("null check", NULL_CHECK, 1.0)):
         if method not in groups:
-            checks.append(f"the {name} has no runs yet")
+            checks.append(f"the {name} ({method} against {baseline}) has no runs yet")
             continue
         result = comparisons[COST_MODEL][baseline].get(method)
         expected = truth if truth is not None else step_time_ratio(groups, baseline, method, COST_MODEL)
         checks.append(f"the {name} ({method} against {baseline}) reads {interval_text(result)} in cost-model time "
                       f"against a true {expected:.2f}: {'holds' if holds(result, expected) else 'FAILS'}")
-    where = ""
-    if HEADLINE_METHOD in work and "grpo" in work:
-        method_work, grpo_work = work[HEADLINE_METHOD], work["grpo"]
-        where = (f" Where the time goes: {HEADLINE_METHOD} trains {method_work['informative']:.1f} informative "
-                 f"groups a step against grpo's {grpo_work['informative']:.1f} (zero-variance share of its rolled-out "
-                 f"groups "
+    where, read = "", dppo_read(groups)
+    if read in work and "grpo" in work:
+        method_work, grpo_work = work[read], work["grpo"]
+        where = (f" Where the time goes: {read} trains {method_work['informative']:.1f} informative groups a step "
+                 f"against grpo's {grpo_work['informative']:.1f} (zero-variance share of the rolled-out groups "
                  f"{1 - method_work['informative_share']:.0%} against {1 - grpo_work['informative_share']:.0%})"
                  + (f"; its keep rule, replayed on grpo's steps, lowers the step's gradient variance "
                     f"{cap['variance_gain']:.2f}x against uniform keeping, where a perfect predictor would "
                     f"{cap['oracle_gain']:.2f}x" if cap.get("variance_gain") else "") + ".")
-    return (f"{HEADLINE_METHOD} against each baseline, {seeds} paired seeds, by the rule fixed above (primary axis "
-            f"{verdict_axis_name()}; Holm's correction across the three baselines):\n\n{table}\n\n"
+    return (f"DPPO against each baseline by the rule fixed above (primary axis {verdict_axis_name()}; Holm's "
+            f"correction across the three baselines; the last lines give {HEADLINE_METHOD}'s):\n\n{table}\n\n"
             f"Checks on the runs: {'; '.join(checks)}.{where}")
 
 
@@ -496,33 +501,21 @@ def machine_record(run: Run) -> dict | None:
     return (run.summary or {}).get("machine")
 
 
-def decomposition_table(runs: dict[str, dict[int, Run]], times: dict[str, float | None], baseline: str,
-                        cost: dict) -> str:
-    """Speed-up = fewer steps x shorter steps at the seed-mean times to one target (`times`: method -> RL seconds,
-    None where never reached), and the step-cost fit `cost` (fitted on every run's steps) split into its fixed and
-    token-dependent parts."""
-    parts = speedup_decomposition(runs, times, baseline)
-    token_cost = {}
-    for method, by_seed in runs.items():
-        phases = phase_breakdown(list(by_seed.values()))
-        token_cost[method] = (phases["seconds_step"], token_dependent_seconds(cost, phases))
-    base_step, base_tokens = token_cost[baseline]
+def price_section(groups: dict[str, list[Run]], cost: dict) -> str:
+    """The price list (run_costs.fit_step_cost) and what it makes of each method's mean step: the part priced by
+    tokens and the part that is not (the fixed part and decode iterations)."""
     rows = []
-    for method, part in parts.items():
-        step, tokens = token_cost[method]
-        rows.append([method, f"{part['steps']:.0f}" if part["steps"] is not None else "not reached",
-                     f"{part['step_ratio']:.2f}x" if part["step_ratio"] else "-",
-                     f"{part['step_time_ratio']:.2f}x" if part["step_time_ratio"] else "-",
-                     f"{1000 * (step - tokens):.0f} / {1000 * tokens:.0f}", f"{base_tokens / tokens:.2f}x"
-                     if tokens > 0 else "-"])
-    header = ["method", "steps to target (seed mean)", f"fewer steps: {baseline} steps / steps",
-              f"shorter steps: {baseline} s/step / s/step", "fixed / token-dependent ms per step (fit)",
-              f"{baseline} token-dependent time / method's"]
-    fit = (f"The price list (bench/run_costs.py: non-negative least squares of every step's time on its logged "
-           f"work over every step of every run; ± a jackknife standard error over runs): {price_list(cost)}. Of "
-           f"{baseline}'s mean step ({1000 * base_step:.0f} ms) the part that does not scale with tokens (fixed and "
-           f"decode iterations) is {100 * (base_step - base_tokens) / base_step:.0f}%.")
-    return markdown(header, rows) + "\n\n" + fit
+    for method, runs in groups.items():
+        records = [r for run in runs for r in run.records]
+        mean = step_means(records)
+        priced = {term: cost["prices"][term] * mean(term, 1.0 if term == "fixed" else 0.0) for term in cost["prices"]}
+        step = sum(priced.values())
+        rows.append([method, f"{1000 * mean('seconds_step'):.0f}", f"{1000 * step:.0f}",
+                     *[f"{1000 * value:.0f} ({value / step:.0%})" for value in priced.values()]])
+    header = ["method", "ms/step (wall)", "ms/step (cost model)", *[f"{PRICED_WORK[term]}s" for term in cost["prices"]]]
+    return (f"Non-negative least squares of every step's time on its logged work, over every step of every run "
+            f"(bench/run_costs.py; ± a jackknife standard error over runs): {price_list(cost)}. A method's mean step, "
+            f"priced (ms and share):\n\n{markdown(header, rows)}")
 
 
 def with_projected_cost(run: Run, share: float, reference: tuple[float, float]) -> Run:

@@ -132,30 +132,6 @@ def phase_breakdown(runs: list[Run]) -> dict[str, float]:
     return mean
 
 
-def steps_at(run: Run, seconds: float) -> float:
-    """Steps taken by the first record whose RL time reaches `seconds` (0 at 0 s)."""
-    return value_at(run, "step", "seconds_steps", seconds)
-
-
-def speedup_decomposition(runs: dict[str, dict[int, Run]], times: dict[str, float | None],
-                          baseline: str) -> dict[str, dict]:
-    """Per method of `times` (method -> seed-mean RL seconds to one target, None where never reached; the baseline's
-    among them), its speed-up split into fewer steps x shorter steps: step_ratio = the baseline's mean steps to its
-    time / the method's mean steps to its time, step_time_ratio = baseline s/step / method s/step over those spans;
-    their product is the speed-up."""
-    out = {}
-    base_time = times[baseline]
-    base_steps = statistics.fmean(steps_at(run, base_time) for run in runs[baseline].values())
-    for method, reached in times.items():
-        if not reached:
-            out[method] = {"steps": None, "step_ratio": None, "step_time_ratio": None}
-            continue
-        steps = statistics.fmean(steps_at(run, reached) for run in runs[method].values())
-        out[method] = {"steps": steps, "step_ratio": base_steps / steps,
-                       "step_time_ratio": (base_time / base_steps) / (reached / steps)}
-    return out
-
-
 # The step-cost model's price list: what one unit of each kind of logged work costs (seconds), fitted over every step
 # of every run. A step pays its fixed part once, each decode iteration (one position of the engine's loop: its batches
 # run one after another, each as long as its own longest response, so a second batch adds its own loop), and each
@@ -286,8 +262,3 @@ def with_cost_model(run: Run, cost: dict) -> Run:
         total += predicted_step_seconds(record, cost)
         records.append({**record, "cost_model_seconds": total})
     return Run(run.label, records, run.summary)
-
-
-def token_dependent_seconds(cost: dict, phases: dict) -> float:
-    """The part of a mean step (phase_breakdown) that scales with tokens, by the fit."""
-    return cost["per_generated"] * phases["tokens_generated"] + cost["per_trained"] * phases["tokens_trained"]

@@ -672,7 +672,8 @@ def test_the_report_reads_every_method_against_every_baseline_and_ends_with_the_
     report, last_lines = results_page.results_report(settings, time.perf_counter())
     for baseline in accuracy_runs.BASELINES:
         assert f"### Time to accuracy against {baseline} (" in report
-    assert report.startswith("### Status\n\ndppo against each baseline, 3 paired seeds")
+    assert report.startswith("### Status\n\nDPPO against each baseline by the rule fixed above")
+    assert "| dppo | grpo-paper | **faster** (3 seeds) |" in report
     assert "### The estimator where the answer is known" in report and "| 1.50 |" in report
     assert "0.20 (max 0.30)" in report  # the machine's load beside every method's runs
     assert "generation 45% of a GRPO step" in report and "a decode iteration" in report
