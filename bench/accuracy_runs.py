@@ -218,6 +218,20 @@ def warm_start_path(settings: Settings) -> Path:
     return settings.out_dir / "cache" / "warm" / f"embedded_{key}" / "warm_start"
 
 
+def init_model(settings: Settings) -> Path:
+    """The embedded model's initial weights beside the warm start (what the trainer saves before it trains; saved
+    here when missing, so that an analysis reads the model's size without building the warm start)."""
+    from megatron_dppo.data.tokenizer import CharTokenizer
+    from megatron_dppo.launch.arguments import parse_args as trainer_args
+    from megatron_dppo.launch.embedded import tiny_model
+
+    model_dir = warm_start_path(settings).parent / "init"
+    if not (model_dir / "config.json").is_file():
+        CharTokenizer.for_synthetic_task().save_random_model(
+            model_dir, seed=WARM_START_SEED, **tiny_model(trainer_args(warm_start_command(settings))))
+    return model_dir
+
+
 def rl_flags(settings: Settings, method: str, seed: int, warm_start: Path,
              method_flags: list[str] | None = None) -> list[str]:
     """The trainer flags of one RL run (bench/peer_grpo.py gives the TRL peer these very settings); `method_flags`:

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"\n\n{table}")
         print(report, flush=True)
         if args.write_page:
-            from bench.results_page import write_page
+            from bench.markdown_table import write_page
 
             write_page(Path(args.write_page), "verdict-rule", report)
         return

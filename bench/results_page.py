@@ -25,8 +25,6 @@ from bench.accuracy_curves import (
     TARGET_FRACTIONS,
     accuracy_points,
     compare_paired,
-    final_accuracy,
-    seed_mean_curve,
     seed_mean_runs,
 )
 from bench.accuracy_runs import (
@@ -39,10 +37,9 @@ from bench.accuracy_runs import (
     RENAMED,
     RESEEDED,
     RL_FLAGS,
-    SCREEN_SEEDS,
-    SCREENING,
     SECONDARY_METHODS,
     Settings,
+    init_model,
     pool_size,
     samples_per_prompt,
     task_flags,
@@ -60,9 +57,9 @@ from bench.run_costs import (
     phase_breakdown,
     price_list,
     with_cost_model,
-    with_costs,
+    with_projected_cost,
 )
-from megatron_dppo.metrics import Run, load_run, plot_runs
+from megatron_dppo.metrics import Run, plot_runs
 from megatron_dppo.servers.embedded.scheduler import MAX_BATCH_SIZE
 
 CALIBRATION_RATIOS = (1.0, 1.5, 2.37)  # the known speed-ups the page reads simulated benches at (2.37: the paper's)
@@ -90,7 +87,7 @@ PROJECTION_SHARES = (0.45, 0.55, 0.70)
 
 def results_report(settings: Settings, started: float) -> tuple[str, str]:
     """The generated block of the page, from the finished runs, and the bench's last lines."""
-    size = model_size(next((settings.out_dir / "cache" / "init").glob("embedded_*/init")))
+    size = model_size(init_model(settings))
     groups, cost = load_analysed(settings, size)
     comparisons = compare_all(groups)
     flat = {method: list(by_seed.values()) for method, by_seed in groups.items()}
@@ -208,7 +205,7 @@ def last_lines(comparisons: dict, groups: dict[str, dict[int, Run]], rule: dict[
     """DPPO's defaults against each baseline: the verdict (and for an equivalence its interval), then `name: X [low,
     high]` on wall time, on cost-model time, and the paper's definition (time to the baseline's final accuracy);
     then the known-ratio checks."""
-    axis_name = verdict_axis_name()
+    axis_name = AXES[PRIMARY]
     lines = []
     for baseline, key in LAST_LINE_KEYS.items():
         decided = rule[baseline]
@@ -222,10 +219,6 @@ def last_lines(comparisons: dict, groups: dict[str, dict[int, Run]], rule: dict[
         lines.append(f"dppo_speedup_vs_{key}_cost_model: {interval_text(result[COST_MODEL])}")
         lines.append(f"dppo_speedup_vs_{key}_paper_definition: {interval_text(result[WALL], 'paper')}")
     return lines + check_lines(groups, comparisons)
-
-
-def verdict_axis_name() -> str:
-    return AXES[PRIMARY]
 
 
 def dppo_read(groups: dict[str, dict[int, Run]]) -> str:
@@ -253,7 +246,7 @@ def status(comparisons: dict, groups: dict[str, dict[int, Run]], rule: dict[str,
             rows.append([method, baseline, f"**{decided['verdict']}** ({decided['seeds']} seeds)",
                          interval_text(result), interval_text(comparisons[WALL][baseline].get(method)),
                          f"{goal}x" + (f", low end above {low_end}" if low_end else ""), "met" if met else "not met"])
-    table = markdown(["method", "against", f"verdict ({verdict_axis_name()})", "speed-up in cost-model time [95%]",
+    table = markdown(["method", "against", f"verdict ({AXES[PRIMARY]})", "speed-up in cost-model time [95%]",
                       "speed-up in RL wall time [95%]", "the goal", ""], rows)
     checks = []
     for name, (baseline, method), truth in (("filter check", FILTER_CHECK, None), ("null check", NULL_CHECK, 1.0)):
@@ -273,7 +266,7 @@ def status(comparisons: dict, groups: dict[str, dict[int, Run]], rule: dict[str,
                  + (f"; its keep rule, replayed on grpo's steps, lowers the step's gradient variance "
                     f"{cap['variance_gain']:.2f}x against uniform keeping, where a perfect predictor would "
                     f"{cap['oracle_gain']:.2f}x" if cap.get("variance_gain") else "") + ".")
-    return (f"DPPO against each baseline by the rule fixed above (primary axis {verdict_axis_name()}; Holm's "
+    return (f"DPPO against each baseline by the rule fixed above (primary axis {AXES[PRIMARY]}; Holm's "
             f"correction across the three baselines; the last lines give {HEADLINE_METHOD}'s):\n\n{table}\n\n"
             f"Checks on the runs: {'; '.join(checks)}.{where}")
 
@@ -330,24 +323,6 @@ def figures_section(settings: Settings, groups: dict[str, dict[int, Run]]) -> st
                                                    "centred on its neighbours")
     link_root = settings.page.parent if settings.page else settings.out_dir
     return "\n".join(f"![{path.parent.name}/{path.stem}]({os.path.relpath(path, link_root)})" for path in figures)
-
-
-def grpo_tuning_report(settings: Settings, run_dirs: dict[str, list[Path]]) -> str:
-    """Each GRPO setting (run_grpo_tuning's runs) scored by the mean held-out accuracy over the RL budget (the area
-    under its seed-mean accuracy-vs-time curve / the budget: higher is faster to any accuracy); a table."""
-    rows = []
-    for label, dirs in run_dirs.items():
-        runs = [with_costs(load_run(run_dir, label), None, False) for run_dir in dirs]
-        points = [accuracy_points(run, "seconds_steps") for run in runs]
-        curve = seed_mean_curve(points)
-        area = sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(curve, curve[1:]))
-        final = statistics.fmean(final_accuracy(seed_points) for seed_points in points)
-        rows.append([label, f"{area / max(curve[-1][0], 1e-9):.3f}", f"{final:.3f}",
-                     f"{statistics.fmean(len(run.records) for run in runs):.0f}"])
-    best = max(rows, key=lambda row: float(row[1]))
-    return (markdown(["GRPO setting", "mean held-out accuracy over the budget", "final accuracy", "steps"], rows)
-            + f"\n\nBest: {best[0]} ({len(settings.seeds)} seeds, {settings.budget_s:.0f} s each; RL_FLAGS: batch "
-              "32, the grpo method's own runs; each other setting changed alone from it).")
 
 
 # ------------------------------------------------------------------------------------------------ tables
@@ -445,8 +420,8 @@ def work_summary(groups: dict[str, dict[int, Run]]) -> dict[str, dict]:
         rl_seconds = sum(run.records[-1]["seconds_steps"] for run in by_seed.values())
         model_seconds = sum(run.records[-1]["cost_model_seconds"] for run in by_seed.values())
         informative = mean("groups_rolled_out") - mean("zero_variance_groups_rolled_out")
-        others = [machine["other_cores_busy"] for machine in (machine_record(run) for run in by_seed.values())
-                  if machine and "other_cpu_seconds" in machine]
+        machines = [(run.summary or {}).get("machine") or {} for run in by_seed.values()]  # run_costs.load_groups
+        others = [machine["other_cores_busy"] for machine in machines if "other_cpu_seconds" in machine]
         out[method] = {
             "rounds": mean("dapo_rounds", 1.0), "batches": mean("engine_batches", 1.0),
             "iterations": mean("decode_iterations"), "groups": mean("groups_rolled_out"), "informative": informative,
@@ -496,11 +471,6 @@ def step_means(records: list[dict]):
     return mean
 
 
-def machine_record(run: Run) -> dict | None:
-    """The run's machine.json (what else the machine ran meanwhile; run_costs.load_groups reads it), if any."""
-    return (run.summary or {}).get("machine")
-
-
 def price_section(groups: dict[str, list[Run]], cost: dict) -> str:
     """The price list (run_costs.fit_step_cost) and what it makes of each method's mean step: the part priced by
     tokens and the part that is not (the fixed part and decode iterations)."""
@@ -516,18 +486,6 @@ def price_section(groups: dict[str, list[Run]], cost: dict) -> str:
     return (f"Non-negative least squares of every step's time on its logged work, over every step of every run "
             f"(bench/run_costs.py; ± a jackknife standard error over runs): {price_list(cost)}. A method's mean step, "
             f"priced (ms and share):\n\n{markdown(header, rows)}")
-
-
-def with_projected_cost(run: Run, share: float, reference: tuple[float, float]) -> Run:
-    """The run with projected_<share> added: the cumulative cost of its steps on a token-bound machine where a step
-    of `reference`'s mean (generated, trained) tokens costs 1, `share` of it generation (generated tokens) and the
-    rest log-probs and update (trained tokens)."""
-    total, records = 0.0, []
-    for record in run.records:
-        total += (share * float(record.get("tokens_generated", 0)) / reference[0]
-                  + (1 - share) * float(record.get("tokens_trained", 0)) / reference[1])
-        records.append({**record, f"projected_{share}": total})
-    return Run(run.label, records, run.summary)
 
 
 def projection(groups: dict[str, dict[int, Run]], method: str = HEADLINE_METHOD) -> str:
@@ -622,39 +580,3 @@ def prompt_level_cap(root: Path, groups: dict[str, dict[int, Run]], reference: s
         f"knew every outcome would make it {gain.oracle_gain:.2f}x lower. With refill, DPPO rolls out as many "
         "groups as GRPO and its step estimates the gradient of all the prompts it drew: the history's prediction "
         "is the whole of its lever against the filtered GRPO.")}
-
-
-def screening_report(settings: Settings) -> tuple[str, str]:
-    """SCREENING's DPPO variants against grpo over the seeds both ran: per variant its speed-up in cost-model time
-    (what it costs) and in steps (what a step learns) with their intervals, its seeds and flags; and one last line
-    per variant. The price list is fitted over every run the report loads (the baselines and the variants)."""
-    groups, cost = load_analysed(settings, None, [*BASELINES, *SCREENING])
-    comparisons = compare_all(groups, baselines=("grpo",))
-    rows, lines = [], []
-    for name in SCREENING:
-        if name not in groups:
-            rows.append([name, "0", "no finished run", "-", "-", f"`{' '.join(SCREENING[name])}`"])
-            continue
-        result = {axis: comparisons[axis]["grpo"][name] for axis in (COST_MODEL, "step", WALL)}
-        rows.append([name, str(len(result[COST_MODEL]["seeds"])), fmt_speedup(result[COST_MODEL]),
-                     fmt_speedup(result["step"]), fmt_speedup(result[WALL]), f"`{' '.join(SCREENING[name])}`"])
-        lines.append(f"screening_{name}: {interval_text(result[COST_MODEL])} cost model, "
-                     f"{interval_text(result['step'])} steps")
-    header = ["variant", "seeds", "speed-up in cost-model time [95%]", "steps-to-target ratio [95%] (per-step "
-              "learning)", "speed-up in RL wall time [95%]", "flags (after RL_FLAGS)"]
-    return (f"DPPO variants against grpo (the filtered GRPO's recorded runs), {SCREEN_SEEDS} paired seeds each, read "
-            "as the headline is (the geometric mean over the 50/75/90% targets; 95% intervals over seed pairs). "
-            f"Price list over these runs: {price_list(cost)}.\n\n{markdown(header, rows)}"), "\n".join(lines)
-
-
-def write_page(page: Path, block: str, generated: str) -> None:
-    """Replace the page's generated block named `block` (between its markers), keeping the text around it."""
-    begin, end = f"<!-- BEGIN GENERATED {block} by bench/time_to_accuracy.py -->", f"<!-- END GENERATED {block} -->"
-    text = page.read_text() if page.is_file() else "# Results\n"
-    if begin not in text:
-        text = f"{text.rstrip()}\n\n{begin}\n{end}\n"
-    if end not in text:
-        raise ValueError(f"{page} has {begin!r} but not {end!r}: restore the end marker after the generated block")
-    head, rest = text.split(begin, 1)
-    tail = rest.split(end, 1)[1]
-    page.write_text(f"{head}{begin}\n{generated}\n{end}{tail}")

@@ -262,3 +262,15 @@ def with_cost_model(run: Run, cost: dict) -> Run:
         total += predicted_step_seconds(record, cost)
         records.append({**record, "cost_model_seconds": total})
     return Run(run.label, records, run.summary)
+
+
+def with_projected_cost(run: Run, share: float, reference: tuple[float, float]) -> Run:
+    """The run with projected_<share> added: the cumulative cost of its steps on a token-bound machine where a step
+    of `reference`'s mean (generated, trained) tokens costs 1, `share` of it generation (generated tokens) and the
+    rest log-probs and update (trained tokens)."""
+    total, records = 0.0, []
+    for record in run.records:
+        total += (share * float(record.get("tokens_generated", 0)) / reference[0]
+                  + (1 - share) * float(record.get("tokens_trained", 0)) / reference[1])
+        records.append({**record, f"projected_{share}": total})
+    return Run(run.label, records, run.summary)

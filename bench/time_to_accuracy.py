@@ -81,14 +81,10 @@ from bench.accuracy_runs import (  # noqa: E402
     run_rl,
     seed_methods,
 )
-from bench.results_page import (  # noqa: E402
-    grpo_tuning_report,
-    results_report,
-    rule_stops,
-    screening_report,
-    write_page,
-)
+from bench.markdown_table import write_page  # noqa: E402
+from bench.results_page import results_report, rule_stops  # noqa: E402
 from bench.training_run import finished  # noqa: E402
+from bench.tuning_reports import grpo_tuning_report, screening_report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

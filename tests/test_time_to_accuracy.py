@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from bench import accuracy_curves, accuracy_runs, results_page, run_costs, training_run, verdict
+from bench import accuracy_curves, accuracy_runs, markdown_table, results_page, run_costs, training_run, verdict
 from megatron_dppo.metrics import Run, load_run
 
 
@@ -140,16 +140,16 @@ def test_step_cost_fit_recovers_a_linear_cost_model_and_prices_nothing_below_zer
 
 def test_write_page_replaces_only_its_own_generated_block(tmp_path):
     page = tmp_path / "results.md"
-    results_page.write_page(page, "quick", "first")
+    markdown_table.write_page(page, "quick", "first")
     page.write_text(page.read_text() + "\nHand-written analysis.\n")
-    results_page.write_page(page, "full", "full tables")
-    results_page.write_page(page, "quick", "second")
+    markdown_table.write_page(page, "full", "full tables")
+    markdown_table.write_page(page, "quick", "second")
     text = page.read_text()
     assert "second" in text and "first" not in text and "full tables" in text
     assert "Hand-written analysis." in text
     page.write_text("<!-- BEGIN GENERATED quick by bench/time_to_accuracy.py -->\nno end marker\n")
     with pytest.raises(ValueError, match="restore the end marker"):
-        results_page.write_page(page, "quick", "x")
+        markdown_table.write_page(page, "quick", "x")
 
 
 def test_bad_command_line_values_are_rejected_with_the_flag_name(capsys, monkeypatch):
