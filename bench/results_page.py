@@ -49,7 +49,6 @@ from bench.estimator_check import calibration, calibration_table
 from bench.markdown_table import markdown
 from bench.run_costs import (
     PHASES,
-    PRICED_WORK,
     ModelSize,
     fit_step_cost,
     load_groups,
@@ -482,7 +481,8 @@ def price_section(groups: dict[str, list[Run]], cost: dict) -> str:
         step = sum(priced.values())
         rows.append([method, f"{1000 * mean('seconds_step'):.0f}", f"{1000 * step:.0f}",
                      *[f"{1000 * value:.0f} ({value / step:.0%})" for value in priced.values()]])
-    header = ["method", "ms/step (wall)", "ms/step (cost model)", *[f"{PRICED_WORK[term]}s" for term in cost["prices"]]]
+    header = ["method", "ms/step (wall)", "ms/step (cost model)",
+              *[term.replace("_", " ").replace("tokens ", "") for term in cost["prices"]]]
     return (f"Non-negative least squares of every step's time on its logged work, over every step of every run "
             f"(bench/run_costs.py; ± a jackknife standard error over runs): {price_list(cost)}. A method's mean step, "
             f"priced (ms and share):\n\n{markdown(header, rows)}")

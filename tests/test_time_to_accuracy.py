@@ -753,3 +753,23 @@ def test_a_step_logs_the_embedded_engines_batches_and_their_decode_loops_in_sequ
         rollouts = ExperienceMaker(args, task, Tokenizer(), Client()).roll_out(
             prompts, PromptDecision.keep_all(40), 1, 40, 40)
         assert (rollouts.stats["engine_batches"], rollouts.stats["decode_iterations"]) == (batches, iterations)
+
+
+def test_the_screening_reads_each_variant_against_grpo_in_cost_model_time_and_in_steps(tmp_path, monkeypatch):
+    """A variant that learns as fast per step as grpo at half the work per step: 2x in cost-model time, 1x in
+    steps; a variant without runs is listed as such."""
+    from bench import tuning_reports
+
+    monkeypatch.setattr(tuning_reports, "SCREENING", {"dppo-half": ["--algorithm", "dppo", "--x"], "dppo-none": []})
+    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--seeds", "1", "2", "3"])
+    accuracies = [0.25, 0.3, 0.35, 0.4, 0.42, 0.42, 0.42, 0.42]
+    for seed in (1, 2, 3):
+        for method, seconds_step in (("grpo-paper", 1.2), ("grpo", 1.0), ("dapo-dynamic-sampling", 1.5),
+                                     ("dppo-half", 0.5)):
+            write_run(tmp_path / "runs" / method / f"seed_{seed}", [a + 0.01 * seed for a in accuracies],
+                      seconds_step, tokens=(round(1000 * seconds_step) + 10 * seed, round(500 * seconds_step)))
+    report, lines = tuning_reports.screening_report(settings)
+    assert "| dppo-half | 3 | **2.00x** [2.00, 2.00] | **1.00x** [1.00, 1.00] | **2.00x** [2.00, 2.00] | " \
+           "`--algorithm dppo --x` |" in report
+    assert "| dppo-none | 0 | no finished run |" in report
+    assert lines == "screening_dppo-half: 2.00 [2.00, 2.00] cost model, 1.00 [1.00, 1.00] steps"
