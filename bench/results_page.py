@@ -116,15 +116,15 @@ def analysed_seeds(settings: Settings, method: str) -> list[int]:
     return settings.seeds[:settings.secondary_seeds] if method in SECONDARY_METHODS else settings.seeds
 
 
-def load_analysed(settings: Settings, size: ModelSize | None,
-                  methods: list[str] | None = None) -> tuple[dict[str, dict[int, Run]], dict]:
+def load_analysed(settings: Settings, size: ModelSize | None, methods: list[str] | None = None,
+                  required: tuple[str, ...] = tuple(BASELINES)) -> tuple[dict[str, dict[int, Run]], dict]:
     """Every finished run of `methods` (default: settings.methods and the RENAMED ones; method -> seed -> run, each
     method with the seeds it has) with its cost columns, the cost-model time among them, and the price list that
     priced it (one fit over every step of every run)."""
     methods = methods or [*settings.methods, *RENAMED]
     groups = load_groups(settings.out_dir / "runs", {m: analysed_seeds(settings, m) for m in methods}, size,
                          samples_per_prompt())
-    missing = [baseline for baseline in BASELINES if baseline not in groups]
+    missing = [baseline for baseline in required if baseline not in groups]
     if missing:
         raise ValueError(f"no finished run of the baseline(s) {missing}: every speed-up is read against every "
                          f"baseline; run them (bench/time_to_accuracy.py always adds them to --methods)")

@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
         report = grpo_tuning_report(settings, run_grpo_tuning(settings, warm_start))
         publish(settings, "grpo-tuning", report, "")
         return
-    if settings.screen:  # the variants alone, seed by seed, against the recorded grpo runs
+    if settings.screen:  # the variants alone, seed by seed, against the recorded grpo runs (restored first)
         for seed in settings.seeds:
-            run_methods(settings, seed, run_order(settings, seed, list(SCREENING)), warm_start, started)
+            run_methods(settings, seed, ["grpo", *run_order(settings, seed, list(SCREENING))], warm_start, started)
         publish(settings, "screening", *screening_report(settings))
         return
     for seed in settings.seeds:

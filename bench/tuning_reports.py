@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 from bench.accuracy_curves import accuracy_points, final_accuracy, seed_mean_curve
-from bench.accuracy_runs import BASELINES, SCREEN_SEEDS, SCREENING, Settings
+from bench.accuracy_runs import SCREEN_SEEDS, SCREENING, Settings
 from bench.markdown_table import markdown
 from bench.results_page import COST_MODEL, WALL, compare_all, fmt_speedup, interval_text, load_analysed
 from bench.run_costs import price_list, with_costs
@@ -37,8 +37,8 @@ def grpo_tuning_report(settings: Settings, run_dirs: dict[str, list[Path]]) -> s
 def screening_report(settings: Settings) -> tuple[str, str]:
     """SCREENING's DPPO variants against grpo over the seeds both ran: per variant its speed-up in cost-model time
     (what it costs) and in steps (what a step learns) with their intervals, its seeds and flags; and one last line
-    per variant. The price list is fitted over every run the report loads (the baselines and the variants)."""
-    groups, cost = load_analysed(settings, None, [*BASELINES, *SCREENING])
+    per variant. The price list is fitted over every run the report loads (grpo's and the variants')."""
+    groups, cost = load_analysed(settings, None, ["grpo", *SCREENING], required=("grpo",))
     comparisons = compare_all(groups, baselines=("grpo",))
     rows, lines = [], []
     for name in SCREENING:

@@ -764,8 +764,7 @@ def test_the_screening_reads_each_variant_against_grpo_in_cost_model_time_and_in
     settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--seeds", "1", "2", "3"])
     accuracies = [0.25, 0.3, 0.35, 0.4, 0.42, 0.42, 0.42, 0.42]
     for seed in (1, 2, 3):
-        for method, seconds_step in (("grpo-paper", 1.2), ("grpo", 1.0), ("dapo-dynamic-sampling", 1.5),
-                                     ("dppo-half", 0.5)):
+        for method, seconds_step in (("grpo", 1.0), ("dppo-half", 0.5)):
             write_run(tmp_path / "runs" / method / f"seed_{seed}", [a + 0.01 * seed for a in accuracies],
                       seconds_step, tokens=(round(1000 * seconds_step) + 10 * seed, round(500 * seconds_step)))
     report, lines = tuning_reports.screening_report(settings)
@@ -773,3 +772,32 @@ def test_the_screening_reads_each_variant_against_grpo_in_cost_model_time_and_in
            "`--algorithm dppo --x` |" in report
     assert "| dppo-none | 0 | no finished run |" in report
     assert lines == "screening_dppo-half: 2.00 [2.00, 2.00] cost model, 1.00 [1.00, 1.00] steps"
+
+
+def test_screen_runs_the_variants_alone_seed_by_seed_after_restoring_grpo(tmp_path, monkeypatch):
+    from bench import time_to_accuracy
+
+    events = []
+
+    def fake_launch(flags, run_dir, processes):
+        events.append(str(run_dir.relative_to(tmp_path)))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "command.txt").write_text(" ".join(training_run.command_for(flags, run_dir, processes)[1:]) + "\n")
+        (run_dir / "summary.json").write_text("{}")
+        return 1.0
+
+    variants = {"dppo-a": ["--algorithm", "dppo"], "dppo-b": ["--algorithm", "dppo", "--no-dppo-refill"]}
+    monkeypatch.setattr(accuracy_runs, "SCREENING", variants)
+    monkeypatch.setattr(time_to_accuracy, "SCREENING", variants)
+    monkeypatch.setitem(accuracy_runs.ALL_METHODS, "dppo-a", variants["dppo-a"])
+    monkeypatch.setitem(accuracy_runs.ALL_METHODS, "dppo-b", variants["dppo-b"])
+    monkeypatch.setattr(training_run, "launch", fake_launch)
+    monkeypatch.setattr(time_to_accuracy, "screening_report", lambda settings: ("the screening", "screening_x: 1"))
+    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--screen"])
+    accuracy_runs.warm_start_path(settings).mkdir(parents=True)
+    time_to_accuracy.main(["--out-dir", str(tmp_path), "--screen", "--no-records"])
+    expected = ["warm_start/build"]
+    for seed in (1, 2, 3):
+        order = ["grpo", *accuracy_runs.run_order(settings, seed, list(variants))]
+        expected += [f"runs/{method}/seed_{seed}" for method in order]
+    assert events == expected
