@@ -23,7 +23,7 @@ import argparse
 import math
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -152,14 +152,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--datasets", type=int, default=400, help="simulated benches per ratio")
     parser.add_argument("--rule", action="store_true", help="the verdict's rule, looks and Holm's correction included")
     parser.add_argument("--write-page", default=None, help="--rule: write the table as this page's verdict-rule block")
+    parser.add_argument("--seed-noise", nargs="+", type=float, default=[1.0],
+                        help="--rule: one table per scale of each run's level shift and slow wobble (1: the "
+                             "CurveModel's)")
     args = parser.parse_args(argv)
     if args.rule:
         ratios = args.ratios or list(RULE_RATIOS)
-        table = rule_table(rule_check(ratios, args.datasets))
-        report = (f"The rule on simulated benches of the primary axis (`python bench/estimator_check.py --rule "
-                  f"--datasets {args.datasets}`: a method whose every step is the true ratio faster than each of "
-                  f"three baselines, {args.datasets} benches per ratio, each baseline's verdict counted): "
-                  f"\n\n{table}")
+        report = ("The rule on simulated benches of the primary axis (`python bench/estimator_check.py --rule "
+                  f"--datasets {args.datasets} --seed-noise {' '.join(map(str, args.seed_noise))}`): a method whose "
+                  "every step is the true ratio faster than each of three baselines, 512 held-out problems, each "
+                  f"run's speed's log SD {COST_MODEL_CURVE.speed_sd}; {args.datasets} benches per ratio, each "
+                  "baseline's verdict counted.")
+        for scale in args.seed_noise:
+            model = replace(COST_MODEL_CURVE, level_sd=scale * COST_MODEL_CURVE.level_sd,
+                            wobble_sd=scale * COST_MODEL_CURVE.wobble_sd)
+            report += (f"\n\nEach run's level shift {model.level_sd:.3f} and slow wobble {model.wobble_sd:.3f} (SD; "
+                       f"{scale}x the CurveModel's):\n\n{rule_table(rule_check(ratios, args.datasets, model))}")
         print(report, flush=True)
         if args.write_page:
             from bench.markdown_table import write_page
