@@ -150,8 +150,9 @@ def rule_verdicts(comparisons: dict, method: str = HEADLINE_METHOD) -> dict[str,
 
 
 def rule_stops(settings: Settings) -> bool:
-    """verdict.should_stop for the headline method on the runs finished so far with settings.seeds."""
-    groups, _ = load_analysed(settings, None, [*BASELINES, HEADLINE_METHOD])
+    """verdict.should_stop for the headline method on the runs finished so far with settings.seeds, priced by the
+    page's own price list (fitted over every run the page reads)."""
+    groups, _ = load_analysed(settings, None)
     if HEADLINE_METHOD not in groups:
         return False
     comparisons = compare_all({m: groups[m] for m in (*BASELINES, HEADLINE_METHOD)})

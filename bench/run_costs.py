@@ -162,7 +162,9 @@ def with_engine_work(run: Run, outcomes: list[dict], samples_per_prompt: int) ->
         batches = rounds * max(math.ceil(groups / rounds / per_batch - 1e-9), 1)
         record = {**record, "engine_batches": batches}
         means = lengths.get(int(record["step"]), [])
-        if batches > rounds and len(means) > per_batch:  # one round (DAPO's rounds are one batch each)
+        if record.get("partial_chunks"):  # partial rollouts: chunks of their own, their iterations logged as run
+            pass
+        elif batches > rounds and len(means) > per_batch:  # one round (DAPO's rounds are one batch each)
             record["later_batch_length"] = max(means[per_batch:])
         elif means and record.get("decode_iterations"):
             ratios.append(max(means) / record["decode_iterations"])
