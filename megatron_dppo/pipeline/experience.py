@@ -35,6 +35,7 @@ from megatron_dppo.algo.rollout_correction import RolloutCorrection
 from megatron_dppo.pipeline.packing import TrainingSample
 from megatron_dppo.pipeline.partial_rollouts import PartialConfig, PartialRollouts
 from megatron_dppo.rollout.client import SamplingParams, SequenceRequest
+from megatron_dppo.servers.embedded.scheduler import MAX_BATCH_SIZE
 
 
 def pruner_options(args) -> tuple[str, dict]:
@@ -209,6 +210,17 @@ def weight_statistics(selection: Selection, lengths: torch.Tensor) -> dict:
             "gradient_noise_proxy": float((weights ** 2 * advantages ** 2 * tokens).sum()) / full_tokens ** 2}
 
 
+def decode_work(output_ids: list[list[int]], backend: str) -> dict:
+    """The decode loops one rollout request cost. The embedded engine decodes the request's rows in order, at most
+    MAX_BATCH_SIZE at once: a batch's loop runs one iteration per position of its longest response, and the next
+    batch waits for it (one batch at a time holds the model lock). Other engines batch continuously: one loop, as
+    long as the longest response."""
+    rows = MAX_BATCH_SIZE if backend == "embedded" else max(len(output_ids), 1)
+    batches = [output_ids[first:first + rows] for first in range(0, len(output_ids), rows)]
+    return {"decode_iterations": float(sum(max(len(ids) for ids in batch) for batch in batches)),
+            "engine_batches": float(len(batches))}
+
+
 def sample_requests(prompts: list, prompt_indices, sample_indices, params: SamplingParams,
                     group_size: int) -> list[SequenceRequest]:
     """Samples `sample_indices` of each prompt, each with the seed it has in a round of all `group_size` samples of
@@ -332,12 +344,10 @@ class ExperienceMaker:
             raise RuntimeError(f"the rollout servers returned {len(completions)} samples for {len(prompts)} prompts "
                                f"x {group}: a server dropped requests")
         output_ids = [c.output_ids for c in completions]
-        # the engine decodes a request's samples together, one iteration per position of the longest
-        iterations = max((len(ids) for ids in output_ids), default=0)
         return self.scored(prompts, decision, output_ids, [c.output_logprobs for c in completions],
                            [[self.weight_version] * len(ids) for ids in output_ids], time.perf_counter() - start,
                            num_drawn, capacity, sum(len(ids) for ids in output_ids),
-                           {"decode_iterations": float(iterations)})
+                           decode_work(output_ids, self.args.rollout_backend))
 
     def probe_and_continue(self, prompts: list, decision: PromptDecision, step: int, num_drawn: int,
                            capacity: int) -> Rollouts:
@@ -377,9 +387,10 @@ class ExperienceMaker:
                  if len(prompts) else 0.0,
                  "probe_continue_prob_mean": float(inclusion.mean()) if len(prompts) else 0.0,
                  "probe_informative_predicted_mean": float(informative.mean()) if len(prompts) else 0.0,
-                 "decode_iterations": float(max((len(c.output_ids) for c in probed), default=0) +
-                                            max((len(c.output_ids) for c in rest), default=0)),
+                 **decode_work([c.output_ids for c in probed], self.args.rollout_backend),
                  "rollout_rounds": 2.0}
+        continuation = decode_work([c.output_ids for c in rest], self.args.rollout_backend)
+        stats = {**stats, **{key: stats[key] + value for key, value in continuation.items()}}
         rollouts = self.scored([prompts[i] for i in continued.tolist()], continued_decision,
                                [c.output_ids for c in samples], [c.output_logprobs for c in samples],
                                [[self.weight_version] * len(c.output_ids) for c in samples], seconds, num_drawn,
