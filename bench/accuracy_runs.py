@@ -55,7 +55,19 @@ SECONDARY_METHODS = {
     "grpo-partial": ["--algorithm", "grpo", "--partial-rollout"],
 }
 # DPPO variants screened against the recorded grpo runs (--screen, SCREEN_SEEDS seeds): name -> trainer flags
-SCREENING: dict[str, list[str]] = {}
+# DPPO's defaults of revision 05487f4 (Bernoulli coins at the prompt level, the zero-variance indicator's EMA, the
+# completion level at 0.5), reproduced draw for draw by today's flags; see RENAMED
+DPPO_05487F4 = ["--algorithm", "dppo", "--dppo-prompt-sampling", "bernoulli", "--dppo-prompt-score", "zero_variance",
+                "--dppo-completion-prune-rate", "0.5"]
+FIXED_SIZE = ["--algorithm", "dppo", "--dppo-prompt-sampling", "systematic", "--dppo-prompt-score", "success_rate"]
+SCREENING: dict[str, list[str]] = {
+    "dppo-05487f4": DPPO_05487F4,  # the default before the screening, beside the variants on this warm start
+    "dppo-fixed-c0": [*FIXED_SIZE, "--dppo-completion-prune-rate", "0"],  # the fixed-size design, no completion level
+    "dppo-fixed-c25": [*FIXED_SIZE, "--dppo-completion-prune-rate", "0.25"],
+    "dppo-fixed-c50": [*FIXED_SIZE, "--dppo-completion-prune-rate", "0.5"],  # the completion level at today's rate
+    "dppo-fixed-c0-pmin10": [*FIXED_SIZE, "--dppo-completion-prune-rate", "0", "--dppo-prompt-p-min", "0.1"],
+    "dppo-probe2-c0": [*FIXED_SIZE, "--dppo-completion-prune-rate", "0", "--dppo-probe-samples", "2"],  # the probe
+}
 SCREEN_SEEDS = 3
 
 
@@ -72,7 +84,7 @@ class Renamed:
 # own command. RENAMED_FLAGS gives the explicit flags that reproduce it today, for a further seed; without them it is
 # read from its records only.
 RENAMED = {"dppo-05487f4": Renamed("dppo", ("--algorithm", "dppo"), "05487f4")}
-RENAMED_FLAGS: dict[str, list[str]] = {}
+RENAMED_FLAGS: dict[str, list[str]] = {"dppo-05487f4": DPPO_05487F4}
 METHODS = {**BASELINES, **HEADLINE_METHODS, **SECONDARY_METHODS}
 ALL_METHODS = {**METHODS, **SCREENING, **{name: RENAMED_FLAGS.get(name) for name in RENAMED}}
 HEADLINE_METHOD = "dppo"
@@ -157,7 +169,7 @@ class Settings:
     analyse_only: bool = False  # --analyse-only: the page from the finished runs, none started
     records_dir: Path | None = None  # RECORDS_DIR, read back from; None: --no-records, --quick
     save_records: bool = False  # record finished runs in records_dir: at the full benchmark's default settings only
-    records_warm_start: float | None = None  # the warm-start accuracy of the records restored so far
+    records_warm_start: float | None = None  # --records-warm-start: whose records an analysis without a build reads
 
     @property
     def warm_start_summary(self) -> Path:
@@ -303,13 +315,34 @@ def command_hash(portable: str) -> str:
 
 
 def record_dir_for(settings: Settings, run_dir: Path, portable: str) -> Path:
-    """Where the records keep the run of `run_dir` started with the (portable) command `portable`."""
-    return settings.records_dir / run_dir.relative_to(settings.out_dir) / command_hash(portable)
+    """Where the records keep the run of `run_dir` started with the (portable) command `portable`: under the folder
+    of the warm start it started from (records_root)."""
+    return records_root(settings) / run_dir.relative_to(settings.out_dir) / command_hash(portable)
+
+
+def records_root(settings: Settings) -> Path:
+    """The records of one warm start: records_dir/warm_start_<its held-out accuracy>. The same flags build another
+    warm start on another machine (its floating-point kernels differ: 0.2285 where the first sittings ran, 0.2754 on
+    an AVX-512 machine), and a run is only comparable with runs from its own warm start, so each keeps its records
+    apart. Without a build here (--analyse-only), --records-warm-start names the folder, or the only one there is."""
+    accuracy = warm_start_accuracy(settings)
+    if accuracy != accuracy:  # nan: nothing built and nothing named
+        folders = sorted(settings.records_dir.glob("warm_start_*"))
+        if len(folders) != 1:
+            raise ValueError(f"{len(folders)} warm starts have records in {settings.records_dir} "
+                             f"({', '.join(f.name for f in folders) or 'none'}): name one with --records-warm-start, "
+                             "or build the warm start here (drop --analyse-only)")
+        return folders[0]
+    return settings.records_dir / warm_start_folder(accuracy)
+
+
+def warm_start_folder(accuracy: float) -> str:
+    return f"warm_start_{accuracy:.4f}"
 
 
 def warm_start_accuracy(settings: Settings) -> float:
     """The held-out accuracy every restored run must start from: the warm start built here, or, under
-    --analyse-only without a build, that of the first record restored (the records must agree among themselves)."""
+    --analyse-only without a build, the one --records-warm-start names (nan: neither)."""
     if settings.warm_start_built:
         return json.loads(settings.warm_start_summary.read_text())["heldout_accuracy_before"]
     return settings.records_warm_start if settings.records_warm_start is not None else float("nan")
@@ -331,13 +364,9 @@ def restore_record(settings: Settings, record_dir: Path, run_dir: Path, command:
     if not (record_dir / "summary.json.gz").is_file():
         return False
     recorded = json.loads(gzip.decompress((record_dir / "summary.json.gz").read_bytes()))["heldout_accuracy_before"]
-    expected = warm_start_accuracy(settings)
-    if abs(recorded - expected) > 1e-9 and expected == expected:  # nan: the first record of an analysis
-        raise RuntimeError(
-            f"{record_dir} starts from another warm start (held-out accuracy {recorded} against "
-            f"{'this one' if settings.warm_start_built else 'the records restored before it'}'s {expected}): a changed "
-            f"torch build or machine. Delete {record_dir} to run it again from this warm start, or pass --no-records")
-    settings.records_warm_start = recorded
+    if warm_start_folder(recorded) != record_dir.relative_to(settings.records_dir).parts[0]:
+        raise RuntimeError(f"{record_dir} starts from a warm start of held-out accuracy {recorded}, not the one its "
+                           "folder names: the record was moved by hand; delete it to run it again")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "command.txt").write_text(command + "\n")
     for name in RECORD_FILES:
@@ -414,6 +443,10 @@ def parse_args(argv: list[str] | None, description: str = "") -> Settings:
                         help=f"neither restore nor record runs in {RECORDS_DIR.relative_to(REPO)} (finished runs, "
                              "kept in the repository so that later sittings resume them: restored for any command "
                              "they were run with, recorded at the full benchmark's default settings)")
+    parser.add_argument("--records-warm-start", type=float, default=None,
+                        help="with --analyse-only and no warm start built here: the held-out accuracy of the warm "
+                             "start whose records to read (bench/records keeps each warm start's apart; default: the "
+                             "only one there)")
     parser.add_argument("--analyse-only", action="store_true",
                         help="start no run: the tables and the page from the runs already finished (and those the "
                              "records hold), each method with the seeds it has")
@@ -436,7 +469,7 @@ def parse_args(argv: list[str] | None, description: str = "") -> Settings:
         figures_dir=Path(args.figures_dir) if args.figures_dir else (
             (page.parent if page else out_dir) / "figures" / page_block(quick)), tune_grpo=args.tune_grpo,
         screen=args.screen, analyse_only=args.analyse_only,
-        records_dir=None if args.no_records or quick else RECORDS_DIR,
+        records_dir=None if args.no_records or quick else RECORDS_DIR, records_warm_start=args.records_warm_start,
         # new records: the full benchmark's runs only, at its default settings (--methods/--seeds among them)
         save_records=not any(value is not None for value in (args.budget_s, args.warm_start_steps, args.eval_interval,
                                                              args.eval_size)))

@@ -176,7 +176,7 @@ def test_the_warm_start_lies_where_the_trainers_cache_key_puts_it_so_an_analysis
     settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--analyse-only"])
     path = accuracy_runs.prepare_warm_start(settings)  # nothing is built
     assert not (tmp_path / "warm_start").exists()
-    recorded = next(accuracy_runs.RECORDS_DIR.glob("runs/grpo/seed_1/*/command.txt")).read_text()
+    recorded = next(accuracy_runs.RECORDS_DIR.glob("warm_start_*/runs/grpo/seed_1/*/command.txt")).read_text()
     assert f"--load $OUT/{path.relative_to(tmp_path)} " in recorded  # the warm start the records started from
 
 
@@ -286,14 +286,16 @@ def test_a_recorded_run_is_restored_on_a_fresh_checkout_and_refused_from_another
         tmp_path, monkeypatch):
     """The full benchmark's finished runs are kept in the repository, one folder per command: a later sitting
     elsewhere (other checkout path, other --out-dir) restores a run recorded with the same command from the same warm
-    start instead of running it; another command runs and is recorded beside the first; a record from another warm
-    start is a clear error; runs at other than the default settings are not recorded."""
+    start instead of running it; another command runs and is recorded beside the first; a sitting from another warm
+    start (another machine's kernels) runs and keeps its records apart; runs at other than the default settings are
+    not recorded."""
     launched = []
 
-    def fake_launch(flags, run_dir, processes):  # a training run: its command, metrics and summary
+    def fake_launch(flags, run_dir, processes):  # a training run from its sitting's warm start
         launched.append(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)  # as the real launch does
-        write_run(run_dir, [0.3, 0.4, 0.5], 1.0, before=0.25)
+        warm = json.loads((run_dir.parents[2] / "warm_start" / "build" / "summary.json").read_text())
+        write_run(run_dir, [0.3, 0.4, 0.5], 1.0, before=warm["heldout_accuracy_before"])
         (run_dir / "command.txt").write_text(" ".join(training_run.command_for(flags, run_dir, processes)[1:]) + "\n")
         return 1.0
 
@@ -311,7 +313,7 @@ def test_a_recorded_run_is_restored_on_a_fresh_checkout_and_refused_from_another
         return accuracy_runs.launch_recorded(settings, flags, out_dir / "runs" / "grpo" / "seed_1")
 
     def recorded() -> list[Path]:
-        return sorted(records.glob("runs/grpo/seed_1/*/metrics.jsonl.gz"))
+        return sorted(records.glob("warm_start_0.2500/runs/grpo/seed_1/*/metrics.jsonl.gz"))
 
     first = sitting(tmp_path / "first", 0.25)
     assert launched == [first] and len(recorded()) == 1
@@ -329,9 +331,12 @@ def test_a_recorded_run_is_restored_on_a_fresh_checkout_and_refused_from_another
     assert launched == [first, third]
     unsaved = sitting(tmp_path / "sixth", 0.25, budget="7", save=False)  # not the default settings: not recorded
     assert launched == [first, third, unsaved] and len(recorded()) == 2
-    with pytest.raises(RuntimeError, match="another warm start"):
-        sitting(tmp_path / "fourth", 0.31)
-    for record in records.glob("runs/*/seed_*/*"):  # every record's folder is named by its own command's hash
+    other_machine = sitting(tmp_path / "fourth", 0.31)  # another warm start: run, and recorded apart
+    assert launched == [first, third, unsaved, other_machine] and len(recorded()) == 2
+    assert len(list(records.glob("warm_start_0.3100/runs/grpo/seed_1/*/metrics.jsonl.gz"))) == 1
+    assert training_run.finished(sitting(tmp_path / "fourth_again", 0.31))  # restored from its own folder
+    assert launched == [first, third, unsaved, other_machine]
+    for record in records.glob("warm_start_*/runs/*/seed_*/*"):  # every record's folder is named by its command's hash
         assert record.name == accuracy_runs.command_hash((record / "command.txt").read_text().strip())
 
 
@@ -356,7 +361,8 @@ def test_a_renamed_methods_records_are_read_by_the_command_they_ran_with_never_b
     (settings.out_dir / "warm_start" / "build" / "summary.json").write_text('{"heldout_accuracy_before": 0.25}')
     warm = settings.out_dir / "cache" / "warm" / "x"
     old_run = accuracy_runs.run_rl(settings, "dppo", 1, warm)  # dppo, as it ran then: recorded under runs/dppo
-    (records / "runs" / "dppo").rename(records / "runs" / "dppo-05487f4")  # the rename, as in the repository
+    (records / "warm_start_0.2500" / "runs" / "dppo").rename(
+        records / "warm_start_0.2500" / "runs" / "dppo-05487f4")  # the rename, as in the repository
     fresh = accuracy_runs.parse_args(["--out-dir", str(tmp_path / "new")])
     fresh.records_dir, fresh.save_records = records, True
     (fresh.out_dir / "warm_start" / "build").mkdir(parents=True)
