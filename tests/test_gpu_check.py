@@ -17,12 +17,14 @@ per group, and Actor.restorable_state reading both layouts from a real actor (te
 """
 
 import importlib.util
+import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 
-from tests.launch import REPO_ROOT, run_torchrun
+from tests.launch import REPO_ROOT, kill_group, kill_marked, run_torchrun
 from tests.workers.optimizer_state_checks import restored_state_differences
 
 GPU_CHECK = REPO_ROOT / "tools" / "gpu_check.py"
@@ -38,9 +40,19 @@ def test_without_a_gpu_the_check_says_so_in_one_line_and_exits_nonzero():
 
 
 def rehearse(*flags: str, timeout: float) -> tuple[subprocess.CompletedProcess, list[str]]:
-    finished = subprocess.run([sys.executable, str(GPU_CHECK), "--rehearse-on-cpu", *flags], capture_output=True,
-                              text=True, timeout=timeout, cwd=REPO_ROOT)
-    return finished, [line for line in finished.stdout.splitlines() if line.startswith("gpu_check ")]
+    """Run a rehearsal; at its end or timeout, kill every process it started (torchrun's workers and the benchmark's
+    runs live in sessions of their own: they carry a marker in their environment)."""
+    marker = ("GPU_CHECK_REHEARSAL", uuid.uuid4().hex)
+    process = subprocess.Popen([sys.executable, str(GPU_CHECK), "--rehearse-on-cpu", *flags], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, start_new_session=True,
+                               env={**os.environ, marker[0]: marker[1]})
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        kill_group(process)
+        kill_marked("=".join(marker))
+    finished = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return finished, [line for line in stdout.splitlines() if line.startswith("gpu_check ")]
 
 
 @pytest.mark.timeout(1200)  # four training launches and bench/step_cost.py's two runs, on 2 shared cores
