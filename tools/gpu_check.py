@@ -17,8 +17,8 @@ with the project's Python dependencies on its path (megatron-core and math-verif
                                            (weights, fp32 main parameters, Adam's moments; step counts exactly,
                                            torch Adam's per parameter and TE's or Apex's FusedAdam's per group)
                                            within RESUME_STATE_TOL: a resume that dropped the optimizer's state or
-                                           lost a step count fails. The uninterrupted run and the stopped one with
-                                           its resume launch side by side
+                                           lost a step count fails. On a GPU the uninterrupted run and the stopped
+                                           one with its resume launch side by side
     fused_logprobs  a GPU                  actor/logprobs.py (fused output layer + log-softmax) against the
                                            full-vocabulary path at Qwen3-4B's output layer (V 151936, H 2560, bf16):
                                            the log-probs, and the gradients of the hidden states and the weight
@@ -275,8 +275,10 @@ def check_rl_run(options) -> bool:
             f"the run to step {steps} ({save})")
 
     launch("never_stepped", root / "converted", 0)
-    # the uninterrupted run beside the stopped one and its resume (two tiny runs share the GPU): one launch less long
-    with ThreadPoolExecutor(2) as pool:
+    # on a GPU machine the uninterrupted run goes beside the stopped one and its resume (two tiny runs share the GPU,
+    # the machine has the cores): one launch less long; a rehearsal's 2 cores run them one after the other, as each
+    # launch has LAUNCH_TIMEOUT_S
+    with ThreadPoolExecutor(2 if options.device.type == "cuda" else 1) as pool:
         chains = [pool.submit(launch, "straight", root / "never_stepped", 5),
                   pool.submit(lambda: (launch("stopped", root / "never_stepped", 3),
                                        launch("stopped", root / "stopped", 5)))]
