@@ -119,6 +119,12 @@ RL_FLAGS = ["--lr", "1e-4", "--rollout-batch-size", "32", "--n-samples-per-promp
 TASK = "worked"
 TASK_SETTINGS = dict(rollout_max_response_len=176, warm_start_steps=450, warm_start_lr=3e-3, warm_start_batch_size=64,
                      warm_start_problems=500)
+# The RL budget is counted on a clock of work, not of the wall (the trainer's --time-budget-prices): every step's
+# logged work at a fixed price list, so that a run does the same work whether or not the shared machine is busy (a
+# wall-time budget cut a slow method's runs short on a loaded machine: dynamic sampling's 29 steps against 49 on an
+# idle one). The prices are the price list fitted over the first sittings' records (docs/results.md): a step 116 ms,
+# a decode iteration 3.28 ms, a generated token 42 µs, a trained token 122 µs. Wall time is still logged and read.
+CLOCK_PRICES = ["0.116", "0.00328", "0.000042", "0.000122"]
 # GRPO's own tuning at the current settings (--tune-grpo): each setting changed alone from RL_FLAGS
 GRPO_GRID = {"--rollout-batch-size": ["64"]}
 
@@ -258,7 +264,8 @@ def rl_flags(settings: Settings, method: str, seed: int, warm_start: Path,
     return [*RL_FLAGS, *task_flags(), *method_flags, "--seed", str(WARM_START_SEED),
             "--rl-seed", str(seed + RESEEDED.get(method, 0)), "--load", str(warm_start),
             "--cache-dir", str(settings.out_dir / "cache" / "init"), "--warm-start-steps", "0",
-            "--time-budget-s", str(settings.budget_s), "--eval-interval", str(settings.eval_interval),
+            "--time-budget-s", str(settings.budget_s), "--time-budget-prices", *CLOCK_PRICES,
+            "--eval-interval", str(settings.eval_interval),
             "--eval-size", str(settings.eval_size)]
 
 

@@ -375,9 +375,12 @@ def test_a_renamed_methods_records_are_read_by_the_command_they_ran_with_never_b
     assert (renamed / "metrics.jsonl").read_text() == (old_run / "metrics.jsonl").read_text()
     new_run = accuracy_runs.run_rl(fresh, "dppo", 1, warm)  # today's dppo: not the old record
     assert launched == [old_run, new_run]
-    with pytest.raises(ValueError, match="no record of seed 2 and no flags of today"):
-        accuracy_runs.run_rl(fresh, "dppo-05487f4", 2, warm)
-
+    with_flags = accuracy_runs.run_rl(fresh, "dppo-05487f4", 2, warm)  # a seed with no record: today's flags run it
+    assert launched == [old_run, new_run, with_flags]
+    assert " ".join(accuracy_runs.RENAMED_FLAGS["dppo-05487f4"]) in (with_flags / "command.txt").read_text()
+    monkeypatch.setitem(accuracy_runs.ALL_METHODS, "dppo-05487f4", None)  # and without them, refused
+    with pytest.raises(ValueError, match="no record of seed 3 and no flags of today"):
+        accuracy_runs.run_rl(fresh, "dppo-05487f4", 3, warm)
 
 
 

@@ -157,6 +157,12 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron.add_argument("--time-budget-s", type=POSITIVE, default=None,
                           help="stop RL once this many seconds of it have passed (after the current step); held-out "
                                "evaluations (--eval-interval) are not counted")
+    megatron.add_argument("--time-budget-prices", type=NON_NEGATIVE, nargs=4, default=None,
+                          metavar=("STEP", "ITERATION", "GENERATED", "TRAINED"),
+                          help="count --time-budget-s in the seconds the steps' logged work would take at these "
+                               "prices (per step, per decode iteration, per generated token, per trained token) "
+                               "instead of wall time: a run then does the same work whatever else the machine runs "
+                               "(benchmarks on shared machines); default: wall time")
 
 
 def rollout_flags(parser: argparse.ArgumentParser) -> None:
@@ -404,6 +410,9 @@ def range_combination_errors(args: argparse.Namespace) -> list[str]:
         errors.append(f"--max-tokens-per-gpu {args.max_tokens_per_gpu} cannot hold one response of "
                       f"--rollout-max-response-len {args.rollout_max_response_len} and its prompt in a micro-batch: "
                       "raise --max-tokens-per-gpu or lower --rollout-max-response-len")
+    if args.time_budget_prices is not None and args.time_budget_s is None:
+        errors.append("--time-budget-prices prices the steps for --time-budget-s, which is not given: add "
+                      "--time-budget-s or drop --time-budget-prices")
     if args.save_interval and not args.save:
         errors.append(f"--save-interval {args.save_interval} saves to --save DIR, which is not given: add --save")
     if args.n_samples_per_prompt < 2 and args.advantage_estimator != "dr_grpo":
