@@ -112,10 +112,10 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron.add_argument("--bf16", action="store_true")
     megatron.add_argument("--fp16", action="store_true")
     megatron.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default=None,
-                          help="the layer implementation: transformer_engine (Transformer Engine's layers; the "
-                               "default on every GPU, and a GPU without TE installed stops at start-up saying so: "
-                               "pass local there) or local (megatron-core's own layers with SDPA attention over "
-                               "packed sequences; the default and only choice on the CPU)")
+                          help="the layer implementation: transformer_engine (Transformer Engine's layers; a GPU "
+                               "without TE installed stops at start-up saying so: pass local there) or local "
+                               "(megatron-core's own layers with SDPA attention over packed sequences; the only "
+                               "choice on the CPU); default: transformer_engine on every GPU, local on the CPU")
     megatron.add_argument("--initial-loss-scale", type=POSITIVE, default=2.0**16,
                           help="--fp16: the dynamic loss scale at the start (Megatron-LM starts at 2^32 and halves "
                                "it after overflowing steps, which are skipped: here each skipped step throws a "
