@@ -22,6 +22,7 @@ from megatron_dppo.data.checks import (
     PROMPT_FLAGS,
     default_eval_prompt_data,
     default_reward_type,
+    eval_sets,
     hf_model_folder,
     prompt_data_errors,
 )
@@ -322,10 +323,15 @@ def data_flags(parser: argparse.ArgumentParser) -> None:
                            "DPPO_DATA_DIR or ../shared/data); a .jsonl/.json/.parquet file or a directory of them; or "
                            "a Hugging Face data set name (needs network access)")
     data.add_argument("--prompt-data-split", default="train", help="split of a Hugging Face data set")
-    data.add_argument("--eval-prompt-data", default=None, metavar="SOURCE",
-                      help="held-out prompts, in the same forms (a built-in name: math500, gsm8k_test, aime24, ...); "
-                           "default: math500 for --reward-type math, gsm8k_test for gsm8k")
+    data.add_argument("--prompt-data-config", default=None, help="configuration of a Hugging Face data set with "
+                      "several (openai/gsm8k: main), or of a folder holding one (hf download --local-dir)")
+    data.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="NAME SOURCE",
+                      help="held-out prompts: one SOURCE in the same forms (a built-in name: math500, gsm8k_test, "
+                           "aime24, ...), or NAME SOURCE pairs (slime's form), each evaluated and logged as "
+                           "heldout_accuracy/NAME (the first also as heldout_accuracy); default: math500 for "
+                           "--reward-type math, gsm8k_test for gsm8k")
     data.add_argument("--eval-prompt-data-split", default="test", help="split of a Hugging Face data set")
+    data.add_argument("--eval-prompt-data-config", default=None, help="--prompt-data-config of the held-out sets")
     data.add_argument("--input-key", default="prompt",
                       help="field of your rows holding the prompt: text, or chat messages [{role, content}]")
     data.add_argument("--label-key", default="label", help="field of your rows holding the reference answer")
@@ -574,4 +580,4 @@ def fill_dependent_defaults(args: argparse.Namespace, server_gpus: int) -> None:
     args.eps_clip = clip[0] if args.eps_clip is None else args.eps_clip
     args.eps_clip_high = clip[1] if args.eps_clip_high is None else args.eps_clip_high
     args.reward_type = args.reward_type or default_reward_type(args.prompt_data)
-    args.eval_prompt_data = args.eval_prompt_data or default_eval_prompt_data(args.prompt_data, args.reward_type)
+    args.eval_sets = eval_sets(args.eval_prompt_data, default_eval_prompt_data(args.prompt_data, args.reward_type))
