@@ -357,7 +357,7 @@ def memory_plan_error(layout: TrainerLayout, gpu_gib: float) -> str | None:
             wider = replace(layout, tp=tp, dp=layout.dp * layout.tp // tp)
             fixes.append((f"--tensor-model-parallel-size {tp}", wider))
             break
-    options = [f"{flags} ({max(plan.total for plan in plan_memory(fixed)) / GIB:.1f} GiB)"
+    options = [f"{flags} ({max(plan.total for plan in plan_memory(fixed)) / GIB:.2f} GiB)"
                for flags, fixed in fixes if _fits(fixed, gpu_gib)]
     advice = ("; fits with " + ", or ".join(options)) if options else \
         "; no single change fits: combine --recompute-granularity full, a lower --max-tokens-per-gpu and more TP/PP"
