@@ -40,7 +40,7 @@ SETTINGS = {  # the recipes' settings, small; everything else as shipped
 }
 NODES = ("localhost", "127.0.0.1")  # the allocation: a trainer node and a rollout node, both this host
 HELD_OUT = ("math500", "amc23", "aime24")  # the recipes' named held-out sets, in their order
-RECIPE_TIMEOUT_S = 840  # one recipe's run; on 2 cores shared with other work a run took 12 minutes
+RECIPE_TIMEOUT_S = 1500  # one recipe's run: DPPO's every stage took over 14 minutes on 2 cores shared with other work
 
 SRUN = """#!/usr/bin/env bash
 # srun here: run the step's command on this host (one task), its output and error where --output / --error say

@@ -14,8 +14,9 @@
 #                   "--container-image=megatron-dppo.sqsh --container-mounts=/data": every step runs in that container
 #
 # The data stage writes every built-in set as DATA_DIR/<set>.parquet (tools/prepare_data.py --skip-bad-rows: each
-# set's rows and the bad ones left out are in LOG_DIR/data.log; a set with more than 1% bad rows stops the pipeline
-# here, before any GPU node is asked for); the recipes train on those files. It reads each set's local copy
+# set's rows and the bad ones left out are printed, and kept in LOG_DIR/data.log; a set with more than 1% bad rows,
+# or one that cannot be fetched, stops the pipeline here, before any GPU node is asked for); the recipes train on
+# those files. It reads each set's local copy
 # (DPPO_DATA_DIR) or downloads its public source into the Hugging Face cache, where the evaluate stage, which reads
 # the benchmarks by name, finds them again (HF_HOME on a file system every node mounts; else it downloads them).
 # Data, convert and export are CPU steps; evaluate asks for one node's GPUS_PER_NODE GPUs (evaluate_node.sh starts
@@ -50,11 +51,10 @@ has_stage() {
 }
 
 if has_stage data && [ ! -e "$DATA_DIR/.complete" ]; then
-    echo "pipeline: the built-in data sets into $DATA_DIR (log: $LOG_DIR/data.log)"
-    srun "${SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --job-name=dppo-data --output="$LOG_DIR/data.log" \
-        "$PYTHON" "$REPO/tools/prepare_data.py" --out "$DATA_DIR" --skip-bad-rows \
-        || { echo "pipeline: the data stage failed; its log:" >&2; cat "$LOG_DIR/data.log" >&2; exit 1; }
-    cat "$LOG_DIR/data.log"
+    echo "pipeline: the built-in data sets into $DATA_DIR (also in $LOG_DIR/data.log)"
+    mkdir -p "$DATA_DIR"
+    srun "${SRUN_EXTRA[@]}" --nodes=1 --ntasks=1 --job-name=dppo-data \
+        "$PYTHON" "$REPO/tools/prepare_data.py" --out "$DATA_DIR" --skip-bad-rows 2>&1 | tee "$LOG_DIR/data.log"
     touch "$DATA_DIR/.complete"
 fi
 
