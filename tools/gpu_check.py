@@ -669,7 +669,9 @@ def run_parts(names: list[str], options, met: dict[str, bool], required: set[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_dppo.flags import ToolHelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     parser.add_argument("--checks", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--require", default="",
                         help=f"needs that must be met (comma-separated, of {', '.join(NEEDS)}): a part skipped for "

@@ -22,6 +22,7 @@ from megatron_dppo.data.checks import (
     PROMPT_FLAGS,
     default_eval_prompt_data,
     default_reward_type,
+    eval_sets,
     hf_model_folder,
     prompt_data_errors,
 )
@@ -108,10 +109,10 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron.add_argument("--bf16", action="store_true")
     megatron.add_argument("--fp16", action="store_true")
     megatron.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default=None,
-                          help="the layer implementation: transformer_engine (Transformer Engine's layers; the "
-                               "default on every GPU, and a GPU without TE installed stops at start-up saying so: "
-                               "pass local there) or local (megatron-core's own layers with SDPA attention over "
-                               "packed sequences; the default and only choice on the CPU)")
+                          help="the layer implementation: transformer_engine (Transformer Engine's layers; a GPU "
+                               "without TE installed stops at start-up saying so: pass local there) or local "
+                               "(megatron-core's own layers with SDPA attention over packed sequences; the only "
+                               "choice on the CPU); default: transformer_engine on every GPU, local on the CPU")
     megatron.add_argument("--initial-loss-scale", type=POSITIVE, default=2.0**16,
                           help="--fp16: the dynamic loss scale at the start (Megatron-LM starts at 2^32 and halves "
                                "it after overflowing steps, which are skipped: here each skipped step throws a "
@@ -247,10 +248,15 @@ def data_flags(parser: argparse.ArgumentParser) -> None:
                            "DPPO_DATA_DIR or ../shared/data); a .jsonl/.json/.parquet file or a directory of them; or "
                            "a Hugging Face data set name (needs network access)")
     data.add_argument("--prompt-data-split", default="train", help="split of a Hugging Face data set")
-    data.add_argument("--eval-prompt-data", default=None, metavar="SOURCE",
-                      help="held-out prompts, in the same forms (a built-in name: math500, gsm8k_test, aime24, ...); "
-                           "default: math500 for --reward-type math, gsm8k_test for gsm8k")
+    data.add_argument("--prompt-data-config", default=None, help="configuration of a Hugging Face data set with "
+                      "several (openai/gsm8k: main), or of a folder holding one (hf download --local-dir)")
+    data.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="NAME SOURCE",
+                      help="held-out prompts: one SOURCE in the same forms (a built-in name: math500, gsm8k_test, "
+                           "aime24, ...), or NAME SOURCE pairs (slime's form), each evaluated and logged as "
+                           "heldout_accuracy/NAME (the first also as heldout_accuracy); default: math500 for "
+                           "--reward-type math, gsm8k_test for gsm8k")
     data.add_argument("--eval-prompt-data-split", default="test", help="split of a Hugging Face data set")
+    data.add_argument("--eval-prompt-data-config", default=None, help="--prompt-data-config of the held-out sets")
     data.add_argument("--input-key", default="prompt",
                       help="field of your rows holding the prompt: text, or chat messages [{role, content}]")
     data.add_argument("--label-key", default="label", help="field of your rows holding the reference answer")
@@ -475,4 +481,4 @@ def fill_dependent_defaults(args: argparse.Namespace, server_gpus: int) -> None:
     args.eps_clip = clip[0] if args.eps_clip is None else args.eps_clip
     args.eps_clip_high = clip[1] if args.eps_clip_high is None else args.eps_clip_high
     args.reward_type = args.reward_type or default_reward_type(args.prompt_data)
-    args.eval_prompt_data = args.eval_prompt_data or default_eval_prompt_data(args.prompt_data, args.reward_type)
+    args.eval_sets = eval_sets(args.eval_prompt_data, default_eval_prompt_data(args.prompt_data, args.reward_type))

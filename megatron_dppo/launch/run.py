@@ -28,6 +28,7 @@ from megatron_dppo.actor.model import Recompute
 from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint, read_config
 from megatron_dppo.convert.mapping import model_shape
+from megatron_dppo.data.checks import HELDOUT_METRIC, eval_metric
 from megatron_dppo.errors import UserInputError
 from megatron_dppo.launch.arguments import is_embedded_default
 from megatron_dppo.launch.launch_plan import weight_sync_backend
@@ -63,9 +64,11 @@ def build_task(args, tokenizer) -> Task:
 
     fields = dict(input_key=args.input_key, label_key=args.label_key, reward_type=args.reward_type,
                   skip_bad_rows=args.skip_bad_rows, difficulty_key=args.difficulty_key)
-    train = load_prompt_data(args.prompt_data, split=args.prompt_data_split, training=True, **fields)
-    heldout = load_prompt_data(args.eval_prompt_data, split=args.eval_prompt_data_split, limit=args.eval_size,
-                               flag="--eval-prompt-data", **fields)
+    train = load_prompt_data(args.prompt_data, split=args.prompt_data_split, training=True,
+                             config=args.prompt_data_config, **fields)
+    heldout = {name: load_prompt_data(source, split=args.eval_prompt_data_split, limit=args.eval_size,
+                                      flag="--eval-prompt-data", config=args.eval_prompt_data_config, **fields)
+               for name, source in args.eval_sets}  # one unnamed set, or several by name (eval_sets)
     return dataset_task(train, heldout, tokenizer, args.rl_seed, args.reward_type, args.apply_chat_template,
                         args.reward_timeout_s, scorer)
 
@@ -190,6 +193,13 @@ class RLClock:
         self.evaluating += seconds
 
 
+def heldout_metrics(evaluation: dict) -> dict:
+    """An evaluation's metrics: heldout_accuracy (the first held-out set), and heldout_accuracy/NAME for each named
+    set (--eval-prompt-data NAME SOURCE ...)."""
+    named = {eval_metric(name): result["accuracy"] for name, result in evaluation.get("sets", {}).items() if name}
+    return {HELDOUT_METRIC: evaluation["accuracy"], **named}
+
+
 def budget_spent(budget_s: float | None, elapsed_s: float) -> bool:
     """Rank 0's clock decides for every rank: ranks that stopped at different steps would deadlock."""
     if budget_s is None:
@@ -271,7 +281,7 @@ def run(args) -> dict:
                 prompts[key] += step_metrics.get(key, 0.0)
             if args.eval_interval and trainer.step % args.eval_interval == 0:
                 eval_start = time.perf_counter()
-                step_metrics["heldout_accuracy"] = trainer.evaluate(args.eval_size)["accuracy"]
+                step_metrics.update(heldout_metrics(trainer.evaluate(args.eval_size)))
                 clock.add_evaluation(time.perf_counter() - eval_start)
             metrics.log(trainer.step, step_metrics)
             if args.save and args.save_interval and trainer.step % args.save_interval == 0:
@@ -290,6 +300,10 @@ def run(args) -> dict:
                "prompts_pruned_fraction": round(pruned_fraction, 4),
                "rollouts_saved": int(prompts["prompts_pruned"]) * args.n_samples_per_prompt,
                "seconds": round(time.perf_counter() - start, 1)}
+    named = {name: {"before": round(before["sets"][name]["accuracy"], 4), "after": round(result["accuracy"], 4)}
+             for name, result in after.get("sets", {}).items() if name and name in before.get("sets", {})}
+    if named:  # --eval-prompt-data NAME SOURCE ...: each set's before and after (the first is the headline above)
+        summary["heldout_sets"] = named
     if rank0 and trainer.maker.partial is not None:  # every started sample trained once, or counted here
         summary["partial_rollout_samples"] = {**trainer.maker.partial.counts,
                                               "samples_open_at_end": trainer.maker.partial.samples_in_flight()}

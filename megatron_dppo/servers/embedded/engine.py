@@ -149,11 +149,14 @@ class EmbeddedEngine:
 
 def main(argv: list[str] | None = None) -> None:
     from megatron_dppo.flags import COUNT, NON_NEGATIVE, SEED, Domain, FlagParser, require_domains
+    from megatron_dppo.hub import HubError, resolve_model
 
     parser = FlagParser(prog="megatron_dppo.servers.embedded", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", "--model-path", required=True,
-                        help="saved HF model directory (config.json + weights); --model-path as SGLang names it")
+                        help="saved HF model directory (config.json + weights) or, as SGLang takes it, a Hub name "
+                             "(read from the Hugging Face cache, downloaded there first); --model-path as SGLang "
+                             "names it")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=Domain("a TCP port in [1, 65535]", int, 1, 65535), default=30000)
     parser.add_argument("--api-key", default=os.environ.get("MEGATRON_DPPO_ENGINE_API_KEY"),
@@ -187,6 +190,10 @@ def main(argv: list[str] | None = None) -> None:
                              "again)")
     require_domains(parser)
     args = parser.parse_args(argv)
+    try:  # a Hub name stands for its snapshot, as in every tool (megatron_dppo.hub)
+        args.model_dir = str(resolve_model(args.model_dir, "--model-dir"))
+    except HubError as error:
+        parser.error(str(error))
 
     from aiohttp import web
 
