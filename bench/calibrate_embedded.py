@@ -69,6 +69,7 @@ def accuracy_by_cell(checkpoint: Path, tokenizer_dir: Path, out_dir: Path, probl
     from megatron_dppo.actor.conversion import megatron_to_hf
     from megatron_dppo.data.tokenizer import CharTokenizer
     from megatron_dppo.pipeline.tasks import SYNTHETIC_REWARDS, reward_scorer
+    from megatron_dppo.rewards import RewardRow
 
     if not (out_dir / "config.json").is_file():
         megatron_to_hf(checkpoint, out_dir, tokenizer_dir=tokenizer_dir)
@@ -87,7 +88,7 @@ def accuracy_by_cell(checkpoint: Path, tokenizer_dir: Path, out_dir: Path, probl
                                        pad_token_id=tokenizer.pad_token_id)
         responses = [tokenizer.decode([t for t in row[width:].tolist() if t != tokenizer.pad_token_id])
                      for row in generated]
-        result[cell] = statistics.fmean(score(responses, [p.answer for p in cell_problems]))
+        result[cell] = statistics.fmean(score(responses, [RewardRow(str(p.answer), {}) for p in cell_problems]).scores)
     return result
 
 

@@ -1,9 +1,9 @@
 """--apply-chat-template-kwargs JSON (slime's flag; e.g. Qwen3's '{"enable_thinking": false}'): refused at parse time
 in one line unless it is a JSON object of the template's own arguments given with --apply-chat-template; rendered
 into every prompt the trainer trains and evaluates on, and every prompt tools/evaluate.py generates from; a key the
-template never mentions is named (a template ignores it silently). A tiny template with Qwen3's switch stands in for
-Qwen3's: `enable_thinking is false` writes an empty think block after the assistant's turn, as Qwen3's does (the
-character tokenizer of the tiny model keeps no whitespace, so the block has none)."""
+template never mentions is named (a template ignores it silently). The tiny chat model's template (tests/tiny_chat.py)
+has Qwen3's switch: `enable_thinking is false` writes an empty think block after the assistant's turn, as Qwen3's
+does."""
 
 import json
 import subprocess
@@ -17,26 +17,16 @@ from megatron_dppo.launch.run import build_task, load_tokenizer
 from megatron_dppo.pipeline.tasks import dataset_task
 from tests.launch import REPO_ROOT
 
-THINKING_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}{% endif %}"
-)
 NO_THINKING = '{"enable_thinking": false}'
 
 
 @pytest.fixture(scope="module")
 def thinking_model(tmp_path_factory):
-    """The tiny chat model (tests/tiny_chat.py) whose template has Qwen3's thinking switch."""
-    from transformers import AutoTokenizer
-
+    """The tiny chat model (tests/tiny_chat.py), whose template has Qwen3's thinking switch."""
     from tests.tiny_chat import save_tiny_chat_model
 
     model_dir = tmp_path_factory.mktemp("thinking") / "model"
     save_tiny_chat_model(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.chat_template = THINKING_TEMPLATE
-    tokenizer.save_pretrained(model_dir)
     return model_dir
 
 

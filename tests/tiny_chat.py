@@ -7,9 +7,13 @@ rendered by the template and then encoded with special tokens would carry two, w
 
 from pathlib import Path
 
+# Qwen3's thinking switch as Qwen3's template has it: `enable_thinking` false writes an empty think block after the
+# assistant's turn (the character tokenizer keeps no whitespace, so the block has none); unset, nothing changes. The
+# shipped Qwen3 recipes pass it (--apply-chat-template-kwargs), and this model stands in for Qwen3 in their test.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}{% endif %}"
 )
 
 

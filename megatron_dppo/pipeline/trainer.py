@@ -169,18 +169,24 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- evaluation
     def evaluate(self, count: int) -> dict:
-        """rank 0 computes, every rank receives: greedy accuracy on `count` held-out prompts through the rollout
-        servers."""
+        """rank 0 computes, every rank receives: greedy accuracy on the first `count` prompts of each held-out set,
+        generated in one batch through the rollout servers: {"accuracy", "count"} of the first set, and "sets":
+        {name: {"accuracy", "count"}}."""
 
-        def accuracy() -> dict:
-            prompts = self.task.heldout(count)
+        def accuracies() -> dict:
+            sets = {name: self.task.heldout(count, name) for name in self.task.heldout_sets}
+            prompts = [prompt for chosen in sets.values() for prompt in chosen]
             greedy = SamplingParams(temperature=0.0, max_new_tokens=self.args.rollout_max_response_len,
                                     stop_token_ids=[self.tokenizer.eos_token_id])
             completions = self.client.generate([p.input_ids for p in prompts], greedy, n=1)
-            scores = self.task.score([self.tokenizer.decode(c.output_ids) for c in completions], prompts).scores
-            return {"accuracy": float(np.mean(scores)) if scores else 0.0, "count": len(scores)}
+            scores = iter(self.task.score([self.tokenizer.decode(c.output_ids) for c in completions], prompts).scores)
+            by_set = {}
+            for name, chosen in sets.items():
+                mine = [next(scores) for _ in chosen]
+                by_set[name] = {"accuracy": float(np.mean(mine)) if mine else 0.0, "count": len(mine)}
+            return {**next(iter(by_set.values())), "sets": by_set}
 
-        return from_rank0(accuracy, self.rank0)
+        return from_rank0(accuracies, self.rank0)
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def total_steps(self) -> int:
