@@ -12,6 +12,7 @@ from megatron_dppo.algo import PromptHistory, build_pruner, full_batch_counts
 from megatron_dppo.algo.beta_binomial import all_equal_probability, prior_matching
 from megatron_dppo.algo.pruning import proportional_keep_probs, step_generator
 from megatron_dppo.algo.sampling_designs import bernoulli, systematic
+from megatron_dppo.errors import UserInputError
 from megatron_dppo.launch.arguments import parse_args
 from megatron_dppo.pipeline.experience import ExperienceMaker
 from megatron_dppo.pipeline.tasks import Prompt, Task
@@ -134,11 +135,30 @@ def test_the_stratum_prior_matches_its_groups_mean_and_zero_variance_share():
     assert (a / (a + b)).item() == pytest.approx(float((passes / 8).mean()))
 
 
-def test_success_rate_needs_pass_fail_rewards_and_says_which_score_to_use_instead():
+def test_a_graded_reward_turns_auto_to_the_zero_variance_score_and_stops_an_explicit_success_rate_and_the_probe():
+    """The default `auto` ranks by the success-rate belief while every reward is 0 or 1, and by the zero-variance
+    predictor once a graded reward was recorded (the two differ on the same history); an explicit success_rate and the
+    probe, which count passes, stop with one line naming the flag to change."""
     history = PromptHistory()
-    history.update([0], [0.0], [10.0], rewards=[[0.5, 1.0, 0.0, 1.0]], difficulties=["s"])
-    with pytest.raises(ValueError, match="--dppo-prompt-score zero_variance"):
-        history.success_rate_posterior([0], ["s"])
+    history.update([0, 1], [0.0, 1.0], [10.0, 10.0], rewards=[[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]],
+                   difficulties=["s", "s"])
+    auto = build_pruner("dppo", group_size=4)
+    assert auto.prompt_score == "auto" and auto.score_used(history) == "success_rate"
+    torch.testing.assert_close(auto.predictions([0, 1], history, ["s", "s"])[0],
+                               build_pruner("dppo", group_size=4, prompt_score="success_rate").predictions(
+                                   [0, 1], history, ["s", "s"])[0])
+    history.update([2], [0.0], [10.0], rewards=[[0.5, 1.0, 0.0, 1.0]], difficulties=["s"])
+    assert auto.score_used(history) == "zero_variance"
+    torch.testing.assert_close(auto.predictions([0, 1], history, ["s", "s"])[0],
+                               build_pruner("dppo", group_size=4, prompt_score="zero_variance").predictions(
+                                   [0, 1], history, ["s", "s"])[0])
+    decision = auto.select_prompts([0, 1, 2, 3], history, step=1, difficulties=["s"] * 4, batch_size=2)
+    assert len(decision.kept) == 2
+    with pytest.raises(UserInputError, match="--dppo-prompt-score auto or zero_variance"):
+        build_pruner("dppo", group_size=4, prompt_score="success_rate").predictions([0], history, ["s"])
+    probe = build_pruner("dppo", group_size=4, probe_samples=2)
+    with pytest.raises(UserInputError, match="drop --dppo-probe-samples"):
+        probe.select_continuations([0, 1], history, ["s", "s"], torch.tensor([1.0, 2.0]), 1, step=1)
 
 
 def test_history_state_round_trips_the_success_counts():

@@ -29,6 +29,7 @@ from megatron_dppo.algo.pruner_interface import (
     step_generator,
 )
 from megatron_dppo.algo.sampling_designs import SAMPLING_DESIGNS, draw
+from megatron_dppo.errors import UserInputError
 
 
 @dataclass
@@ -46,11 +47,13 @@ class DPPOConfig:
     # "all" | "below_mean" (only items scoring <= the mean may be pruned: batch for prompts, group for completions;
     # InfoBatch-style, our reading of "low |A|")
     candidates: str = "below_mean"
-    # what the prompt level scores: "success_rate" ranks by sqrt(E[Σ A²]) under the history's Beta belief about the
-    # prompt's success rate (pass/fail rewards), "zero_variance" by sqrt(1 - z), z the EMA-predicted probability that
-    # the group is zero-variance (both: every prompt has one once anything was rolled out, its stratum's prior); the
-    # others rank by an EMA of a per-visit score, and only prompts seen before may be pruned
-    prompt_score: str = "success_rate"
+    # what the prompt level scores: "auto" is "success_rate" while every recorded reward is 0 or 1 and
+    # "zero_variance" once one is not (a graded reward); "success_rate" ranks by sqrt(E[Σ A²]) under the history's
+    # Beta belief about the prompt's success rate (pass/fail rewards), "zero_variance" by sqrt(1 - z), z the
+    # EMA-predicted probability that the group is zero-variance (both: every prompt has one once anything was rolled
+    # out, its stratum's prior); the others rank by an EMA of a per-visit score, and only prompts seen before may be
+    # pruned
+    prompt_score: str = "auto"
     # how the prompt level draws from its keep probabilities (algo/sampling_designs.py): "systematic" keeps exactly
     # the target number (the rollout batch with refill), "bernoulli" an independent coin each (the count varies)
     prompt_sampling: str = "systematic"
@@ -80,9 +83,10 @@ class DPPOConfig:
         if not 0 <= self.probe_samples < self.group_size:
             raise ValueError(f"dppo probe_samples is {self.probe_samples}: it must be in [0, {self.group_size}) (the "
                              "probe rolls out part of a group of --n-samples-per-prompt)")
-        if self.probe_samples and (self.mode != "stochastic" or self.prompt_score != "success_rate"):
+        if self.probe_samples and (self.mode != "stochastic" or self.prompt_score not in ("auto", "success_rate")):
             raise ValueError("the dppo probe continues groups by the success-rate posterior and weighs them by "
-                             "1 / P(continue): it needs --dppo-mode stochastic and --dppo-prompt-score success_rate")
+                             "1 / P(continue): it needs --dppo-mode stochastic and --dppo-prompt-score auto or "
+                             "success_rate")
         if not 0.0 < self.probe_p_min <= 1.0:
             raise ValueError(f"dppo probe_p_min is {self.probe_p_min}: it must be in (0, 1]")
         if not self.refill_max >= 1.0:
@@ -154,10 +158,17 @@ class DPPOPruner(Pruner):
         return bool(self.config.probe_samples) and history is not None and not math.isnan(
             history.zero_variance_share())
 
+    def score_used(self, history: PromptHistory) -> str:
+        """The prompt score this step ranks by: `auto` resolves to success_rate while every reward recorded was 0 or
+        1, else to zero_variance (the success-rate belief counts passes, which a graded reward does not have)."""
+        if self.config.prompt_score != "auto":
+            return self.config.prompt_score
+        return "success_rate" if history.rewards_pass_fail else "zero_variance"
+
     def predictions(self, prompt_ids, history: PromptHistory, difficulties) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores, z) [P]: the keep rule's score and the predicted probability that the group is zero-variance, NaN
         where the history knows nothing yet."""
-        if self.config.prompt_score == "success_rate":
+        if self.score_used(history) == "success_rate":
             a, b = history.success_rate_posterior(prompt_ids, difficulties)
             known = ~torch.isnan(a)
             scores, predicted = torch.full_like(a, math.nan), torch.full_like(a, math.nan)
@@ -167,7 +178,7 @@ class DPPOPruner(Pruner):
             predicted[known] = all_equal_probability(a[known], b[known], group_size)
             return scores, predicted
         predicted = history.zero_variance_probability(prompt_ids, difficulties)
-        if self.config.prompt_score == "zero_variance":
+        if self.score_used(history) == "zero_variance":
             return (1.0 - predicted).clamp(min=0.0).sqrt(), predicted
         return history.lookup(prompt_ids)[0], predicted
 
@@ -183,7 +194,7 @@ class DPPOPruner(Pruner):
         # the predictive scores rank every prompt by its own prediction (the sqrt rule above); the EMA scores prune
         # only the prompts seen before and scoring below the mean. A prompt without a score, or whose length could
         # not be counted in the full batch before the draw (full_batch_counts), is never a pruning candidate
-        candidates = known if self.config.prompt_score in ("success_rate", "zero_variance") else (
+        candidates = known if self.config.prompt_score in ("auto", "success_rate", "zero_variance") else (
             known & self._below_mean(scores, known))
         rate = self.prune_rate(history)
         num_candidates, fixed = int(candidates.sum()), num_prompts - int(candidates.sum())
@@ -221,6 +232,9 @@ class DPPOPruner(Pruner):
         gives 1 (kept with certainty while the count allows); one that agrees gives the posterior chance that the rest
         of the group differs, so the history decides which agreeing groups are still worth the rest of their samples.
         """
+        if not history.rewards_pass_fail:
+            raise UserInputError("--dppo-probe-samples counts the probe's passing samples, but a reward other than 0 "
+                                 "or 1 was recorded: drop --dppo-probe-samples for a graded reward")
         a, b = history.success_rate_posterior(prompt_ids, difficulties)
         informative = continuation_informative_probability(a, b, probe_passes, self.config.probe_samples,
                                                            self.config.group_size)

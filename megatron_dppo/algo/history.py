@@ -21,12 +21,12 @@ never seen gets the prior alone: that is what is known about it before its first
 rolled out there is no prior, and z is NaN (the prompt level then keeps every prompt). bench/prompt_prediction.py
 measured it on GRPO runs: docs/algorithms.md.
 
-The success-rate predictor (the default prompt score, `success_rate`; pass/fail rewards): per prompt, discounted
-counts of passing and failing samples (decay `ema_decay` per visit, each sample weighing `sample_weight`: the policy
-moves between visits, so a visit's 8 samples say less about the next group than 8 fresh ones would; an in-step
-probe's samples included), on top of
-a Beta prior fitted to its stratum's recent groups (algo/beta_binomial.py prior_matching: their mean success
-fraction and their zero-variance share): a stratum of mostly all-wrong and all-right prompts gets a U-shaped prior,
+The success-rate predictor (`success_rate`; the default `auto` uses it while every reward is 0 or 1, and the
+zero-variance one after a graded reward): per prompt, discounted counts of passing and failing samples (decay
+`ema_decay` per visit, each sample weighing `sample_weight`: the policy moves between visits, so a visit's 8 samples
+say less about the next group than 8 fresh ones would; an in-step probe's samples included), on top of a Beta prior
+fitted to its stratum's recent groups (algo/beta_binomial.py prior_matching: their mean success fraction and their
+zero-variance share): a stratum of mostly all-wrong and all-right prompts gets a U-shaped prior,
 so an unseen prompt there is predicted zero-variance as often as such prompts are. The prompt's success rate
 p ~ Beta(a_stratum + passes, b_stratum + fails), and
 
@@ -46,8 +46,9 @@ import torch
 
 from megatron_dppo.algo.advantages import check_rewards, reject_rewards
 from megatron_dppo.algo.beta_binomial import prior_matching
+from megatron_dppo.errors import UserInputError
 
-PROMPT_SCORES = ("success_rate", "zero_variance", "mean_abs_advantage", "reward_std", "unsolved_rate")
+PROMPT_SCORES = ("auto", "success_rate", "zero_variance", "mean_abs_advantage", "reward_std", "unsolved_rate")
 STRATUM_DECAY = 0.98  # per group of the stratum: its prior follows the last ~50 groups, as the policy changes
 POOL = "\0pool"  # the stratum key that pools every group (the prior of a stratum with no groups yet)
 
@@ -61,7 +62,7 @@ def score_prompts(rewards: torch.Tensor, advantages: torch.Tensor, score: str = 
     improves) is not scored as worthless. zero_variance: 1 for a group whose rewards are all equal, else 0.
     """
     check_rewards(rewards)
-    if score in ("zero_variance", "success_rate"):  # both record the indicator; success_rate its counts too
+    if score in ("auto", "zero_variance", "success_rate"):  # the indicator; success_rate counts passes too
         return zero_variance_groups(rewards).to(rewards.dtype)
     if score == "mean_abs_advantage":
         return advantages.abs().mean(dim=1)
@@ -217,8 +218,9 @@ class PromptHistory:
         where the stratum has no groups yet) plus its discounted passes and fails; NaN while no whole group has been
         recorded. Raises where a folded reward was not pass/fail (the prediction counts passes)."""
         if not self.rewards_pass_fail:
-            raise ValueError("the success-rate prediction counts passing samples, but a reward other than 0 or 1 was "
-                             "recorded: use --dppo-prompt-score zero_variance for a graded reward")
+            raise UserInputError("--dppo-prompt-score success_rate counts passing samples, but a reward other than 0 "
+                                 "or 1 was recorded: use --dppo-prompt-score auto or zero_variance for a graded "
+                                 "reward")
         difficulties = [""] * len(prompt_ids) if difficulties is None else difficulties
         priors = {}
         a, b = [], []

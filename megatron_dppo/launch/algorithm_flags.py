@@ -25,7 +25,7 @@ from megatron_dppo.flags import (
 )
 
 ALGORITHMS = ("grpo", "dppo", "cppo", "d3s")
-PROMPT_SCORES = ("success_rate", "zero_variance", "mean_abs_advantage", "reward_std", "unsolved_rate")
+PROMPT_SCORES = ("auto", "success_rate", "zero_variance", "mean_abs_advantage", "reward_std", "unsolved_rate")
 SAMPLING_DESIGNS = ("systematic", "bernoulli")
 # Clip ranges (eps_low, eps_high): DAPO's clip-higher for token-level ratios; a sequence-level (GSPO) ratio is the
 # geometric mean of the token ratios, so it moves far less and GSPO's paper clips it at (3e-4, 4e-4).
@@ -53,8 +53,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     algo.add_argument("--dppo-candidates", choices=("all", "below_mean"), default="below_mean",
                       help="which items may be pruned: all, or those scoring <= the mean (of the batch for prompts, "
                            "of the group for completions)")
-    algo.add_argument("--dppo-prompt-score", choices=PROMPT_SCORES, default="success_rate",
-                      help="how the prompt level ranks prompts before rollout: success_rate, the expected Σ A² of the "
+    algo.add_argument("--dppo-prompt-score", choices=PROMPT_SCORES, default="auto",
+                      help="how the prompt level ranks prompts before rollout: auto, success_rate while every "
+                           "reward is 0 or 1 and zero_variance once one is not; success_rate, the expected Σ A² of the "
                            "group under the history's Beta belief about the prompt's success rate (pass/fail "
                            "rewards; a stratum prior for unseen prompts); zero_variance, sqrt(1 - z), z an EMA-"
                            "predicted probability that the group's rewards are all equal; or an EMA of mean |A| or "
@@ -158,9 +159,9 @@ def probe_errors(args: argparse.Namespace, parser: argparse.ArgumentParser) -> l
     if args.dppo_probe_samples >= args.n_samples_per_prompt:
         found.append(f"--dppo-probe-samples {args.dppo_probe_samples} must be below --n-samples-per-prompt "
                      f"{args.n_samples_per_prompt}: the probe rolls out the first samples of a group")
-    if args.dppo_mode != "stochastic" or args.dppo_prompt_score != "success_rate":
+    if args.dppo_mode != "stochastic" or args.dppo_prompt_score not in ("auto", "success_rate"):
         found.append("--dppo-probe-samples continues groups by the success-rate belief and weighs them by 1 / "
-                     "P(continue): it needs --dppo-mode stochastic and --dppo-prompt-score success_rate")
+                     "P(continue): it needs --dppo-mode stochastic and --dppo-prompt-score auto or success_rate")
     probed = args.dppo_probe_prompts or 2 * args.rollout_batch_size
     if probed < args.rollout_batch_size:
         found.append(f"--dppo-probe-prompts {probed} is below --rollout-batch-size {args.rollout_batch_size}: the "
