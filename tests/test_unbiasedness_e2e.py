@@ -35,6 +35,9 @@ import pytest
 from megatron_dppo.launch.rollout_correction_flags import ROLLOUT_CORRECTIONS
 from tests.launch import REPO_ROOT, kill_group
 
+# the module's fixture waits up to 1200 s for its bench processes and then prints their output: pytest-timeout
+# (900 s by default, counted on the first test, which runs the fixture) must not end it first and print nothing
+pytestmark = pytest.mark.timeout(1500)
 BENCH = REPO_ROOT / "bench" / "unbiasedness.py"
 DRAWS = 12_000
 NUM_CONFIGURATIONS = 19
