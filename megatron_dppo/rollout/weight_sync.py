@@ -6,6 +6,11 @@ sync:        pause → flush → begin (/begin_weight_update) → for each bucke
              (names, dtypes, shapes, load_format) to every engine ‖ broadcast(one flat uint8 buffer for
              "flattened_bucket"; each tensor for null, the per-tensor format) → end (/end_weight_update, always)
              → continue → check /model_info weight_version on every engine
+batched:     engines whose /model_info offers weight_update_batching (the embedded engine; never SGLang) get, from
+             the sync after the one that read it: begin+pause+flush in one call → the updates pipelined (bucket k+1
+             posted once bucket k is sent, k's answer, with the weight version, collected while k+1 travels) →
+             end+continue in one call; the answers' versions are the version check
+Every phase is timed (SyncStats.phases, PHASES; bench/weight_sync.py prints them).
 
 The protocol both sides speak (the group, the bucket layout, packing and unpacking) is
 megatron_dppo/weight_update_protocol.py; this module adds the trainer's order of operations, its staging buffers and
@@ -18,10 +23,15 @@ Invariants:
 - a failed update leaves no broadcast pending: an engine that refused never joins the broadcast, so the syncer
   tears the group down (engines leave first, closing their ends, then this side aborts its communicator, which
   ends the pending send) and the next sync builds a new one;
-- bucket limits ramp up from first_bucket_bytes to bucket_bytes, so the broadcast starts after a small pack;
+- packed buckets' limits ramp up from first_bucket_bytes to bucket_bytes, so the broadcast starts after a small
+  pack; consecutive buckets sent per tensor (nothing to pack) are merged up to bucket_bytes, each bucket costing a
+  request;
 - while bucket k is broadcast, a producer thread gathers bucket k+1 and (flattened_bucket) packs it into one of two
   reusable staging buffers (at most two packed buckets in memory; a one-tensor bucket is sent without a copy);
 - after a sync every engine reports the new weight version, or the sync raises;
+- pipelined updates reach each engine in order: bucket k+1 is posted only once this side has sent bucket k, so the
+  engine is inside bucket k's update (it holds its model lock, which hands over in arrival order) when k+1 arrives;
+  a refusal of bucket k tears the group down with k+1's sends pending too;
 - every tensor is moved to the device the group's backend carries (NCCL: this GPU, gloo: the host) and broadcast
   through platform.collectives, which checks it.
 """
@@ -34,7 +44,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +53,7 @@ import torch
 from megatron_dppo.platform import collectives
 from megatron_dppo.rollout.client import RolloutServerError, control_request
 from megatron_dppo.weight_update_protocol import (
+    BATCHING_FIELD,
     DEFAULT_GROUP_NAME,
     FLATTENED_BUCKET,
     Bucket,
@@ -123,11 +135,21 @@ class BucketPrefetcher:
 
     def _produce(self, named_tensors, bucket_bytes: int, first_bucket_bytes: int | None) -> None:
         try:
+            # consecutive groups sent per tensor are merged up to bucket_bytes: with nothing to pack there is no
+            # first pack to wait for, and every bucket costs a request (the ramp is for packed buckets)
+            per_tensor: list[tuple[str, torch.Tensor]] = []
             for group in group_into_buckets(named_tensors, bucket_bytes, first_bucket_bytes):
                 if not self.pack(group):
-                    if not self._put(tensor_bucket(group)):
-                        return
+                    if per_tensor and bucket_nbytes(per_tensor) + bucket_nbytes(group) > bucket_bytes:
+                        if not self._put(tensor_bucket(per_tensor)):
+                            return
+                        per_tensor = []
+                    per_tensor += group
                     continue
+                if per_tensor:
+                    if not self._put(tensor_bucket(per_tensor)):
+                        return
+                    per_tensor = []
                 buffer = None
                 if bucket_needs_copy(group):
                     buffer = self.staging.take(bucket_nbytes(group), group[0][1].device, self.stop)
@@ -137,6 +159,8 @@ class BucketPrefetcher:
                 bucket.staging = buffer
                 if not self._put(bucket):
                     return
+            if per_tensor and not self._put(tensor_bucket(per_tensor)):
+                return
             self._put(self.done)
         except BaseException as error:  # re-raised in the consumer
             self._put(error)
@@ -187,13 +211,54 @@ def prefetch_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_b
     return BucketPrefetcher(named_tensors, bucket_bytes, timeout_s, staging, first_bucket_bytes, pack)
 
 
+# The phases of a sync, in order, as SyncStats.phases times them (seconds, summed over buckets where per bucket):
+# buckets: from posting a bucket's update until this side's last byte of it is sent; loads: from there until every
+# engine has answered (its load by name, then its reply); next bucket: waiting for the prefetcher to have packed it.
+PHASES = ("pause", "flush", "begin", "next bucket", "buckets", "loads", "end", "continue", "version check")
+
+
+class PhaseClock:
+    """Seconds per phase (PHASES), accumulated by `with clock("phase"): ...` or add()."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+
+
+class InFlightUpdate:
+    """One bucket's update on its way: every engine's answer (futures, in url order) and this side's broadcasts."""
+
+    def __init__(self, payload: dict, futures: list[Future]):
+        self.payload = payload
+        self.futures = futures
+        self.pending: list = []  # this side's broadcast Works, in order
+        self.start = time.perf_counter()
+        self.sent_at: list[float] = []  # when the last broadcast completed, once it has
+        self.progress = threading.Event()  # set when the sends complete or an engine answers
+
+    def mark_sent(self, _) -> None:
+        self.sent_at.append(time.perf_counter())
+        self.progress.set()
+
+
 @dataclass
 class SyncStats:
-    seconds: float
+    seconds: float  # the whole sync, pause to version check
     bytes: int
     buckets: int
     tensors: int
     weight_version: str
+    phases: dict[str, float] = field(default_factory=dict)  # PHASES -> seconds
 
     @property
     def gb_per_s(self) -> float:
@@ -255,6 +320,9 @@ class WeightSyncer:
         self.control = control
         self.load_format = load_format
         self.pool: ThreadPoolExecutor | None = None
+        # whether every engine offers weight_update_batching, as the last /model_info said (none read yet: no)
+        self.batching = False
+        self.reported_versions: list[str | None] = []  # per engine, from the last update's answers
 
     # Request bodies, one builder per SGLang request dataclass (checked by tests/test_rollout_contract.py).
     def init_group_payload(self, master_port: int, rank_offset: int, world_size: int) -> dict:
@@ -269,6 +337,13 @@ class WeightSyncer:
 
     def begin_payload(self) -> dict:
         return {"selector": "all"}
+
+    # The batched calls of engines that offer weight_update_batching (the embedded engine; never sent to SGLang).
+    def batched_begin_payload(self) -> dict:
+        return {**self.begin_payload(), "pause_generation": self.pause_payload(), "flush_cache": True}
+
+    def batched_end_payload(self) -> dict:
+        return {"continue_generation": True}
 
     def update_payload(self, bucket: Bucket, version: str) -> dict:
         return {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes,
@@ -360,23 +435,81 @@ class WeightSyncer:
                         raise
                     time.sleep(0.2)
 
-    def _send_bucket(self, bucket: Bucket, version: str) -> None:
-        self._post_update(self.update_payload(bucket, version), bucket.broadcasts)
+    def _send_bucket(self, bucket: Bucket, version: str, clock: PhaseClock | None = None) -> None:
+        """One bucket, not pipelined: post its update and broadcast it (phase buckets), then wait for every engine's
+        answer (phase loads)."""
+        clock = clock or PhaseClock()
+        with clock("buckets"):
+            update = self._start_update(self.update_payload(bucket, version), bucket.broadcasts)
+            self._wait_sent(update, [])
+        with clock("loads"):
+            self._finish_update(update)
 
-    def _post_update(self, payload: dict, tensors: list[torch.Tensor]) -> None:
-        """POST /update_weights_from_distributed to every engine while broadcasting `tensors` in order; if any engine
-        refuses, tear the group down (see the module docstring) and raise."""
-        futures = self._submit_all("/update_weights_from_distributed", payload)
+    def _send_pipelined(self, buckets: Iterator[Bucket], version: str, clock: PhaseClock) -> list[Bucket]:
+        """Every bucket, each posted once this side has sent the one before (whose engines are handling it by then,
+        so the engines handle the buckets in order), and the answer to the one before collected while it travels:
+        an engine's load of bucket k and its reply overlap the post and broadcast of bucket k + 1. Returns the
+        buckets sent."""
+        sent, previous = [], None
+        while True:
+            with clock("next bucket"):
+                bucket = next(buckets, None)
+            if bucket is None:
+                break
+            with clock("buckets"):
+                update = self._start_update(self.update_payload(bucket, version), bucket.broadcasts)
+            if previous is not None:
+                with clock("loads"):
+                    self._finish_update(previous, [update])
+            with clock("buckets"):
+                self._wait_sent(update, [])
+            sent.append(bucket)
+            previous = update
+        if previous is not None:
+            with clock("loads"):
+                self._finish_update(previous)
+        return sent
+
+    def _start_update(self, payload: dict, tensors: list[torch.Tensor]) -> InFlightUpdate:
+        """POST /update_weights_from_distributed to every engine and broadcast `tensors` in order (Works, at once)."""
+        update = InFlightUpdate(payload, self._submit_all("/update_weights_from_distributed", payload))
         what = f"weight bucket {payload['names'][0]} .. {payload['names'][-1]}"
-        pending = [collectives.broadcast(self.group, tensor, 0, what) for tensor in tensors]  # Works, at once
-        refusals = self._failures(futures)
+        update.pending = [collectives.broadcast(self.group, tensor, 0, what) for tensor in tensors]
+        if update.pending:
+            update.pending[-1].get_future().add_done_callback(update.mark_sent)
+        else:
+            update.mark_sent(None)
+        for future in update.futures:  # an engine that refuses answers without receiving: wake the sender too
+            future.add_done_callback(lambda _: update.progress.set())
+        return update
+
+    def _wait_sent(self, update: InFlightUpdate, later: list[InFlightUpdate]) -> None:
+        """Until this side has sent every byte of `update` (its engines are then handling it, so a request posted
+        next is handled after it), or an engine has refused it (which fails the sync: _finish_update raises)."""
+        while True:
+            update.progress.clear()
+            if update.sent_at:
+                return
+            if any(future.done() and future.exception() is not None for future in update.futures):
+                self._finish_update(update, later)
+            update.progress.wait(0.1)
+
+    def _finish_update(self, update: InFlightUpdate, later: list[InFlightUpdate] = ()) -> None:
+        """Wait for every engine's answer to `update`; if any refuses, tear the group down (see the module docstring;
+        `later`: updates posted after it, whose sends are pending too) and raise. Records each engine's reported
+        weight version where its answer gives one (an engine with weight_update_batching)."""
+        refusals = self._failures(update.futures)
         if refusals:
-            self._tear_down_after_failed_update(pending)
+            self._tear_down_after_failed_update([work for u in (update, *later) for work in u.pending])
+            for other in later:  # their requests fail once the engines left the group; let them end
+                self._failures(other.futures)
             raise RolloutServerError(
                 "update_weights_from_distributed failed on " + "; ".join(refusals) + "; the weight update group "
                 "was torn down and the next sync builds a new one")
-        for work in pending:
+        for work in update.pending:
             work.wait()
+        self.reported_versions = [answer.get("weight_version") if isinstance(answer, dict) else None
+                                  for answer in (future.result() for future in update.futures)]
 
     def _tear_down_after_failed_update(self, pending: list) -> None:
         """The engines leave the group first (an engine's end closes, so this side's pending sends fail instead of
@@ -399,10 +532,13 @@ class WeightSyncer:
             raise RolloutServerError("end_weight_update failed on " + "; ".join(failures))
 
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | str) -> SyncStats:
-        """pause → flush → begin → bucketed broadcast → end → continue → version check; returns timing and size."""
+        """pause → flush → begin → bucketed broadcast → end → continue → version check; returns timing (the whole
+        sync and each phase, PHASES) and size. Engines that all offer weight_update_batching (learned from the
+        version check's /model_info) get the batched sequence instead (_batched_sequence)."""
         if self.group is None:
             self.init_group()
         version = str(version)
+        clock = PhaseClock()
         start = time.perf_counter()
         # the group's device (NCCL: this GPU; gloo: the host), wherever the tensors come from: a CUDA actor syncing
         # over gloo (the embedded engine, colocated SGLang), or resend()'s host copies over NCCL
@@ -414,36 +550,74 @@ class WeightSyncer:
                              for name, t in named_tensors)
         prefetcher = prefetch_buckets(named_tensors, self.bucket_bytes, self.timeout_s, self.staging,
                                       self.first_bucket_bytes, pack=self._packs)
+        batched = self.batching
+        self.reported_versions = []
         try:
             with prefetcher:  # the first bucket is packed while the engines pause and flush
-                self._call_all("/pause_generation", self.pause_payload())
-                try:
-                    self._flush_all()
-                    total_bytes = buckets = tensors = 0
-                    updated = False
-                    try:
-                        self._begin_update()
-                        for bucket in prefetcher:
-                            self._send_bucket(bucket, version)
-                            total_bytes += bucket.nbytes
-                            buckets += 1
-                            tensors += len(bucket.names)
-                        updated = True
-                    finally:
-                        self._end_update(raise_errors=updated)
-                finally:
-                    self._call_all("/continue_generation", {})
+                sent = (self._batched_sequence if batched else self._sglang_sequence)(iter(prefetcher), version,
+                                                                                       clock)
             self.staging.release_device_memory()
         except BaseException:
             self.staging = StagingBuffers()  # a bucket may not have come back to the pool
             raise
+        with clock("version check"):
+            reported = self.reported_versions
+            if not batched or len(reported) != len(self.urls) or None in reported:
+                infos = self._call_all("/model_info", None, "GET")
+                reported = [info.get("weight_version") for info in infos]
+                self.batching = all(info.get(BATCHING_FIELD) is True for info in infos)
         seconds = time.perf_counter() - start
-        reported = [info.get("weight_version") for info in self._call_all("/model_info", None, "GET")]
         stale = [f"{url} reports {got!r}" for url, got in zip(self.urls, reported) if got != version]
         if stale:
             raise RolloutServerError(f"weight version {version!r} not reached after sync: " + "; ".join(stale))
         self.last_version = version
         if self.keep_host_copy:
             self.host_copy = kept
-        return SyncStats(seconds=seconds, bytes=total_bytes, buckets=buckets, tensors=tensors,
-                         weight_version=version)
+        return SyncStats(seconds=seconds, bytes=sum(bucket.nbytes for bucket in sent), buckets=len(sent),
+                         tensors=sum(len(bucket.names) for bucket in sent), weight_version=version,
+                         phases=clock.seconds)
+
+    def _sglang_sequence(self, buckets: Iterator[Bucket], version: str, clock: PhaseClock) -> list[Bucket]:
+        """SGLang's calls, one per step: pause → flush → begin → one update per bucket, each answered before the
+        next → end (always) → continue (always, once paused). Returns the buckets sent."""
+        with clock("pause"):
+            self._call_all("/pause_generation", self.pause_payload())
+        try:
+            with clock("flush"):
+                self._flush_all()
+            sent, updated = [], False
+            try:
+                with clock("begin"):
+                    self._begin_update()
+                while True:
+                    with clock("next bucket"):
+                        bucket = next(buckets, None)
+                    if bucket is None:
+                        break
+                    self._send_bucket(bucket, version, clock)
+                    sent.append(bucket)
+                updated = True
+            finally:
+                with clock("end"):
+                    self._end_update(raise_errors=updated)
+        finally:
+            with clock("continue"):
+                self._call_all("/continue_generation", {})
+        return sent
+
+    def _batched_sequence(self, buckets: Iterator[Bucket], version: str, clock: PhaseClock) -> list[Bucket]:
+        """The embedded engine's batched calls (weight_update_batching): one /begin_weight_update that also pauses
+        and flushes (phase pause), the updates pipelined (_send_pipelined), whose answers carry the weight version,
+        and one /end_weight_update that also continues (always; phase end). Returns the buckets sent."""
+        updated = False
+        try:
+            with clock("pause"):
+                self._call_all("/begin_weight_update", self.batched_begin_payload())
+            sent = self._send_pipelined(buckets, version, clock)
+            updated = True
+        finally:
+            with clock("end"):
+                failures = self._failures(self._submit_all("/end_weight_update", self.batched_end_payload()))
+                if failures and updated:
+                    raise RolloutServerError("end_weight_update failed on " + "; ".join(failures))
+        return sent

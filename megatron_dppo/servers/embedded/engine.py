@@ -69,6 +69,7 @@ from megatron_dppo.servers.embedded.request_parser import DEFAULT_MAX_N, Request
 from megatron_dppo.servers.embedded.routes import build_app
 from megatron_dppo.servers.embedded.scheduler import MIN_ROWS_PER_WORKER, BatchGenerator, BatchScheduler
 from megatron_dppo.servers.embedded.weights import WeightNoise, WeightUpdates
+from megatron_dppo.weight_update_protocol import BATCHING_FIELD
 
 DEFAULT_KV_CACHE_BYTES = 2**30  # the KV budget's default size: see --max-total-tokens
 
@@ -121,7 +122,7 @@ class EmbeddedEngine:
             BatchGenerator(self.decoder, self.prefix_cache, eos_token_ids, max_positions, seed),
             max_positions, max_batch_size, max_total_tokens, workers, batch_window_s)
         noise = WeightNoise(weight_noise, weight_noise_seed) if weight_noise else None
-        self.weights = WeightUpdates(self.model, self.prefix_cache, noise)
+        self.weights = WeightUpdates(self.model, self.prefix_cache, noise, self.decoder.fused_parameter_names)
         if noise is not None:
             noise.apply(self.model, [name for name, _ in self.model.named_parameters(remove_duplicate=False)])
 
@@ -139,6 +140,7 @@ class EmbeddedEngine:
             "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weights.weight_version,
             "load_format": self.weights.load_format, "reasoning_parser": None, "tool_call_parser": None,
             "model_type": self.model.config.model_type, "architectures": self.model.config.architectures,
+            BATCHING_FIELD: True,  # it takes a sync's batched calls (routes.py)
         }
 
 
