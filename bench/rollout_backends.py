@@ -46,7 +46,13 @@ from bench import accuracy_runs, peer_grpo  # noqa: E402
 from megatron_dppo.launch.arguments import parse_args as parse_training_args  # noqa: E402
 from megatron_dppo.launch.run import embedded_engine_options  # noqa: E402
 from megatron_dppo.rollout.client import RolloutClient, SamplingParams  # noqa: E402
-from megatron_dppo.rollout.launcher import launch_embedded_engine, launch_vllm_servers  # noqa: E402
+from megatron_dppo.rollout.launcher import (  # noqa: E402
+    launch_embedded_engine,
+    require_model_dir,
+    start_all,
+    vllm_python,
+    vllm_servers,
+)
 from megatron_dppo.rollout.vllm import VLLMCompletionsAPI, VLLMControl  # noqa: E402
 from megatron_dppo.rollout.weight_sync import AUTO_FORMAT, WeightSyncer  # noqa: E402
 from megatron_dppo.weight_update_protocol import FLATTENED_BUCKET  # noqa: E402
@@ -229,9 +235,19 @@ def fixed_length_workload(options, servers: contextlib.ExitStack, model_dir: Pat
     return workload
 
 
+# vLLM 0.32's CPU build crashes ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync) when a
+# seeded request's prefill is split over steps, and the client seeds every request: so vLLM gets a token budget per
+# step that holds a whole batch's prefill (and a sequence limit that holds the batch), and never splits one.
+VLLM_BATCH_FLAGS = ["--max-num-batched-tokens", "16384", "--max-num-seqs", "256"]
+
+
 def start_vllm(model_dir: Path, options, servers: contextlib.ExitStack):
     start = time.perf_counter()
-    (vllm,) = launch_vllm_servers(1, str(model_dir), options.rollout_python, enforce_eager=True, gpus_per_server=0)
+    require_model_dir(str(model_dir))
+    (vllm,) = vllm_servers(1, str(model_dir), vllm_python(options.rollout_python), enforce_eager=True,
+                           gpus_per_server=0)
+    vllm.command += VLLM_BATCH_FLAGS
+    start_all([vllm])
     servers.callback(vllm.stop)
     print(f"vLLM server healthy after {time.perf_counter() - start:.0f} s", flush=True)
     return vllm
