@@ -26,8 +26,9 @@ import time
 import torch
 
 from megatron_dppo.platform.network import free_port
+from megatron_dppo.rollout.engine_calls import PHASES
 from megatron_dppo.rollout.launcher import launch_embedded_engine, python_env
-from megatron_dppo.rollout.weight_sync import AUTO_FORMAT, PHASES, WeightSyncer
+from megatron_dppo.rollout.weight_sync import AUTO_FORMAT, WeightSyncer
 from megatron_dppo.weight_update_protocol import FLATTENED_BUCKET, broadcast_from_trainer, init_weight_update_group
 
 # The syncer's formats, the trainer's for the embedded engine first (run.start_rollout): the bench's headline.
