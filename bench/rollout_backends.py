@@ -109,7 +109,7 @@ def main_job_flags(options) -> tuple[SimpleNamespace, Path, object]:
     settings = peer_grpo.time_to_accuracy_settings(SimpleNamespace(
         out_dir=options.out_dir, processes=options.processes, budget_s=None, warm_start_steps=options.warm_start_steps,
         eval_interval=None, eval_size=options.eval_size, seeds=None))
-    warm_start, _ = accuracy_runs.prepare_warm_start(settings, measure_rate=False)
+    warm_start = accuracy_runs.prepare_warm_start(settings)
     hf_dir = peer_grpo.export_warm_start(warm_start, settings.out_dir / "rollout_backends")
     args = parse_training_args(accuracy_runs.rl_flags(settings, "grpo", settings.seeds[0], warm_start))
     if options.main_job_prompts:
