@@ -8,8 +8,8 @@
        computed in this process and sent over a socket pair; greedy held-out accuracy every --eval-interval steps,
        a budget of as many seconds as ours
        ─► <out>/runs/trl-peer/seed_<n>/metrics.jsonl + summary.json, the layout our trainer writes
-    4. generation alone, on one step's 16 prompts x 8 samples: in-process HF `generate` as TRL calls it, against the
-       embedded engine as the trainer starts it (and with the same threads as `generate`)
+    4. generation alone, on one step's prompts x samples (RL_FLAGS: 32 x 8): in-process HF `generate` as TRL calls
+       it, against the embedded engine as the trainer starts it (and with the same threads as `generate`)
     5. tables (medians over steps and repeats), curves (megatron_dppo/metrics.py plot_runs), `name: value` lines
 
 The bench times what each trainer times: a step of ours is the trainer's seconds_step (rollout, reward, update,

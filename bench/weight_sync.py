@@ -2,7 +2,8 @@
 
 All run from this process against separate receivers on this host, repeats interleaved (auto sync, per-tensor sync,
 flattened sync, raw, auto sync, ...) so that all see the same load on a shared machine:
-  sync: pause → flush → begin → bucketed broadcast (+ engine loads by name) → end → continue → version check, in
+  sync: pause → flush → begin → bucketed broadcast (+ engine loads by name) → end → continue → version check (each
+        phase timed: WeightSyncer's SyncStats.phases, the table's rows), in
         the format the trainer uses for the embedded engine (auto: a bucket of large tensors per tensor, a bucket of
         small ones packed), per tensor (each tensor broadcast as it is, received into its parameter) and in
         flattened buckets (tensors packed into one buffer per bucket, as for SGLang over NCCL and for vLLM)
@@ -25,6 +26,7 @@ import time
 import torch
 
 from megatron_dppo.platform.network import free_port
+from megatron_dppo.rollout.engine_calls import PHASES
 from megatron_dppo.rollout.launcher import launch_embedded_engine, python_env
 from megatron_dppo.rollout.weight_sync import AUTO_FORMAT, WeightSyncer
 from megatron_dppo.weight_update_protocol import FLATTENED_BUCKET, broadcast_from_trainer, init_weight_update_group
@@ -86,6 +88,7 @@ def main() -> None:
         raw_group = init_weight_update_group("gloo", "127.0.0.1", port, 0, 2, "raw_bench", 300)
         flat = torch.zeros(nbytes, dtype=torch.uint8)
         seconds = {name: [] for name in (*FORMATS, RAW)}
+        phases = {name: {phase: [] for phase in PHASES} for name in FORMATS}
         with launch_embedded_engine(model_dir, startup_timeout_s=300, threads=1) as engine:
             syncers = {name: WeightSyncer([engine.url], bucket_bytes=args.bucket_mb * 1024**2,
                                           first_bucket_bytes=args.first_bucket_mb * 1024**2, timeout_s=300,
@@ -94,14 +97,17 @@ def main() -> None:
             for syncer in syncers.values():
                 syncer.init_group()
             for version in range(args.repeats + 1):  # version 0: warm-up, not measured
-                round_seconds = {name: syncer.sync(named, f"{name}-{version}").seconds
-                                 for name, syncer in syncers.items()}
+                stats = {name: syncer.sync(named, f"{name}-{version}") for name, syncer in syncers.items()}
+                round_seconds = {name: value.seconds for name, value in stats.items()}
                 start = time.perf_counter()
                 broadcast_from_trainer(raw_group, flat)
                 round_seconds[RAW] = time.perf_counter() - start
                 if version:
                     for name, value in round_seconds.items():
                         seconds[name].append(value)
+                    for name, value in stats.items():
+                        for phase in PHASES:
+                            phases[name][phase].append(value.phases[phase])
             for syncer in syncers.values():
                 syncer.destroy_group()
         receiver.wait(timeout=300)
@@ -112,6 +118,16 @@ def main() -> None:
     for name, median in medians.items():
         print(f"{name:45s} {median:10.3f} {gigabytes / median:8.3f} {median / gigabytes:8.3f} "
               f"{medians[RAW] / median:11.3f}")
+    print("\nper phase, median over rounds (ms): pause → flush → begin → (next bucket → buckets → loads) per bucket → "
+          "end → continue → version check; raw: the one broadcast")
+    short = {name: name.removeprefix("weight sync, ") for name in FORMATS}
+    print(f"{'phase':15s} " + " ".join(f"{short[name]:>20s}" for name in FORMATS) + f" {'raw broadcast':>14s}")
+    for phase in PHASES:
+        cells = " ".join(f"{1000 * statistics.median(phases[name][phase]):20.1f}" for name in FORMATS)
+        raw = f"{1000 * medians[RAW]:14.1f}" if phase == "buckets" else f"{'-':>14s}"
+        print(f"{phase:15s} {cells} {raw}")
+    totals = " ".join(f"{1000 * medians[name]:20.1f}" for name in FORMATS)
+    print(f"{'total':15s} {totals} {1000 * medians[RAW]:14.1f}")
     for name, values in seconds.items():
         print(f"{name} repeats: {[round(value, 3) for value in values]}")
     trainer_format = next(iter(FORMATS))

@@ -39,6 +39,12 @@ if TYPE_CHECKING:
 RAMP = 1.5
 DEFAULT_GROUP_NAME = "megatron_dppo_weight_sync"
 FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for one packed buffer per bucket
+# In an engine's /model_info (the embedded engine's; not SGLang's, which therefore only ever gets SGLang's calls): the
+# engine takes the batched calls of a sync. /begin_weight_update with {"pause_generation": {"mode": m},
+# "flush_cache": true} pauses, flushes and opens the session in one call; /end_weight_update with
+# {"continue_generation": true} closes it and continues, also when closing fails; each update's answer carries the
+# engine's weight_version; and an update posted while the one before is still being answered waits for it.
+BATCHING_FIELD = "weight_update_batching"
 
 
 def sync_rank_offsets(engine_ranks: list[int]) -> tuple[list[int], int]:

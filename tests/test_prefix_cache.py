@@ -125,3 +125,31 @@ def test_a_continued_request_after_a_weight_update_is_computed_with_the_new_weig
     worst = max((torch.tensor(seq.output_logprobs) - sequence_logprobs(new_model, seq.prompt_ids, seq.output_ids))
                 .abs().max().item() for seq in stale)
     assert worst > 1e-3, f"stale K/V changed the log-probs by {worst} only: the check could not tell"
+
+
+def test_only_rows_a_later_request_can_continue_are_cached_not_those_at_a_stop_token_or_the_context_end(model_dir):
+    """A row that stops at max_new_tokens with room left in the context is a chunk a later request may continue: its
+    K/V is kept. A row that ends at a stop token, or at the end of the model's context (no request can add a token
+    to it), leaves nothing in the cache."""
+    from megatron_dppo.servers.embedded.engine import EmbeddedEngine
+
+    engine = EmbeddedEngine(model_dir, deterministic_inference=True)
+    context = engine.scheduler.max_positions  # 256
+    long_prompt = list(range(1, 60)) * 5  # 295 tokens: cut to leave exactly CHUNK positions
+    at_end = sequences([long_prompt[:context - CHUNK]], [[]], CHUNK, [None])
+    engine.scheduler.decode(at_end)
+    assert len(at_end[0].output_ids) == CHUNK and at_end[0].finish_reason["type"] == "length"
+    assert engine.prefix_cache.tokens == 0, "a row at the end of the context was cached"
+
+    first = sequences(PROMPTS[:1], [[]], CHUNK, [None])
+    engine.scheduler.decode(first)
+    stop = first[0].output_ids[1]  # greedy: the same request stops at its second token when that is a stop id
+    assert engine.prefix_cache.tokens == len(PROMPTS[0]) + CHUNK - 1  # a chunk: its K/V kept
+    engine.prefix_cache.clear()
+    stopping = sequences(PROMPTS[:1], [[]], CHUNK, [None])
+    stopping[0].params.stop_token_ids = {stop}
+    engine.scheduler.decode(stopping)
+    ends_at = first[0].output_ids.index(stop) + 1  # the same greedy tokens, up to the first stop id
+    assert stopping[0].finish_reason == {"type": "stop", "matched": stop}
+    assert stopping[0].output_ids == first[0].output_ids[:ends_at]
+    assert engine.prefix_cache.tokens == 0, "a row that ended at a stop token was cached"

@@ -69,6 +69,128 @@ def test_prefill_and_steps_equal_hf_forward_with_padding_growth_and_dropped_rows
             logits = decoder.logits(decoder.step(state, tokens))
 
 
+def unfused_logits(model, sequences: list[list[int]], steps: int, seed: int) -> tuple[torch.Tensor, list]:
+    """The decode computed projection by projection, the way the engine computed it before its step was fused: each
+    sequence alone, HF's own modules (q/k/v, o, gate/up/down as separate linear layers, its RMSNorm modules, its
+    rotary module and rotate_half), softmax(q·kᵀ·scale + mask)·v over a K/V cache that grows by concatenation.
+    Feeds `steps` seeded random tokens after each sequence; returns the logits of every step [steps + 1, B, V]
+    and the tokens fed."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    generator = torch.Generator().manual_seed(seed)
+    fed = torch.randint(0, model.config.vocab_size, (steps, len(sequences)), generator=generator)
+    layers, all_logits = model.model.layers, []
+    for row, sequence in enumerate(sequences):
+        cache = [([], []) for _ in layers]
+        row_logits = []
+        tokens = list(sequence)
+        for position in range(len(sequence) + steps):
+            if position >= len(sequence):
+                tokens.append(int(fed[position - len(sequence), row]))
+            hidden = model.model.embed_tokens(torch.tensor([[tokens[position]]]))  # [1, 1, hidden]
+            cos, sin = model.model.rotary_emb(hidden, torch.tensor([[position]]))
+            for layer, (keys, values) in zip(layers, cache):
+                attention, mlp = layer.self_attn, layer.mlp
+                normed = layer.input_layernorm(hidden)
+                shape = (1, 1, -1, attention.head_dim)
+                query = attention.q_proj(normed).view(shape)
+                key = attention.k_proj(normed).view(shape)
+                if hasattr(attention, "q_norm"):
+                    query, key = attention.q_norm(query), attention.k_norm(key)
+                query, key = query.transpose(1, 2), key.transpose(1, 2)  # [1, heads, 1, D]
+                query = query * cos[:, None] + rotate_half(query) * sin[:, None]
+                keys.append(key * cos[:, None] + rotate_half(key) * sin[:, None])
+                values.append(attention.v_proj(normed).view(shape).transpose(1, 2))
+                groups = query.shape[1] // keys[0].shape[1]
+                all_keys = torch.cat(keys, dim=2).repeat_interleave(groups, dim=1)
+                all_values = torch.cat(values, dim=2).repeat_interleave(groups, dim=1)
+                scores = torch.softmax(query @ all_keys.transpose(2, 3) * attention.scaling, dim=-1)
+                hidden = hidden + attention.o_proj((scores @ all_values).transpose(1, 2).reshape(1, 1, -1))
+                normed = layer.post_attention_layernorm(hidden)
+                hidden = hidden + mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(normed)) * mlp.up_proj(normed))
+            if position >= len(sequence) - 1:
+                row_logits.append(model.lm_head(model.model.norm(hidden))[0, 0])
+        all_logits.append(torch.stack(row_logits))
+    return torch.stack(all_logits, dim=1), fed
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_fused_steps_equal_the_unfused_step_with_padding_and_cache_growth(architecture):
+    """The fused step (one q/k/v multiply, one gate/up multiply, the RoPE table, 2-D activations, SDPA for decode
+    attention) gives the logits of the step computed projection by projection, fp32, within the engine's 1e-5
+    (the same arithmetic in another order: ~1e-7 apart), over a cache growth, for rows of different lengths."""
+    model = random_model(architecture)
+    decoder = KVCacheDecoder(model)
+    sequences = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    steps = BLOCK + 2
+    with torch.no_grad():
+        expected, fed = unfused_logits(model, sequences, steps, seed=3)
+        state, hidden = decoder.prefill(sequences)
+        got = [decoder.logits(hidden[:, -1])]
+        for step in range(steps):
+            got.append(decoder.logits(decoder.step(state, fed[step])))
+    torch.testing.assert_close(torch.stack(got), expected, atol=1e-5, rtol=0)
+
+
+def test_the_rope_table_holds_exactly_what_the_rotary_module_gives_and_dynamic_rope_calls_the_module():
+    """Per position, the table's cos equals the module's, and its signed sin is the module's sin with rotate_half's
+    signs, bit for bit. A RoPE type whose frequencies depend on the sequence length (dynamic) is not tabled: the
+    module computes every step, and the logits still equal HF's."""
+    model = random_model("llama")
+    decoder = KVCacheDecoder(model)
+    positions = torch.arange(40)
+    cos, sin = model.model.rotary_emb(torch.empty(0), positions[None])
+    table_cos, table_signed_sin = decoder.rope.lookup(positions)
+    half = cos.shape[-1] // 2
+    assert decoder.rope.by_position
+    assert torch.equal(table_cos, cos[0]) and torch.equal(table_signed_sin[:, half:], sin[0, :, half:])
+    assert torch.equal(table_signed_sin[:, :half], -sin[0, :, :half])
+
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config("llama", vocab_size=50, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                            ffn_hidden_size=96, max_position_embeddings=16,
+                            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    torch.manual_seed(0)
+    dynamic = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    decoder = KVCacheDecoder(dynamic)
+    assert not decoder.rope.by_position
+    sequences = [[1, 2, 3] + list(range(4, 14))]  # within max_position_embeddings, where HF's forward and a cache agree
+    with torch.no_grad():
+        state, hidden = decoder.prefill([sequences[0][:3]])
+        for token in sequences[0][3:]:
+            hidden = decoder.step(state, torch.tensor([token]))
+        torch.testing.assert_close(decoder.logits(hidden), hf_last_logits(dynamic, sequences), atol=1e-5, rtol=0)
+
+
+def test_weights_loaded_by_hf_name_reach_the_fused_matrices_written_in_place_or_rebuilt_when_re_pointed():
+    """The engine's load path by HF name: a fused part (q_proj) is written into, so its fused matrix holds the new
+    weights with no rebuild; a load that re-points a part (adopting a received buffer) makes the next prefill rebuild
+    that fused matrix. Either way the logits are HF's with the new weights."""
+    from megatron_dppo.servers.embedded.prefix_cache import PrefixCache
+    from megatron_dppo.servers.embedded.weights import WeightUpdates
+
+    model = random_model("qwen2")
+    decoder = KVCacheDecoder(model)
+    assert "model.layers.0.self_attn.q_proj.weight" in decoder.fused_parameter_names
+    assert "model.layers.0.self_attn.o_proj.weight" not in decoder.fused_parameter_names  # a matrix of its own
+    contexts = [[3, 4, 5]]
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight",
+             "model.layers.1.self_attn.k_proj.bias"]
+    parameters = dict(model.named_parameters())
+    for in_place in (decoder.fused_parameter_names, frozenset()):
+        updates = WeightUpdates(model, PrefixCache(0), None, in_place)
+        new = [(name, torch.randn_like(parameters[name])) for name in names]
+        with torch.no_grad():
+            before = decoder.logits(decoder.prefill(contexts)[1][:, -1])
+            updates.load_named_tensors(new, adopt=True)
+            assert all(torch.equal(parameters[name], tensor) for name, tensor in new)
+            assert decoder.refresh() == (0 if in_place else 3)  # rebuilt only where a part was re-pointed
+            after = decoder.logits(decoder.prefill(contexts)[1][:, -1])
+        assert not torch.allclose(before, after)
+        torch.testing.assert_close(after, hf_last_logits(model, contexts), atol=1e-5, rtol=0)
+
+
 def test_decoder_reads_weights_at_call_time():
     """The engine loads new weights into the model's parameters (in place or by re-pointing .data): the decoder must
     compute with them from its next call, with nothing cached across weight versions."""

@@ -86,10 +86,13 @@ def test_restart_of_one_engine_resyncs_all_while_the_healthy_one_holds_retracted
         held = []  # the generate thread and its result, once the healthy engine holds the request
         flushes_while_held = []  # per flush of the healthy engine after that: is the request still unanswered?
 
-        def control(url, path, *args, **kwargs):
-            if url == healthy.url and path == "/flush_cache" and held:
+        def control(url, path, payload=None, *args, **kwargs):
+            # the flush is its own call (SGLang's sequence) or part of the batched begin (weight_update_batching,
+            # which the embedded engine offers from the sync after the first)
+            flushes = path == "/flush_cache" or (path == "/begin_weight_update" and (payload or {}).get("flush_cache"))
+            if url == healthy.url and flushes and held:
                 flushes_while_held.append(held[0].is_alive())
-            return control_request(url, path, *args, **kwargs)
+            return control_request(url, path, payload, *args, **kwargs)
 
         # a short timeout: a refused flush fails the re-sync in seconds (the trainer waits --rollout-timeout-s)
         syncer = WeightSyncer([healthy.url, restarted.url], timeout_s=20, keep_host_copy=True, control=control)

@@ -38,6 +38,7 @@ from megatron_dppo.weight_update_protocol import (
     init_weight_update_group,
     pack_bucket,
     tensor_bucket,
+    tensor_nbytes,
     unpack_bucket,
 )
 from tests.test_rollout_engine import save_tiny_model, sequence_logprobs
@@ -158,15 +159,17 @@ def test_bucket_limits_ramp_by_1_5_from_first_bucket_bytes_whole_tensors_and_an_
         for buffer in pooled:
             staging.give(buffer)
 
-    # The per-tensor format: the same buckets, nothing packed, each tensor sent from its own memory
+    # The per-tensor format: nothing packed, each tensor sent from its own memory; with no pack to wait for, the
+    # ramped groups are merged up to bucket_bytes (4 + 6 + 9 KiB; "big" alone; 20; 20; 1), each bucket a request
     with prefetch_buckets(tensors, bucket_bytes=20 * kib, timeout_s=30, first_bucket_bytes=4 * kib,
                           pack=False) as prefetcher:
         buckets = list(prefetcher)
-    assert [bucket.names for bucket in buckets] == [[name for name, _ in group] for group in groups]
-    for bucket, group in zip(buckets, groups):
+    assert [bucket.nbytes // kib for bucket in buckets] == [19, 32, 20, 20, 1]
+    assert [name for bucket in buckets for name in bucket.names] == [name for name, _ in tensors]
+    sources = dict(tensors)
+    for bucket in buckets:
         assert bucket.flat is None and bucket.staging is None
-        assert [t.data_ptr() for t in bucket.broadcasts] == [t.data_ptr() for _, t in group]
-        assert bucket.nbytes == sum(t.numel() * t.element_size() for _, t in group)
+        assert [t.data_ptr() for t in bucket.broadcasts] == [sources[name].data_ptr() for name in bucket.names]
 
 
 def test_auto_format_packs_buckets_of_small_tensors_and_sends_large_ones_per_tensor():
@@ -310,6 +313,27 @@ def assert_generation_matches_trainer(url: str, model_dir: str, seed: int, versi
                                    sequence_logprobs(trainer, [1, 2, 3], completion.output_ids), atol=1e-5, rtol=0)
 
 
+def living_in_bucket_buffers(engine: EmbeddedEngine) -> set[str]:
+    """Names of the parameters that are views into a remembered bucket buffer at their own offset."""
+    parameters = dict(engine.model.named_parameters(remove_duplicate=False))
+    living = set()
+    for layout, buffer in engine.weights.bucket_buffers.items():
+        offset = 0
+        for name, dtype, shape in layout:
+            if name in parameters and parameters[name].data_ptr() == buffer.data_ptr() + offset:
+                living.add(name)
+            offset += tensor_nbytes(dtype, shape)
+    return living
+
+
+def assert_fused_parts_are_views(engine: EmbeddedEngine) -> None:
+    """Every fused matrix of the decoder (q/k/v, gate/up) is current without a rebuild: its parts are the model's
+    parameters, views at their rows, and the weights were loaded into them."""
+    matrices = [matrix for layer in engine.decoder.layers for projection in layer.projections()
+                for matrix in projection.matrices() if len(matrix.modules) > 1]
+    assert matrices and all(matrix.current() for matrix in matrices)
+
+
 def test_zero_copy_resync_layout_change_per_tensor_format_and_refused_updates_tear_the_group_down(tmp_path):
     model_dir = save_tiny_model(tmp_path / "model")
     with served_engine(model_dir) as (engine, url), scripted_sender(model_dir, url, tmp_path / "sender.log") as step:
@@ -319,22 +343,23 @@ def test_zero_copy_resync_layout_change_per_tensor_format_and_refused_updates_te
         assert_engine_holds(engine, model_dir, 1)
         assert_generation_matches_trainer(url, model_dir, 1, "1")
         parameters = dict(engine.model.named_parameters(remove_duplicate=False))
-        weights = engine.weights
-        zero_copy = [name for layout, buffer in weights.bucket_buffers.items()
-                     if weights.parameters_live_in(buffer, layout) for name, _, _ in layout]
-        assert len(zero_copy) > len(parameters) // 2, "most parameters must live in received bucket buffers"
-        # A bucket holding a tied name is re-received each sync (the shared Parameter follows the other tied name's
-        # bucket, so its own layout never matches); every other bucket keeps its storage.
-        untied = [name for layout in engine.weights.bucket_buffers for name, _, _ in layout
-                  if not {entry[0] for entry in layout} & set(TIED)]
-        assert untied and set(untied) <= set(zero_copy)
-        storage = {name: parameters[name].data_ptr() for name in untied}
+        fused = engine.decoder.fused_parameter_names  # q/k/v and gate/up: views into the decoder's fused matrices
+        assert fused and all(name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias",
+                                            "k_proj.bias", "v_proj.bias", "gate_proj.weight", "up_proj.weight"))
+                             for name in fused)
+        living = living_in_bucket_buffers(engine)
+        # every other parameter lives in the buffer its bucket was received into (a tied one in its last name's)
+        others = set(parameters) - fused - set(TIED)
+        assert others and others <= living and not fused & living
+        assert_fused_parts_are_views(engine)
+        storage = {name: parameters[name].data_ptr() for name in set(parameters) - set(TIED)}
 
         # same layout again: received straight into the parameters (their storage does not move), exact
         assert step(op="sync", seed=2, version="2", bucket_bytes=64 * 1024)["ok"]
         assert_engine_holds(engine, model_dir, 2)
         assert {name: p.data_ptr() for name, p in engine.model.named_parameters(remove_duplicate=False)
                 if name in storage} == storage
+        assert_fused_parts_are_views(engine)
 
         # Refused updates: a bucket outside a begin/end session (SGLang's rule, refused before any byte is received),
         # and buckets naming unknown tensors or wrong shapes (flattened and per-tensor). Each answers HTTP 400 with
@@ -363,6 +388,7 @@ def test_zero_copy_resync_layout_change_per_tensor_format_and_refused_updates_te
         assert_engine_holds(engine, model_dir, 4)
         assert step(op="sync", seed=5, version="5", bucket_bytes=24 * 1024)["ok"]
         assert_engine_holds(engine, model_dir, 5)
+        assert_fused_parts_are_views(engine)
         assert_generation_matches_trainer(url, model_dir, 5, "5")
 
 

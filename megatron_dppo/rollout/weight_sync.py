@@ -6,10 +6,16 @@ sync:        pause → flush → begin (/begin_weight_update) → for each bucke
              (names, dtypes, shapes, load_format) to every engine ‖ broadcast(one flat uint8 buffer for
              "flattened_bucket"; each tensor for null, the per-tensor format) → end (/end_weight_update, always)
              → continue → check /model_info weight_version on every engine
+batched:     engines whose /model_info offers weight_update_batching (the embedded engine; never SGLang) get, from
+             the sync after the one that read it: begin+pause+flush in one call → the updates pipelined (bucket k+1
+             posted once bucket k is sent, k's answer, with the weight version, collected while k+1 travels) →
+             end+continue in one call; the answers' versions are the version check
+Every phase is timed (SyncStats.phases, PHASES; bench/weight_sync.py prints them).
 
 The protocol both sides speak (the group, the bucket layout, packing and unpacking) is
 megatron_dppo/weight_update_protocol.py; this module adds the trainer's order of operations, its staging buffers and
-the thread that packs the next bucket while the current one is sent.
+the thread that packs the next bucket while the current one is sent; rollout/engine_calls.py makes the calls to the
+engines (control calls, bucket updates one at a time or pipelined) and times the phases.
 
 Invariants:
 - SGLang 0.5.23 refuses a distributed update outside a begin/end session, before receiving anything; the syncer opens
@@ -18,30 +24,36 @@ Invariants:
 - a failed update leaves no broadcast pending: an engine that refused never joins the broadcast, so the syncer
   tears the group down (engines leave first, closing their ends, then this side aborts its communicator, which
   ends the pending send) and the next sync builds a new one;
-- bucket limits ramp up from first_bucket_bytes to bucket_bytes, so the broadcast starts after a small pack;
+- packed buckets' limits ramp up from first_bucket_bytes to bucket_bytes, so the broadcast starts after a small
+  pack; consecutive buckets sent per tensor (nothing to pack) are merged up to bucket_bytes, each bucket costing a
+  request;
 - while bucket k is broadcast, a producer thread gathers bucket k+1 and (flattened_bucket) packs it into one of two
   reusable staging buffers (at most two packed buckets in memory; a one-tensor bucket is sent without a copy);
 - after a sync every engine reports the new weight version, or the sync raises;
+- pipelined updates reach each engine in order: bucket k+1 is posted only once this side has sent bucket k, so the
+  engine is inside bucket k's update (it holds its model lock, which hands over in arrival order) when k+1 arrives;
+  a refusal of bucket k tears the group down with k+1's sends pending too;
 - every tensor is moved to the device the group's backend carries (NCCL: this GPU, gloo: the host) and broadcast
   through platform.collectives, which checks it.
 """
 
 from __future__ import annotations
 
-import datetime
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from megatron_dppo.platform import collectives
 from megatron_dppo.rollout.client import RolloutServerError, control_request
+from megatron_dppo.rollout.engine_calls import EngineCalls, PhaseClock
 from megatron_dppo.weight_update_protocol import (
+    BATCHING_FIELD,
     DEFAULT_GROUP_NAME,
     FLATTENED_BUCKET,
     Bucket,
@@ -123,11 +135,21 @@ class BucketPrefetcher:
 
     def _produce(self, named_tensors, bucket_bytes: int, first_bucket_bytes: int | None) -> None:
         try:
+            # consecutive groups sent per tensor are merged up to bucket_bytes: with nothing to pack there is no
+            # first pack to wait for, and every bucket costs a request (the ramp is for packed buckets)
+            per_tensor: list[tuple[str, torch.Tensor]] = []
             for group in group_into_buckets(named_tensors, bucket_bytes, first_bucket_bytes):
                 if not self.pack(group):
-                    if not self._put(tensor_bucket(group)):
-                        return
+                    if per_tensor and bucket_nbytes(per_tensor) + bucket_nbytes(group) > bucket_bytes:
+                        if not self._put(tensor_bucket(per_tensor)):
+                            return
+                        per_tensor = []
+                    per_tensor += group
                     continue
+                if per_tensor:
+                    if not self._put(tensor_bucket(per_tensor)):
+                        return
+                    per_tensor = []
                 buffer = None
                 if bucket_needs_copy(group):
                     buffer = self.staging.take(bucket_nbytes(group), group[0][1].device, self.stop)
@@ -137,6 +159,8 @@ class BucketPrefetcher:
                 bucket.staging = buffer
                 if not self._put(bucket):
                     return
+            if per_tensor and not self._put(tensor_bucket(per_tensor)):
+                return
             self._put(self.done)
         except BaseException as error:  # re-raised in the consumer
             self._put(error)
@@ -189,18 +213,19 @@ def prefetch_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_b
 
 @dataclass
 class SyncStats:
-    seconds: float
+    seconds: float  # the whole sync, pause to version check
     bytes: int
     buckets: int
     tensors: int
     weight_version: str
+    phases: dict[str, float] = field(default_factory=dict)  # PHASES -> seconds
 
     @property
     def gb_per_s(self) -> float:
         return self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
 
 
-class WeightSyncer:
+class WeightSyncer(EngineCalls):
     """Trainer side (group rank 0) of the sync; see the module docstring for the order of operations."""
 
     def __init__(self, urls: list[str], master_address: str = "127.0.0.1", master_port: int | None = None,
@@ -255,6 +280,9 @@ class WeightSyncer:
         self.control = control
         self.load_format = load_format
         self.pool: ThreadPoolExecutor | None = None
+        # whether every engine offers weight_update_batching, as the last /model_info said (none read yet: no)
+        self.batching = False
+        self.reported_versions: list[str | None] = []  # per engine, from the last update's answers
 
     # Request bodies, one builder per SGLang request dataclass (checked by tests/test_rollout_contract.py).
     def init_group_payload(self, master_port: int, rank_offset: int, world_size: int) -> dict:
@@ -270,38 +298,23 @@ class WeightSyncer:
     def begin_payload(self) -> dict:
         return {"selector": "all"}
 
+    # The batched calls of engines that offer weight_update_batching (the embedded engine; never sent to SGLang).
+    def batched_begin_payload(self) -> dict:
+        return {**self.begin_payload(), "pause_generation": self.pause_payload(), "flush_cache": True}
+
+    def batched_end_payload(self) -> dict:
+        return {"continue_generation": True}
+
     def update_payload(self, bucket: Bucket, version: str) -> dict:
         return {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes,
                 "group_name": self.group_name, "flush_cache": False, "weight_version": version,
                 "load_format": FLATTENED_BUCKET if bucket.flat is not None else None}
-
-    def _submit_each(self, path: str, payloads: list[dict | None], method: str = "POST") -> list[Future]:
-        """The control call to every engine, each with its payload, concurrently, on threads kept for the syncer's
-        life (a pool per call would start a thread per engine per call)."""
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(len(self.urls), thread_name_prefix="weight-sync-control")
-        return [self.pool.submit(self.control, url, path, payload, method, self.timeout_s, self.api_key)
-                for url, payload in zip(self.urls, payloads)]
-
-    def _submit_all(self, path: str, payload: dict | None = None, method: str = "POST") -> list[Future]:
-        """The same control call to every engine, concurrently (see _submit_each)."""
-        return self._submit_each(path, [payload] * len(self.urls), method)
-
-    def _failures(self, futures: list[Future]) -> list[str]:
-        """'url: error' of each engine whose call (one future per engine, in url order) raised; waits for all."""
-        return [f"{url}: {error}" for url, future in zip(self.urls, futures)
-                if (error := future.exception()) is not None]
 
     def _packs(self, group: list[tuple[str, torch.Tensor]]) -> bool:
         """Whether a bucket goes packed (flattened_bucket) or per tensor, by `load_format`."""
         if self.load_format != AUTO_FORMAT:
             return self.load_format == FLATTENED_BUCKET
         return bucket_nbytes(group) < PACK_BELOW_BYTES * len(group)
-
-    def _call_all(self, path: str, payload: dict | None = None, method: str = "POST") -> list:
-        if len(self.urls) == 1:  # in this thread: nothing to wait for but the answer
-            return [self.control(self.urls[0], path, payload, method, self.timeout_s, self.api_key)]
-        return [future.result() for future in self._submit_all(path, payload, method)]
 
     def init_group(self) -> None:
         """Every engine joins at its rank offset while this process joins as rank 0 (all concurrently); first any
@@ -347,7 +360,6 @@ class WeightSyncer:
             raise RolloutServerError("resend() needs a WeightSyncer(keep_host_copy=True) that has synced once")
         return self.sync(list(self.host_copy), self.last_version)
 
-
     def _flush_all(self) -> None:
         deadline = time.monotonic() + self.timeout_s
         for url in self.urls:
@@ -360,34 +372,6 @@ class WeightSyncer:
                         raise
                     time.sleep(0.2)
 
-    def _send_bucket(self, bucket: Bucket, version: str) -> None:
-        self._post_update(self.update_payload(bucket, version), bucket.broadcasts)
-
-    def _post_update(self, payload: dict, tensors: list[torch.Tensor]) -> None:
-        """POST /update_weights_from_distributed to every engine while broadcasting `tensors` in order; if any engine
-        refuses, tear the group down (see the module docstring) and raise."""
-        futures = self._submit_all("/update_weights_from_distributed", payload)
-        what = f"weight bucket {payload['names'][0]} .. {payload['names'][-1]}"
-        pending = [collectives.broadcast(self.group, tensor, 0, what) for tensor in tensors]  # Works, at once
-        refusals = self._failures(futures)
-        if refusals:
-            self._tear_down_after_failed_update(pending)
-            raise RolloutServerError(
-                "update_weights_from_distributed failed on " + "; ".join(refusals) + "; the weight update group "
-                "was torn down and the next sync builds a new one")
-        for work in pending:
-            work.wait()
-
-    def _tear_down_after_failed_update(self, pending: list) -> None:
-        """The engines leave the group first (an engine's end closes, so this side's pending sends fail instead of
-        waiting for a receive that never comes), then this side aborts; the sends' errors are the expected ones."""
-        self.destroy_group(abort=True)
-        for work in pending:
-            try:
-                work.wait(datetime.timedelta(seconds=self.timeout_s))
-            except RuntimeError:
-                pass  # "connection closed by peer" (gloo) or the abort (NCCL): the send ended
-
     def _begin_update(self) -> None:
         self._call_all("/begin_weight_update", self.begin_payload())
 
@@ -399,10 +383,13 @@ class WeightSyncer:
             raise RolloutServerError("end_weight_update failed on " + "; ".join(failures))
 
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | str) -> SyncStats:
-        """pause → flush → begin → bucketed broadcast → end → continue → version check; returns timing and size."""
+        """pause → flush → begin → bucketed broadcast → end → continue → version check; returns timing (the whole
+        sync and each phase, PHASES) and size. Engines that all offer weight_update_batching (learned from the
+        version check's /model_info) get the batched sequence instead (_batched_sequence)."""
         if self.group is None:
             self.init_group()
         version = str(version)
+        clock = PhaseClock()
         start = time.perf_counter()
         # the group's device (NCCL: this GPU; gloo: the host), wherever the tensors come from: a CUDA actor syncing
         # over gloo (the embedded engine, colocated SGLang), or resend()'s host copies over NCCL
@@ -414,36 +401,74 @@ class WeightSyncer:
                              for name, t in named_tensors)
         prefetcher = prefetch_buckets(named_tensors, self.bucket_bytes, self.timeout_s, self.staging,
                                       self.first_bucket_bytes, pack=self._packs)
+        batched = self.batching
+        self.reported_versions = []
         try:
             with prefetcher:  # the first bucket is packed while the engines pause and flush
-                self._call_all("/pause_generation", self.pause_payload())
-                try:
-                    self._flush_all()
-                    total_bytes = buckets = tensors = 0
-                    updated = False
-                    try:
-                        self._begin_update()
-                        for bucket in prefetcher:
-                            self._send_bucket(bucket, version)
-                            total_bytes += bucket.nbytes
-                            buckets += 1
-                            tensors += len(bucket.names)
-                        updated = True
-                    finally:
-                        self._end_update(raise_errors=updated)
-                finally:
-                    self._call_all("/continue_generation", {})
+                sent = (self._batched_sequence if batched else self._sglang_sequence)(iter(prefetcher), version,
+                                                                                       clock)
             self.staging.release_device_memory()
         except BaseException:
             self.staging = StagingBuffers()  # a bucket may not have come back to the pool
             raise
+        with clock("version check"):
+            reported = self.reported_versions
+            if not batched or len(reported) != len(self.urls) or None in reported:
+                infos = self._call_all("/model_info", None, "GET")
+                reported = [info.get("weight_version") for info in infos]
+                self.batching = all(info.get(BATCHING_FIELD) is True for info in infos)
         seconds = time.perf_counter() - start
-        reported = [info.get("weight_version") for info in self._call_all("/model_info", None, "GET")]
         stale = [f"{url} reports {got!r}" for url, got in zip(self.urls, reported) if got != version]
         if stale:
             raise RolloutServerError(f"weight version {version!r} not reached after sync: " + "; ".join(stale))
         self.last_version = version
         if self.keep_host_copy:
             self.host_copy = kept
-        return SyncStats(seconds=seconds, bytes=total_bytes, buckets=buckets, tensors=tensors,
-                         weight_version=version)
+        return SyncStats(seconds=seconds, bytes=sum(bucket.nbytes for bucket in sent), buckets=len(sent),
+                         tensors=sum(len(bucket.names) for bucket in sent), weight_version=version,
+                         phases=clock.seconds)
+
+    def _sglang_sequence(self, buckets: Iterator[Bucket], version: str, clock: PhaseClock) -> list[Bucket]:
+        """SGLang's calls, one per step: pause → flush → begin → one update per bucket, each answered before the
+        next → end (always) → continue (always, once paused). Returns the buckets sent."""
+        with clock("pause"):
+            self._call_all("/pause_generation", self.pause_payload())
+        try:
+            with clock("flush"):
+                self._flush_all()
+            sent, updated = [], False
+            try:
+                with clock("begin"):
+                    self._begin_update()
+                while True:
+                    with clock("next bucket"):
+                        bucket = next(buckets, None)
+                    if bucket is None:
+                        break
+                    self._send_bucket(bucket, version, clock)
+                    sent.append(bucket)
+                updated = True
+            finally:
+                with clock("end"):
+                    self._end_update(raise_errors=updated)
+        finally:
+            with clock("continue"):
+                self._call_all("/continue_generation", {})
+        return sent
+
+    def _batched_sequence(self, buckets: Iterator[Bucket], version: str, clock: PhaseClock) -> list[Bucket]:
+        """The embedded engine's batched calls (weight_update_batching): one /begin_weight_update that also pauses
+        and flushes (phase pause), the updates pipelined (_send_pipelined), whose answers carry the weight version,
+        and one /end_weight_update that also continues (always; phase end). Returns the buckets sent."""
+        updated = False
+        try:
+            with clock("pause"):
+                self._call_all("/begin_weight_update", self.batched_begin_payload())
+            sent = self._send_pipelined(buckets, version, clock)
+            updated = True
+        finally:
+            with clock("end"):
+                failures = self._failures(self._submit_all("/end_weight_update", self.batched_end_payload()))
+                if failures and updated:
+                    raise RolloutServerError("end_weight_update failed on " + "; ".join(failures))
+        return sent

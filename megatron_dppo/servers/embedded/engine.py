@@ -74,6 +74,7 @@ from megatron_dppo.servers.embedded.scheduler import (
     BatchScheduler,
 )
 from megatron_dppo.servers.embedded.weights import WeightNoise, WeightUpdates
+from megatron_dppo.weight_update_protocol import BATCHING_FIELD
 
 DEFAULT_KV_CACHE_BYTES = 2**30  # the KV budget's default size: see --max-total-tokens
 
@@ -126,7 +127,7 @@ class EmbeddedEngine:
             BatchGenerator(self.decoder, self.prefix_cache, eos_token_ids, max_positions, seed),
             max_positions, max_batch_size, max_total_tokens, workers, batch_window_s)
         noise = WeightNoise(weight_noise, weight_noise_seed) if weight_noise else None
-        self.weights = WeightUpdates(self.model, self.prefix_cache, noise)
+        self.weights = WeightUpdates(self.model, self.prefix_cache, noise, self.decoder.fused_parameter_names)
         if noise is not None:
             noise.apply(self.model, [name for name, _ in self.model.named_parameters(remove_duplicate=False)])
 
@@ -144,6 +145,7 @@ class EmbeddedEngine:
             "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weights.weight_version,
             "load_format": self.weights.load_format, "reasoning_parser": None, "tool_call_parser": None,
             "model_type": self.model.config.model_type, "architectures": self.model.config.architectures,
+            BATCHING_FIELD: True,  # it takes a sync's batched calls (routes.py)
         }
 
 

@@ -4,6 +4,8 @@
     /pause_generation, /continue_generation, /flush_cache ─► engine.scheduler (and the prefix cache)
     /init_weights_update_group, /destroy_weights_update_group, /begin_weight_update, /end_weight_update,
     /update_weights_from_distributed, /update_weights_from_disk ─► engine.weights, under the scheduler's model lock
+    (the batched calls, weight_update_protocol.BATCHING_FIELD: begin also pauses and flushes, end also continues,
+    an update answers with the weight version)
     /health, /health_generate, /model_info
 
 Invariants:
@@ -104,10 +106,40 @@ def build_app(engine, api_key: str | None = None):
         return route
 
     async def update_distributed(request):
+        # An update posted while the one before is loading waits for the model lock, which asyncio hands over in
+        # arrival order (the syncer posts bucket k + 1 only once bucket k is being received: handled in order).
         body = await json_body(request)
         await locked_call(engine.weights.update_from_distributed, body)  # generation never sees a half-loaded bucket
         engine.weights.record_version(body)
-        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+        return web.json_response({"success": True, "message": "Succeeded to update parameter online.",
+                                  "weight_version": engine.weights.weight_version})
+
+    async def begin_update(request):
+        # SGLang's /begin_weight_update; with the batched calls (weight_update_batching), the pause and the flush
+        # that SGLang takes as two calls before it
+        body = await json_body(request)
+        pause = body.get("pause_generation")
+        if pause is not None:
+            if not isinstance(pause, dict):
+                raise RequestError(f"pause_generation must be an object like {{'mode': 'retract'}}, got {pause!r}")
+            await engine.scheduler.pause(pause.get("mode", "abort"))
+        if body.get("flush_cache"):
+            if not engine.scheduler.fully_idle():
+                raise RequestError("Cache not flushed: requests are running; pause generation first")
+            engine.prefix_cache.clear()
+        await locked_call(engine.weights.begin_weight_update, body, blocking=False)
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_update(request):
+        # SGLang's /end_weight_update; with {"continue_generation": true}, the continue that follows it (also when
+        # closing fails: an engine left paused would serve nothing)
+        body = await json_body(request)
+        try:
+            await locked_call(engine.weights.end_weight_update, body, blocking=False)
+        finally:
+            if body.get("continue_generation"):
+                engine.scheduler.resume()
+        return web.json_response({"success": True, "message": "Success"})
 
     async def update_from_disk(request):
         body = await json_body(request)
@@ -129,10 +161,9 @@ def build_app(engine, api_key: str | None = None):
         "join_group", "Succeeded to initialize custom process group.")))
     app.router.add_post("/destroy_weights_update_group", handler(locked_route(
         "leave_group", "Succeeded to destroy custom process group.")))
-    app.router.add_post("/begin_weight_update", handler(locked_route("begin_weight_update", "Success",
-                                                                     blocking=False)))
+    app.router.add_post("/begin_weight_update", handler(begin_update))
     app.router.add_post("/update_weights_from_distributed", handler(update_distributed))
-    app.router.add_post("/end_weight_update", handler(locked_route("end_weight_update", "Success", blocking=False)))
+    app.router.add_post("/end_weight_update", handler(end_update))
     app.router.add_post("/update_weights_from_disk", handler(update_from_disk))
 
     async def start_batch_loop(app):

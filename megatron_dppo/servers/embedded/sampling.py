@@ -2,6 +2,7 @@
 
 logits [B, V] ─► / temperature ─► log-softmax (the log-probs reported, SGLang's default) ─► top-k / top-p filter
 (only when a row asks for one) ─► inverse CDF at one uniform per row ─► tokens [B]; greedy rows take the argmax
+(computed only when a row is greedy). RowSampler prepares a batch's per-row settings once; a step only samples.
 
 Uniforms: a seeded row (SGLang's `sampling_seed` under --enable-deterministic-inference) draws its uniform from
 MurmurHash3 of (seed, position), the hash SGLang's deterministic sampler uses (sglang/kernels/ops/sampling/
@@ -77,26 +78,52 @@ def sample_uniforms(seed_low: torch.Tensor, seed_high: torch.Tensor, seeded: tor
     return uniforms
 
 
+class RowSampler:
+    """One token per row from fp32 logits [B, V], with each row's settings prepared once per batch (and selected
+    again by keep() when the batch drops rows), so that a step runs only what its rows need: the filter only when a
+    row asks for one, the argmax only when a row is greedy.
+
+    temperature/top_p [B] float; top_k [B] long (-1 = all). Rows with temperature 0 are greedy. A row keeps the
+    tokens of its top-k that make the smallest prefix of mass >= top_p."""
+
+    def __init__(self, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, vocab: int):
+        self.vocab = vocab
+        self.greedy = temperature == 0
+        self.divisor = torch.where(self.greedy, torch.ones_like(temperature), temperature)[:, None]
+        self.top_p = top_p
+        self.top_k = torch.where(top_k < 1, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
+        self.any_greedy = bool(self.greedy.any())
+        self.filters = bool((self.top_k < vocab).any() or (top_p < 1).any())
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep the settings of rows `rows` (long indices, in that order)."""
+        self.greedy, self.divisor = self.greedy[rows], self.divisor[rows]
+        self.top_p, self.top_k = self.top_p[rows], self.top_k[rows]
+        self.any_greedy = bool(self.greedy.any())
+        self.filters = bool((self.top_k < self.vocab).any() or (self.top_p < 1).any())
+
+    def sample(self, logits: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [B], SGLang-style log-probs of those tokens [B]) for logits [B, V] and uniforms [B] in (0, 1)."""
+        logprobs = torch.log_softmax(logits / self.divisor, dim=-1)  # [B, V]; the distribution reported
+        weights = logprobs.exp()
+        if self.filters:
+            vocab = self.vocab
+            sorted_weights, order = weights.sort(dim=-1, descending=True)
+            drop = torch.arange(vocab)[None, :] >= self.top_k[:, None]
+            in_top_k = sorted_weights.masked_fill(drop, 0.0)
+            in_top_k = in_top_k / in_top_k.sum(dim=-1, keepdim=True)
+            drop |= in_top_k.cumsum(dim=-1) - in_top_k > self.top_p[:, None]  # the smallest prefix reaching top_p
+            weights = torch.zeros_like(weights).scatter_(-1, order, sorted_weights.masked_fill(drop, 0.0))
+        cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64)  # [B, V]
+        tokens = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp_(
+            max=self.vocab - 1)
+        if self.any_greedy:
+            tokens = torch.where(self.greedy, logits.argmax(dim=-1), tokens)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
 def sample_next_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
                        uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return (tokens [B], SGLang-style log-probs of those tokens [B]).
-
-    logits [B, V] fp32; temperature/top_p [B] float; top_k [B] long (-1 = all); uniforms [B] in (0, 1). Rows with
-    temperature 0 are greedy. A row keeps the tokens of its top-k that make the smallest prefix of mass >= top_p."""
-    greedy = temperature == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]; the distribution reported to the caller
-    weights = logprobs.exp()
-    vocab = logits.shape[-1]
-    if bool(((top_k >= 1) & (top_k < vocab)).any() or (top_p < 1).any()):
-        sorted_weights, order = weights.sort(dim=-1, descending=True)
-        k = torch.where(top_k < 1, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
-        drop = torch.arange(vocab)[None, :] >= k[:, None]
-        in_top_k = sorted_weights.masked_fill(drop, 0.0)
-        in_top_k = in_top_k / in_top_k.sum(dim=-1, keepdim=True)
-        drop |= in_top_k.cumsum(dim=-1) - in_top_k > top_p[:, None]  # the smallest prefix whose mass reaches top_p
-        weights = torch.zeros_like(weights).scatter_(-1, order, sorted_weights.masked_fill(drop, 0.0))
-    cdf = weights.double().cumsum(dim=-1)  # [B, V]
-    sampled = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp_(max=vocab - 1)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    """Sample one token per row; return (tokens [B], SGLang-style log-probs of those tokens [B]): RowSampler's
+    draw, for settings used once."""
+    return RowSampler(temperature, top_p, top_k, logits.shape[-1]).sample(logits, uniforms)

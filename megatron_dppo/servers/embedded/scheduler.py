@@ -13,8 +13,12 @@ Invariants:
   loading never overlap;
 - a batch is split over the workers as a function of the batch alone, and a seeded sample's randomness depends on
   its seed and position only (sampling.py): the same request gives the same samples;
-- a row that stops at its token budget leaves the K/V of its tokens in the prefix cache, for the request that
-  continues it; a row that scores its prompt takes nothing from the cache (it needs every position's hidden state).
+- a row that stops at its token budget with room left in the model's context leaves the K/V of its tokens in the
+  prefix cache, for the request that continues it (a partial rollout's next chunk); a row that stops at a stop token
+  or at the end of the context leaves nothing (no later request can continue it); a row that scores its prompt
+  takes nothing from the cache (it needs every position's hidden state);
+- a step's bookkeeping is a few ops on the cache rows (per-row settings are selected when rows are dropped, not at
+  every step; bench/decode_step.py counts them).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 from megatron_dppo.servers.embedded.decoder import KVCacheDecoder
 from megatron_dppo.servers.embedded.prefix_cache import PrefixCache
 from megatron_dppo.servers.embedded.request_parser import RequestError, Sequence
-from megatron_dppo.servers.embedded.sampling import sample_next_tokens, sample_uniforms, seed_words
+from megatron_dppo.servers.embedded.sampling import RowSampler, sample_uniforms, seed_words
 
 # Below this many sequences per worker, splitting a batch costs more (smaller matmuls, a second prefill of shared
 # prompts) than a second core gives back.
@@ -81,36 +85,43 @@ class BatchGenerator:
         temperature, top_p, top_k, uniforms, stop_table = self._row_settings(batch, contexts, max_budget)
         tokens_out = torch.zeros(len(batch), max_budget, dtype=torch.long)  # [B, budget]
         logprobs_out = torch.zeros(tokens_out.shape, dtype=torch.float32)
-        produced = torch.zeros(len(batch), dtype=torch.long)
+        produced = torch.zeros(len(batch), dtype=torch.long)  # set when a row ends (or at an interrupt)
         stopped = torch.zeros(len(batch), dtype=torch.bool)
+        # per cache row, selected once (and again when finished rows are dropped), not at every step
+        sampler = RowSampler(temperature[rows], top_p[rows], top_k[rows], next_logits.shape[-1])
+        row_uniforms, row_stops, row_budgets = uniforms[rows], stop_table[rows], budgets[rows]
         running = torch.ones(len(rows), dtype=torch.bool)  # per cache row: still generating
+        step = 0  # tokens every running row has produced
         try:
             while True:
                 if interrupt.is_set():
                     return  # the pause handler decides what happens to unfinished sequences
-                # a finished row still in the cache has produced its budget: it reads the last uniform, unused
-                step_uniforms = uniforms[rows, produced[rows].clamp(max=max_budget - 1)]
-                tokens, token_logprobs = sample_next_tokens(next_logits, temperature[rows], top_p[rows], top_k[rows],
-                                                            step_uniforms)
-                live = running.nonzero().squeeze(1)
-                batch_rows = rows[live]
-                tokens_out[batch_rows, produced[batch_rows]] = tokens[live]
-                logprobs_out[batch_rows, produced[batch_rows]] = token_logprobs[live]
-                produced[batch_rows] += 1
-                hit_stop = (tokens[live, None] == stop_table[batch_rows]).any(dim=1)
-                stopped[batch_rows] = hit_stop
-                finished = hit_stop | (produced[batch_rows] >= budgets[batch_rows])
-                if finished.any():
-                    self._cache_prefixes(state, live[finished & ~hit_stop], rows, contexts, tokens_out, produced)
-                    running[live[finished]] = False
+                # a finished row still in the cache samples too (unused; its budget bounds the uniform it reads)
+                tokens, token_logprobs = sampler.sample(next_logits, row_uniforms.select(1, min(step, max_budget - 1)))
+                tokens_out.select(1, step).index_copy_(0, rows, tokens)  # finished rows write past their end
+                logprobs_out.select(1, step).index_copy_(0, rows, token_logprobs)
+                step += 1
+                hit_stop = (tokens[:, None] == row_stops).any(dim=1)
+                ended = (hit_stop | (row_budgets <= step)).logical_and_(running)
+                if ended.any():
+                    ended_rows = ended.nonzero().squeeze(1)
+                    batch_rows = rows[ended_rows]
+                    produced[batch_rows] = step
+                    stopped[batch_rows] = hit_stop[ended_rows]
+                    self._cache_prefixes(state, ended_rows[~hit_stop[ended_rows]], rows, contexts, tokens_out,
+                                         produced)
+                    running[ended_rows] = False
                     if not running.any():
                         return
                     if 4 * int(running.sum()) <= 3 * len(rows):  # a quarter of the cache is finished rows: drop them
                         kept = running.nonzero().squeeze(1)
                         self.decoder.keep(state, kept)
+                        sampler.keep(kept)
                         rows, tokens, running = rows[kept], tokens[kept], running[kept]
+                        row_uniforms, row_stops, row_budgets = row_uniforms[kept], row_stops[kept], row_budgets[kept]
                 next_logits = self.decoder.logits(self.decoder.step(state, tokens))
         finally:
+            produced[rows[running]] = step  # interrupted rows keep what they have
             self._hand_over(batch, tokens_out, logprobs_out, produced, stopped, budgets)
 
     @staticmethod
@@ -119,12 +130,17 @@ class BatchGenerator:
 
     def _cache_prefixes(self, state, cache_rows: torch.Tensor, rows: torch.Tensor, contexts: list[list[int]],
                         tokens_out: torch.Tensor, produced: torch.Tensor) -> None:
-        """Keep, for rows that stopped at their token budget (a chunk a later request may continue), the K/V of what
-        the cache holds for them: the context and every generated token but the last (sampled, not yet fed)."""
+        """Keep the K/V of rows that stopped at their token budget with room left in the model's context: a chunk a
+        later request may continue (a partial rollout's). The cache holds their context and every generated token
+        but the last (sampled, not yet fed). A row at the end of the context can never be continued (a request
+        needs at least one more position), so it is not kept."""
         for cache_row in cache_rows.tolist():
             batch_row = int(rows[cache_row])
-            fed = tokens_out[batch_row, :int(produced[batch_row]) - 1].tolist()
-            tokens = contexts[batch_row] + fed
+            count = int(produced[batch_row])
+            if self.prefix_cache.capacity == 0 or (
+                    self.max_positions and len(contexts[batch_row]) + count >= self.max_positions):
+                continue
+            tokens = contexts[batch_row] + tokens_out[batch_row, :count - 1].tolist()
             keys, values = self.decoder.processed(state, cache_row, len(tokens))
             self.prefix_cache.insert(tokens, keys, values)
 

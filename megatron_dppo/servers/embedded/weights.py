@@ -12,6 +12,8 @@ Invariants:
 - an update outside a begin .. end session is refused before anything is received (HTTP 400, SGLang's message), as
   are a second begin and an end without a begin;
 - every load clears the prefix cache first (its K/V were computed by the weights being replaced);
+- a parameter of in_place_names (a view into one of the decoder's fused q/k/v or gate/up matrices) is loaded by
+  writing into it, never by re-pointing it, so the fused matrix holds every load without being rebuilt;
 - every received tensor must name a parameter of the model with the same shape, or the update fails and says which
   names were wrong; a refused bucket is still received, so the group stays in step, and malformed metadata (whose
   size cannot be known) makes the engine leave the group instead.
@@ -76,17 +78,21 @@ class WeightUpdates:
     """The engine's weight side: the weight-update session, the groups joined, the received bucket buffers, the
     version the weights carry, and loading by HF name into `model` (callers hold the model lock)."""
 
-    def __init__(self, model, prefix_cache: PrefixCache, noise: WeightNoise | None = None):
+    def __init__(self, model, prefix_cache: PrefixCache, noise: WeightNoise | None = None,
+                 in_place_names: frozenset[str] = frozenset()):
         """model: the HF model generation runs on; prefix_cache: cleared by every load; noise: added to every
-        parameter loaded (--weight-noise)."""
+        parameter loaded (--weight-noise); in_place_names: parameters a load writes into and never re-points (the
+        decoder's fused q/k/v and gate/up parts, views into its fused matrices: decoder.py)."""
         self.model = model
         self.prefix_cache = prefix_cache
         self.noise = noise
+        self.in_place_names = in_place_names
         self.session_selector: str | None = None  # the open weight-update session's runners, as SGLang records it
         self.weight_version = "default"
         self.load_format = None
         self.groups: dict[str, object] = {}
-        # flattened bucket layout (names, dtypes, shapes) -> the buffer its parameters are views into
+        # flattened bucket layout (names, dtypes, shapes) -> the buffer it was received into, which some of its
+        # parameters are views into; the next bucket of that layout is received into it again
         self.bucket_buffers: dict[tuple, torch.Tensor] = {}
 
     def record_version(self, body: dict) -> None:
@@ -146,9 +152,10 @@ class WeightUpdates:
         Zero-copy: a flattened bucket is received into a new buffer and the parameters it names become views into
         it; the next sync with the same bucket layout broadcasts straight into that buffer, i.e. into the
         parameters. Per-tensor broadcasts go straight into the parameters. A tensor whose dtype differs from its
-        parameter's, that names a buffer, or whose parameter is on a GPU (--device cuda: the gloo group carries host
-        tensors) is copied (and converted) instead. Names and shapes are checked
-        before anything is loaded; a refused bucket is still received, so the group stays in step. Outside a
+        parameter's, that names a buffer, whose parameter is on a GPU (--device cuda: the gloo group carries host
+        tensors), or whose parameter is a part of one of the decoder's fused matrices (in_place_names: a
+        per-tensor broadcast still goes straight into it) is copied (and converted) instead. Names and shapes are
+        checked before anything is loaded; a refused bucket is still received, so the group stays in step. Outside a
         begin/end session nothing is received (SGLang's rule): the trainer's broadcast is left to its teardown."""
         self.prefix_cache.clear()  # K/V computed by the weights this update replaces
         if self.session_selector is None:
@@ -168,15 +175,13 @@ class WeightUpdates:
                                "destroyed: call /init_weights_update_group again and resend the weights")
         if load_format == "flattened_bucket":
             layout = tuple(zip(names, dtypes, map(tuple, shapes), strict=True))
-            buffer = self.bucket_buffers.get(layout)
-            what = f"weight bucket {names[0]} .. {names[-1]}"
-            if buffer is not None and self.parameters_live_in(buffer, layout):
-                collectives.broadcast(group, buffer, 0, what).wait()
-                return
-            nbytes = sum(tensor_nbytes(dtype, shape) for dtype, shape in zip(dtypes, shapes))
-            flat = torch.empty(nbytes, dtype=torch.uint8)
-            collectives.broadcast(group, flat, 0, what).wait()
-            if self.load_named_tensors(unpack_bucket(flat, names, dtypes, shapes), adopt=True):
+            flat = self.bucket_buffers.get(layout)
+            if flat is None:
+                flat = torch.empty(sum(tensor_nbytes(dtype, shape) for dtype, shape in zip(dtypes, shapes)),
+                                   dtype=torch.uint8)
+            collectives.broadcast(group, flat, 0, f"weight bucket {names[0]} .. {names[-1]}").wait()
+            living = self.load_named_tensors(unpack_bucket(flat, names, dtypes, shapes), adopt=True)
+            if layout not in self.bucket_buffers and living:
                 self.bucket_buffers = {key: value for key, value in self.bucket_buffers.items()
                                        if not set(names) & {entry[0] for entry in key}}
                 self.bucket_buffers[layout] = flat
@@ -197,8 +202,12 @@ class WeightUpdates:
                 refused = error
                 received = [(n, torch.empty(shape, dtype=getattr(torch, dtype)))
                             for n, dtype, shape in zip(names, dtypes, shapes)]
-            for tensor_name, tensor in received:
-                collectives.broadcast(group, tensor, 0, f"weight {tensor_name}").wait()
+            # every receive posted at once: gloo sends a tensor once its receive is posted, so posting them one at a
+            # time would leave the link idle between tensors
+            works = [collectives.broadcast(group, tensor, 0, f"weight {tensor_name}")
+                     for tensor_name, tensor in received]
+            for work in works:
+                work.wait()
             if refused is not None:
                 raise refused
             self.load_named_tensors([(n, t) for n, t in received if t.data_ptr() != targets[n].data_ptr()])
@@ -219,17 +228,6 @@ class WeightUpdates:
             return "every shape must be a list of non-negative integers"
         return None
 
-    def parameters_live_in(self, buffer: torch.Tensor, layout: tuple) -> bool:
-        """Whether every tensor of `layout` is still a parameter stored at its offset in `buffer`."""
-        targets = self._parameters_by_name()
-        offset = 0
-        for name, dtype, shape in layout:
-            target = targets.get(name)
-            if target is None or target.data_ptr() != buffer.data_ptr() + offset or list(target.shape) != list(shape):
-                return False
-            offset += tensor_nbytes(dtype, shape)
-        return True
-
     @staticmethod
     def _check_fit(named_tensors: list[tuple[str, torch.Tensor]], targets: dict[str, torch.Tensor]) -> None:
         unknown = [name for name, _ in named_tensors if name not in targets]
@@ -240,21 +238,27 @@ class WeightUpdates:
                                f"shape mismatches {mismatched[:8]}")
 
     @torch.no_grad()
-    def load_named_tensors(self, named_tensors: list[tuple[str, torch.Tensor]], adopt: bool = False) -> bool:
+    def load_named_tensors(self, named_tensors: list[tuple[str, torch.Tensor]], adopt: bool = False) -> int:
         """Load by HF name. adopt=True makes a parameter of the same dtype a view of the given tensor instead of
-        copying into it (the caller hands its buffer over). Returns whether every tensor was adopted."""
+        copying into it (the caller hands its buffer over), except the in-place names (copied into); a parameter that
+        is that very view already (a bucket received again into its buffer) is left as it is. Returns how many of
+        the tensors the parameters now live in."""
         targets = self._parameters_by_name()
         self._check_fit(named_tensors, targets)
         parameters = dict(self.model.named_parameters(remove_duplicate=False))
-        adopted_all = True
+        living = 0
         for name, tensor in named_tensors:
             target = targets[name]
-            if adopt and name in parameters and target.dtype == tensor.dtype and target.device == tensor.device:
+            if (target.data_ptr() == tensor.data_ptr() and target.dtype == tensor.dtype
+                    and target.device == tensor.device):
+                living += 1  # received in place
+            elif (adopt and name in parameters and name not in self.in_place_names and target.dtype == tensor.dtype
+                    and target.device == tensor.device):
                 parameters[name].data = tensor  # tied embeddings are one Parameter: both names follow
+                living += 1
             else:
                 target.copy_(tensor)
-                adopted_all = False
-        return adopted_all
+        return living
 
     def load_from_disk(self, body: dict) -> None:
         from safetensors.torch import load_file
