@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from megatron_dppo.platform.network import free_port
@@ -70,6 +71,25 @@ def finish(process: subprocess.Popen, timeout: float, what: str) -> str:
     finally:
         kill_group(process)
     return output
+
+
+def kill_once_saved(process: subprocess.Popen, save_dir: Path, step: int, timeout: float = 300) -> int:
+    """SIGKILL the launch's whole group as soon as `save_dir/latest` names a checkpoint of `step` or later, as a lost
+    node or the OOM killer would end a run mid-way after a save; returns the step `latest` named at the kill (the
+    run may have saved again before the kill landed)."""
+    from megatron_dppo.actor.checkpoint_dir import checkpoint_step, latest_name
+
+    deadline = time.monotonic() + timeout
+    while (name := latest_name(save_dir)) is None or checkpoint_step(name) < step:
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended before its step-{step} checkpoint:\n{process.stdout.read()[-6000:]}")
+        if time.monotonic() > deadline:
+            kill_group(process)
+            raise AssertionError(f"no step-{step} checkpoint in {save_dir} within {timeout} s")
+        time.sleep(0.05)
+    kill_group(process)
+    process.communicate()
+    return checkpoint_step(latest_name(save_dir))
 
 
 def run_torchrun(script: Path, nproc: int, args=(), timeout: float = 300, env: dict | None = None) -> str:
