@@ -6,7 +6,8 @@
     ─► or the embedded default: tiny model + cached warm start, and the synthetic task
     ─► where the run starts (launch/resume.py): its own latest checkpoint in --save, --load, or afresh; one line says
        which; a --save holding another run's checkpoints is refused (rank 0 decides for every rank)
-    ─► the memory plan of a trainer GPU (launch/memory_plan.py): refused here if it cannot fit
+    ─► the memory plan of a trainer GPU (launch/memory_plan.py), with --rollout-colocate the SGLang server's share
+       of it and the --mem-fraction-static it gets (launch/colocated_sglang.py): refused here if it cannot fit
     ─► actor (+ frozen reference when --kl-coef > 0)
     ─► rank 0: rollout servers (embedded engine | SGLang | vLLM | external URLs), client, weight syncer, server pool
     ─► resume (the checkpoint decided above) ─► initial weight sync ─► evaluate ─► RL steps ─► evaluate ─► save
@@ -32,6 +33,7 @@ from megatron_dppo.convert.hf_checkpoint import HFCheckpoint, read_config
 from megatron_dppo.convert.mapping import model_shape
 from megatron_dppo.errors import UserInputError
 from megatron_dppo.launch.arguments import build_parser, is_embedded_default
+from megatron_dppo.launch.colocated_sglang import start_colocated_share, with_server_flags
 from megatron_dppo.launch.launch_plan import weight_sync_backend
 from megatron_dppo.launch.memory_plan import start_memory_error
 from megatron_dppo.launch.resume import resume_decision, run_record
@@ -125,6 +127,8 @@ def start_rollout(args, model_dir: Path, synced_weights: Callable[[], Iterable[t
         handles = [launch_embedded_engine(str(model_dir), **options)
                    for _ in range(args.rollout_num_servers)]
     elif args.rollout_backend in ("sglang", "vllm"):
+        if args.rollout_colocate and not is_cpu():  # the server sizes itself from the free memory it finds: the
+            torch.cuda.empty_cache()               # memory plan's, once the allocator hands its cached blocks back
         handles = start_local_servers(args, str(model_dir), is_cpu())
         if args.rollout_backend == "vllm":
             api, control = VLLMCompletionsAPI(), VLLMControl()
@@ -224,11 +228,13 @@ def run(args) -> dict:
     load = resume_point(args, record)
     hf_config = start_config if load == args.load else read_hf_config(resolve_checkpoint(load))
     shape = model_shape(hf_config)
-    memory_error = start_memory_error(args, dist.get_world_size() // (args.tensor_model_parallel_size *
-                                                                       args.pipeline_model_parallel_size),
-                                      shape, device_memory_bytes())
+    dp = dist.get_world_size() // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    memory_error, server_flags = start_memory_error(args, dp, shape, device_memory_bytes()), None
+    if not memory_error:
+        memory_error, server_flags = start_colocated_share(args, dp, shape, device_memory_bytes())
     if memory_error:  # every rank finds it alike; before the model is built, so nothing is allocated for nothing
         raise UserInputError(memory_error)
+    server_args = args if server_flags is None else with_server_flags(args, server_flags)  # with the fraction
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     checkpoint = HFCheckpoint(model_dir)
     optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
@@ -251,7 +257,7 @@ def run(args) -> dict:
     pool = client = syncer = None
     with contextlib.ExitStack() as stack:
         if rank0:
-            pool, client, syncer = start_rollout(args, model_dir, actor.hf_tensors)
+            pool, client, syncer = start_rollout(server_args, model_dir, actor.hf_tensors)
             stack.callback(pool.stop)
         trainer = Trainer(args, actor, task, tokenizer, client, syncer, hf_config, reference, record)
         resumed = trainer.load(load) if load else {}
