@@ -209,9 +209,10 @@ def rollout_flags(parser: argparse.ArgumentParser) -> None:
                          help="where the embedded engine decodes: the host, or the GPU of trainer rank 0 (beside the "
                               "trainer; for tiny models, as bench/step_cost.py measures a GPU's decode cost)")
     rollout.add_argument("--rollout-colocate", action="store_true",
-                         help="--rollout-backend sglang: the servers share the trainer's GPUs (a one-GPU machine; "
-                              "leave them memory with --sglang-mem-fraction-static) and weights sync over gloo, as "
-                              "NCCL refuses two ranks on one GPU")
+                         help="--rollout-backend sglang: the servers share the trainer's GPUs and weights sync over "
+                              "gloo, as NCCL refuses two ranks on one GPU; the memory plan gives each server its "
+                              "share and passes it the --mem-fraction-static that fits (or checks "
+                              "--sglang-mem-fraction-static)")
     rollout.add_argument("--async", dest="async_rollout", action="store_true",
                          help="generate step t+1 while step t trains (one step off-policy, corrected by TIS)")
     rollout.add_argument("--partial-rollout", action="store_true",
