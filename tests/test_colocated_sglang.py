@@ -26,7 +26,7 @@ from megatron_dppo.launch.colocated_sglang import (
     colocated_share,
     start_colocated_share,
 )
-from megatron_dppo.launch.memory_plan import GIB, TrainerLayout
+from megatron_dppo.launch.memory_plan import GIB, H100_80GB_GIB, TrainerLayout
 from tests import test_recipe_plans as recipe_plans
 from tests.launch import REPO_ROOT
 from tests.test_engine_parsers import sglang_parse
@@ -115,7 +115,7 @@ def test_a_start_on_a_gpu_derives_the_dry_runs_fraction_and_the_cpu_plans_none()
              "--recompute-method", "uniform", "--recompute-num-layers", "1", "--prompt-data", "math"]
     args = parse_args(flags)
     error, server_flags = start_colocated_share(args, 2, SHAPE, gpu_bytes=80 * GIB)
-    expected = colocated_share(TWO_GPUS, 80, RESPONSE).fraction
+    expected = colocated_share(TWO_GPUS, H100_80GB_GIB, RESPONSE).fraction  # --gpu-memory-gib's default: smaller
     assert error is None and server_flags[-2:] == ["--mem-fraction-static", f"{expected:.3f}"]
     assert args.sglang_args == ["--tp-size", "1"]  # the run's own flags are left as parsed
     error, _ = start_colocated_share(args, 2, SHAPE, gpu_bytes=64 * GIB)  # the GPU's own memory, if smaller

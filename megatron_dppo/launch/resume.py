@@ -47,12 +47,12 @@ from megatron_dppo.errors import UserInputError
 # Flags (argparse dests) that leave what is trained unchanged, so a checkpoint resumes under any value of them
 RUN_INDEPENDENT_FLAGS = frozenset({
     # the run's length
-    "train_iters", "time_budget_s",
+    "train_iters", "time_budget_s", "time_budget_prices",
     # checkpoints and logs
     "load", "save", "save_interval", "keep_last_checkpoints", "no_load_optim", "fresh_start", "log_dir",
     "wandb_project", "wandb_exp_name", "wandb_save_dir",
     # evaluation
-    "eval_prompt_data", "eval_prompt_data_split", "eval_size", "eval_interval",
+    "eval_prompt_data", "eval_prompt_data_split", "eval_prompt_data_config", "eval_size", "eval_interval",
     # the layout and memory settings a checkpoint resumes under (docs/trainer.md, "Checkpoints")
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel", "use_distributed_optimizer",
     "transformer_impl", "recompute_granularity", "recompute_method", "recompute_num_layers", "gpu_memory_gib",
