@@ -2,8 +2,11 @@
 
     tiny Qwen3 (HF, random) ──► tools/convert_hf_to_megatron.py --dtype bf16|fp16 ──► torchrun 2 ranks
         straight:  --load converted, 4 steps, --save-interval 2                        ──► straight/iter_0000004
-        stopped:   --load converted, 2 steps, --save (the run ends after its save)   ──► stopped/iter_0000002
-        resumed:   --load stopped, to step 4                                          ──► stopped/iter_0000004
+        stopped:   bf16: the straight command into stopped/, killed (SIGKILL) after its step-2 save;
+                   fp16: --load converted, 2 steps (the run ends after its save)      ──► stopped/iter_0000002
+        resumed:   the straight command into stopped/ (--load converted, 4 steps): it resumes from stopped's latest
+                   by itself, saying so in one line (the converted --load is where the run started) ──► stopped/
+                   iter_0000004
 
 Checked per configuration: every step of both runs has a finite, positive gradient norm (the entropy bonus gives a
 gradient where a random model earns no reward), the resumed steps' gradient norms equal the straight run's, and
@@ -27,7 +30,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.launch import REPO_ROOT, run_torchrun
+from tests.launch import REPO_ROOT, kill_once_saved, run_torchrun, start_torchrun
 
 ENTRY = REPO_ROOT / "examples" / "pretrain_dppo.py"
 RESTORED_STATE = REPO_ROOT / "tests" / "workers" / "optimizer_state_checks.py"
@@ -69,10 +72,14 @@ def converted(tiny_qwen3, tmp_path_factory):
     return root
 
 
-def train(model_dir: Path, load: Path, dtype: str, layout: list[str], steps: int, save: Path, log_dir: Path) -> None:
-    run_torchrun(ENTRY, 2, ["--hf-checkpoint", model_dir, "--load", load, f"--{dtype}", *RUN, *layout,
-                            "--train-iters", steps, "--save", save, "--save-interval", 2, "--log-dir", log_dir],
-                 timeout=300)
+def train_command(model_dir: Path, load: Path, dtype: str, layout: list[str], steps: int, save: Path,
+                  log_dir: Path) -> list:
+    return ["--hf-checkpoint", model_dir, "--load", load, f"--{dtype}", *RUN, *layout, "--train-iters", steps,
+            "--save", save, "--save-interval", 2, "--log-dir", log_dir]
+
+
+def train(*command_fields) -> str:
+    return run_torchrun(ENTRY, 2, train_command(*command_fields), timeout=300)
 
 
 def saved_tensors(checkpoint: Path, scratch: Path) -> dict:
@@ -111,9 +118,15 @@ def test_half_precision_run_saves_stops_and_resumes_bitwise_as_an_uninterrupted_
     dtype, tp, distributed_optimizer = CONFIGS[name]
     layout = ["--tensor-model-parallel-size", str(tp)] + ["--use-distributed-optimizer"] * distributed_optimizer
     train(tiny_qwen3, converted / dtype, dtype, layout, 4, tmp_path / "straight", tmp_path / "straight_log")
-    train(tiny_qwen3, converted / dtype, dtype, layout, 2, tmp_path / "stopped", tmp_path / "stopped_log")
-    assert (tmp_path / "stopped" / "latest").read_text().strip() == "iter_0000002"
-    train(tiny_qwen3, tmp_path / "stopped", dtype, layout, 4, tmp_path / "stopped", tmp_path / "stopped_log")
+    again = (tiny_qwen3, converted / dtype, dtype, layout, 4, tmp_path / "stopped", tmp_path / "stopped_log")
+    if dtype == "bf16":  # the README's precision: a run lost mid-way after a save
+        saved = kill_once_saved(start_torchrun(ENTRY, 2, train_command(*again)), tmp_path / "stopped", 2)
+    else:  # a run that ended at its --train-iters, extended by the same command with more
+        train(tiny_qwen3, converted / dtype, dtype, layout, 2, tmp_path / "stopped", tmp_path / "stopped_log")
+        saved = 2
+    output, stopped = train(*again), tmp_path / "stopped"
+    assert f"resuming from {stopped / f'iter_{saved:07d}'} (step {saved}): --save {stopped} holds this run's " \
+           f"checkpoints; --load {converted / dtype} is where it started" in output, output[-3000:]
 
     straight_norms, resumed_norms = grad_norms(tmp_path / "straight_log"), grad_norms(tmp_path / "stopped_log")
     assert len(straight_norms) == 4 and len(resumed_norms) == 4, (straight_norms, resumed_norms)

@@ -7,10 +7,11 @@ the same cache (so tools/prepare_data.py downloads every set from there), 2 CPU 
 embedded engine in place of SGLang (as the trainer's rollout backend, and as the evaluation server: it takes SGLang's
 --model-path and --port), small batches (`--bf16` kept), 2 problems per benchmark. Everything else runs as written:
 data, conversion from the Hub name, the dry run, training that saves at its end, export with the Hub name's
-tokenizer, evaluation through the server; then the resume block takes the run to 4 steps. The blocks that run
-elsewhere are checked as such: the rollout node's SGLang command by SGLang's own parser (same model, deterministic,
-TP equal to --rollout-server-gpus), and the single-node alternative by the dry run's plan. Every document under docs/
-is linked from the README's index, and every link of the README leads to a file and heading that exist.
+tokenizer, evaluation through the server; then the resume block, the same command, takes the run to 4 steps. The
+blocks that run elsewhere are checked as such: the rollout node's SGLang command by SGLang's own parser (same model,
+deterministic, TP equal to --rollout-server-gpus), and the single-node alternative by the dry run's plan. Every
+document under docs/ is linked from the README's index, and every link of the README leads to a file and heading
+that exist.
 """
 
 import json
@@ -137,9 +138,11 @@ def test_readme_cluster_section_runs_as_written_from_a_hub_name_and_downloaded_d
     assert {name: summary["num_problems"] for name, summary in results["benchmarks"].items()} == {
         name: min(2, source_rows(name)) for name in BENCHMARKS}  # --limit 2 of the tiny sources' rows
 
-    # the resume block, after the run stopped at its 2 steps: the same command to 4 steps with --load ckpt/run
+    # the resume block, after the run stopped at its 2 steps: the same command, to 4 steps, resumes by itself
     resume = "\n".join([*blocks["settings"], training_command(blocks["flow"]), *blocks["after a stop"]])
-    run_bash(resume, clone, {**environment, "STEPS": "4"})
+    resumed = run_bash(resume, clone, {**environment, "STEPS": "4"})
+    assert "resuming from ckpt/run/iter_0000002 (step 2): --save ckpt/run holds this run's checkpoints; --load " \
+           "ckpt/init is where it started" in resumed.stdout, resumed.stdout[-3000:]
     assert (clone / "ckpt" / "run" / "latest").read_text().strip() == "iter_0000004"
     steps = [json.loads(line) for line in (clone / "runs" / "dppo" / "metrics.jsonl").read_text().splitlines()]
     assert [step["step"] for step in steps] == [1, 2, 3, 4]

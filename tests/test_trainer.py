@@ -3,8 +3,10 @@
 - smoke: TP=2, a few steps: finite loss and gradient norm, weights changed, weight version advanced, metrics written;
   the engine samples from a perturbed copy of the weights (--rollout-engine-weight-noise), which the trainer logs as a
   log-prob gap, and --rollout-correction seq-mis logs its weights and rejected sequences;
-- exact resume: 4 steps straight vs 2 steps, kill -9, resume to 4: bitwise-identical final weights and identical
-  metrics for the resumed steps (fp32, CPU, fixed seeds; wall-time fields excluded);
+- exact resume: 4 steps straight vs a run killed (kill -9) after its step-2 checkpoint and the same command run
+  again, which resumes from its --save by itself and says so in one line: bitwise-identical final weights and
+  identical metrics for the resumed steps (fp32, CPU, fixed seeds; wall-time fields excluded); a run with another
+  configuration into that --save is refused in one line naming the flag, and the directory is left as it was;
 - a partial or corrupted checkpoint gives a clear error naming what is missing, and the previous one still loads.
 Each launch reuses one cached warm start (a short one: these tests prove the loop, not the accuracy).
 """
@@ -12,17 +14,15 @@ Each launch reuses one cached warm start (a short one: these tests prove the loo
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.launch import REPO_ROOT, finish, start_torchrun
+from tests.launch import REPO_ROOT, finish, kill_once_saved, start_torchrun
 
 ENTRY = REPO_ROOT / "examples" / "pretrain_dppo.py"
 # The easiest synthetic cell, learnt to a useful level in a short warm start, so that groups have varied rewards.
@@ -96,20 +96,18 @@ def deterministic(metrics: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if not any(t in k for t in TIMING_FIELDS)} for m in metrics]
 
 
-def kill_after_step_2_and_resume(common: list, tmp_path: Path) -> None:
-    """Run to tmp_path/killed, kill -9 the whole torchrun group somewhere after step 2's checkpoint, then resume from
-    that checkpoint (the killed run may have got further before the kill landed) to the end."""
-    process = launch([*common, "--save", tmp_path / "killed", "--log-dir", tmp_path / "killed_log"])
-    marker = tmp_path / "killed" / "latest"
-    deadline = time.monotonic() + 300
-    while not (marker.is_file() and marker.read_text().strip() >= "iter_0000002"):
-        assert process.poll() is None, f"the run ended before its step-2 checkpoint:\n{process.stdout.read()[-6000:]}"
-        assert time.monotonic() < deadline, "no step-2 checkpoint within 300 s"
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.communicate()
-    run_ok([*common, "--save", tmp_path / "killed", "--log-dir", tmp_path / "killed_log",
-            "--load", tmp_path / "killed" / "iter_0000002"])
+def kill_after_step_2_and_resume(common: list, tmp_path: Path) -> str:
+    """Run to tmp_path/killed, kill -9 the whole torchrun group after step 2's checkpoint, then run the same command
+    again: it resumes from its latest checkpoint there (the killed run may have got further before the kill landed)
+    to the end, saying so in one line. Returns the second run's output."""
+    command = [*common, "--save", tmp_path / "killed", "--log-dir", tmp_path / "killed_log"]
+    saved = kill_once_saved(launch(command), tmp_path / "killed", 2)
+    output = run_ok(command)
+    said = [line for line in output.splitlines() if line.startswith("resuming from ")]
+    assert said == [f"resuming from {tmp_path / 'killed' / f'iter_{saved:07d}'} (step {saved}): --save "
+                    f"{tmp_path / 'killed'} holds this run's checkpoints (--fresh-start with an empty --save starts "
+                    "over)"], output[-4000:]
+    return output
 
 
 def test_resume_after_kill_is_bitwise_identical_and_corrupt_checkpoints_are_named(cache_dir, tmp_path):
@@ -128,6 +126,16 @@ def test_resume_after_kill_is_bitwise_identical_and_corrupt_checkpoints_are_name
     resumed_metrics = deterministic(read_metrics(tmp_path / "killed_log"))
     assert [m["step"] for m in resumed_metrics] == [1, 2, 3, 4]
     assert resumed_metrics[2:] == straight_metrics[2:]
+
+    # another configuration into the same --save: refused in one line naming the flag; nothing there changes
+    before = {path: path.stat().st_mtime_ns for path in (tmp_path / "killed").rglob("*")}
+    process = launch([*common, "--lr", "2e-3", "--save", tmp_path / "killed", "--log-dir", tmp_path / "other_log"])
+    output = finish(process, 300, "the run of another configuration")
+    errors = [line for line in output.splitlines() if line.startswith("pretrain_dppo.py: error:")]
+    assert process.returncode != 0 and len(errors) == 1 and "]: Traceback" not in output, output[-4000:]
+    assert f"--save {tmp_path / 'killed'} holds checkpoints of another run" in errors[0], errors[0]
+    assert "--lr 0.001 there, 0.002 here" in errors[0], errors[0]
+    assert {path: path.stat().st_mtime_ns for path in (tmp_path / "killed").rglob("*")} == before
 
     # a partial checkpoint (its completion marker is gone) is refused, naming what is missing and the fallback
     (tmp_path / "straight" / "iter_0000004" / "complete").unlink()

@@ -9,6 +9,8 @@ Layout of a save directory:
         dppo_state.pt              trainer state that is not sharded: step, data position, pruner history,
                                    RNG states per rank, metrics cursor, the optimizer's layout (absent in a
                                    converter's checkpoint)
+        run.json                   the run that wrote it (launch/resume.py: its fingerprint, model config and
+                                   flags), which decides whether a later run resumes it (absent in a converter's)
         complete                   written last: a checkpoint without it is partial and never loaded
     <save>/latest                  "iter_0000040", replaced atomically after the checkpoint is complete
 
@@ -27,7 +29,11 @@ therefore refused, naming the change (`optimizer_layout_error`, from the layout 
 and --no-load-optim loads the weights alone.
 
 Writes go to `<save>/.tmp_iter_XXXXXXX` first and are renamed when every rank has finished, so a crash leaves
-either the old checkpoint or the new one, never half of one under its final name.
+either the old checkpoint or the new one, never half of one under its final name. Then `latest` is replaced, and only
+then does --keep-last-checkpoints delete: the newest checkpoints by step are kept, and never the one `latest` names,
+so a crash at any point leaves `latest` naming a complete checkpoint (checkpoint_dir.latest_checkpoint falls back to
+the newest complete one where a crash came before the first `latest`). A step saved again (a run resumed from an
+earlier checkpoint of its own) replaces the old directory by two renames, never by deleting it first.
 """
 
 import json
@@ -41,14 +47,19 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 
-LATEST = "latest"
-COMPLETE = "complete"
-HF_CONFIG = "hf_config.json"
+from megatron_dppo.actor.checkpoint_dir import (
+    COMPLETE,
+    HF_CONFIG,
+    LATEST,
+    RUN_RECORD,
+    TRAINER_STATE,
+    complete_checkpoints,
+    iteration_dir,
+    latest_name,
+    named_checkpoint,
+)
+
 EXTRA_STATE = "_extra_state"  # Transformer Engine's per-module FP8 metadata (a torch state dict entry)
-
-
-def iteration_dir(save_dir: str | Path, step: int) -> Path:
-    return Path(save_dir) / f"iter_{step:07d}"
 
 
 def _rank0() -> bool:
@@ -74,11 +85,13 @@ def stop_writer_results_manager() -> None:
 
 
 def save_checkpoint(save_dir: str | Path, step: int, sharded_state: dict, hf_config: dict,
-                    trainer_state: dict | None = None, keep_last: int | None = None, sharded_strategy=None) -> Path:
+                    trainer_state: dict | None = None, keep_last: int | None = None, sharded_strategy=None,
+                    run_record: dict | None = None) -> Path:
     """Save `sharded_state` (values from `.sharded_state_dict()`) atomically as checkpoint `step`; every rank calls.
 
     `trainer_state` is a picklable dict saved by rank 0 (per-rank parts, e.g. RNG states, are gathered by the
-    caller). Keeps the newest `keep_last` complete checkpoints when given. `sharded_strategy` replaces megatron's
+    caller); `run_record` the run that writes it (launch/resume.py). Keeps the newest `keep_last` complete
+    checkpoints by step when given, and always the one `latest` names. `sharded_strategy` replaces megatron's
     default torch_dist writer (the streaming converter passes one that reads each chunk just before writing it)."""
     save_dir = Path(save_dir)
     final = iteration_dir(save_dir, step)
@@ -92,35 +105,50 @@ def save_checkpoint(save_dir: str | Path, step: int, sharded_state: dict, hf_con
     _barrier()
     if _rank0():
         (staging / HF_CONFIG).write_text(json.dumps(hf_config, indent=2))
+        if run_record is not None:
+            (staging / RUN_RECORD).write_text(json.dumps(run_record, indent=2, sort_keys=True))
         if trainer_state is not None:
-            torch.save(trainer_state, staging / "dppo_state.pt")
+            torch.save(trainer_state, staging / TRAINER_STATE)
         (staging / COMPLETE).write_text(str(step))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
+        replace_directory(staging, final)
         marker = save_dir / f".{LATEST}.tmp"
         marker.write_text(final.name)
         os.replace(marker, save_dir / LATEST)
         if keep_last:
-            for old in sorted(complete_checkpoints(save_dir))[:-keep_last]:
+            for old in checkpoints_past_keeping(save_dir, keep_last):
                 shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 
 
-def complete_checkpoints(save_dir: str | Path) -> list[Path]:
-    return sorted(p for p in Path(save_dir).glob("iter_*") if (p / COMPLETE).is_file())
+def replace_directory(source: Path, target: Path) -> None:
+    """Rename `source` to `target`. An existing `target` is first renamed aside and deleted once `source` stands in
+    its place: a crash in between leaves one of the two whole under `target`'s name or beside it, never nothing."""
+    if not target.exists():
+        os.replace(source, target)
+        return
+    aside = target.with_name(f".replaced_{target.name}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(target, aside)
+    os.replace(source, target)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def checkpoints_past_keeping(save_dir: str | Path, keep_last: int) -> list[Path]:
+    """The complete checkpoints --keep-last-checkpoints deletes: all but the newest `keep_last` by step, never the
+    one `latest` names (after a resume from an earlier checkpoint, later steps of the run may outnumber it)."""
+    complete = complete_checkpoints(save_dir)
+    latest = latest_name(save_dir)
+    return [path for path in complete[:-keep_last] if path.name != latest]
 
 
 def resolve_checkpoint(load: str | Path) -> Path:
-    """The checkpoint directory `load` names: an iter_* directory itself, or a save directory (its `latest`).
+    """The checkpoint directory `load` names: an iter_* directory itself, or a save directory (its `latest`, else
+    its newest complete checkpoint).
 
     A partial checkpoint (no `complete` marker), or missing files, is a clear error naming what is missing and the
     newest complete checkpoint that can be loaded instead."""
-    path = Path(load)
-    if (path / LATEST).is_file():
-        path = path / (path / LATEST).read_text().strip()
-    elif not path.name.startswith("iter_") and complete_checkpoints(path):
-        path = complete_checkpoints(path)[-1]
+    path = named_checkpoint(load)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint {path} does not exist: pass --load a save directory or an iter_* dir")
     missing = [name for name in (COMPLETE, HF_CONFIG, ".metadata") if not (path / name).is_file()]
@@ -215,5 +243,5 @@ def optimizer_layout_error(checkpoint: str | Path, saved: dict | None, current: 
 
 
 def load_trainer_state(checkpoint: str | Path) -> dict | None:
-    path = resolve_checkpoint(checkpoint) / "dppo_state.pt"
+    path = resolve_checkpoint(checkpoint) / TRAINER_STATE
     return torch.load(path, weights_only=False) if path.is_file() else None

@@ -46,6 +46,7 @@ from megatron_dppo.launch import logging_flags
 from megatron_dppo.launch import rollout_correction_flags as correction
 from megatron_dppo.launch.algorithm_flags import SEQUENCE_CLIP, TOKEN_CLIP
 from megatron_dppo.launch.memory_plan import memory_flags, recompute_errors
+from megatron_dppo.launch.resume import resume_errors, resume_flags
 from megatron_dppo.launch.rollout_servers import SGLANG_TP_FLAGS, rollout_server_gpus
 from megatron_dppo.platform import TRANSFORMER_IMPLS, transformer_impl_error
 from megatron_dppo.rewards.custom import reward_function_flag
@@ -92,8 +93,9 @@ def build_parser() -> FlagParser:
         description="GRPO-family RL with DPPO on Megatron-Core. With no arguments on a CPU machine: the embedded "
         "default (tiny model, synthetic arithmetic, embedded rollout engine).",
     )
-    for add_flags in (megatron_flags, memory_flags, rollout_flags, algorithm.add_flags, correction.add_flags,
-                      reward_flags, data_flags, embedded_flags, logging_flags.add_flags, operation_flags):
+    for add_flags in (megatron_flags, resume_flags, memory_flags, rollout_flags, algorithm.add_flags,
+                      correction.add_flags, reward_flags, data_flags, embedded_flags, logging_flags.add_flags,
+                      operation_flags):
         add_flags(parser)
     require_domains(parser)
     parser.note_replaced_defaults("the embedded default", EMBEDDED_DEFAULTS, EMBEDDED_TASK_DEFAULTS,
@@ -120,12 +122,15 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
                                "rollout away)")
     megatron.add_argument("--hf-checkpoint", metavar="DIR_OR_ORG/NAME", help="the HF model to start from: a folder, "
                           "or a Hub name (Qwen/Qwen3-4B) downloaded to the HF cache (HF_HUB_OFFLINE=1: read from it)")
-    megatron.add_argument("--load", help="resume from a Megatron checkpoint (save dir or iter_* dir)")
+    megatron.add_argument("--load", help="the Megatron checkpoint the run starts from (a save dir or an iter_* dir: "
+                          "a converter's, or one to resume); where --save holds this run's own checkpoints, the run "
+                          "resumes from their latest instead, unless --load names one of them (--fresh-start)")
     megatron.add_argument("--no-load-optim", action="store_true",
                           help="--load the model (and the run's step, data position and history) without the "
                                "optimizer and its LR schedule, which start afresh (Megatron-LM's flag): e.g. for a "
                                "checkpoint whose distributed-optimizer state was saved under another TP/PP")
-    megatron.add_argument("--save", help="directory for Megatron distributed checkpoints")
+    megatron.add_argument("--save", help="directory for Megatron distributed checkpoints; a run resumes from its own "
+                          "latest checkpoint there, and refuses one holding another run's")
     megatron.add_argument("--save-interval", type=COUNT_OR_NONE, default=0,
                           help="save every N steps (0: only at the end)")
     megatron.add_argument("--keep-last-checkpoints", type=COUNT_OR_NONE, default=2, help="0: keep every checkpoint")
@@ -205,9 +210,10 @@ def rollout_flags(parser: argparse.ArgumentParser) -> None:
                          help="where the embedded engine decodes: the host, or the GPU of trainer rank 0 (beside the "
                               "trainer; for tiny models, as bench/step_cost.py measures a GPU's decode cost)")
     rollout.add_argument("--rollout-colocate", action="store_true",
-                         help="--rollout-backend sglang: the servers share the trainer's GPUs (a one-GPU machine; "
-                              "leave them memory with --sglang-mem-fraction-static) and weights sync over gloo, as "
-                              "NCCL refuses two ranks on one GPU")
+                         help="--rollout-backend sglang: the servers share the trainer's GPUs and weights sync over "
+                              "gloo, as NCCL refuses two ranks on one GPU; the memory plan gives each server its "
+                              "share and passes it the --mem-fraction-static that fits (or checks "
+                              "--sglang-mem-fraction-static)")
     rollout.add_argument("--async", dest="async_rollout", action="store_true",
                          help="generate step t+1 while step t trains (one step off-policy, corrected by TIS)")
     rollout.add_argument("--partial-rollout", action="store_true",
@@ -333,8 +339,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     flag and the fix; then fill in the defaults that depend on other flags. One check per group of flags, in the
     order of --help; where a check asks whether a flag was given, the parser's default answers it."""
     server_gpus, server_errors = rollout_server_gpus(args)
-    errors = [*megatron_errors(args), *recompute_errors(args), *rollout_errors(args), *server_errors,
-              *vllm_errors(args), *algorithm.errors(args, parser), *correction.errors(args, parser),
+    errors = [*megatron_errors(args), *resume_errors(args), *recompute_errors(args), *rollout_errors(args),
+              *server_errors, *vllm_errors(args), *algorithm.errors(args, parser), *correction.errors(args, parser),
               *batch_filling_errors(args, parser),
               *range_combination_errors(args), *model_and_data_errors(args, parser), *embedded_errors(args),
               *logging_flags.errors(args, changed_flags(args, parser, *logging_flags.WANDB_ONLY))]

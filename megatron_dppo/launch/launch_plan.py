@@ -7,6 +7,8 @@
         ──► format_plan ──► text;  print_plan: the text, or one line saying why the plan cannot be laid out
     + --hf-checkpoint's config.json ──► memory_plan.dry_run_memory_plan ──► each trainer GPU's memory plan, or one
         line naming the flags that would make it fit (a plan for GPUs that cannot hold it ends the dry run, status 2)
+        ──► --rollout-colocate: colocated_sglang.dry_run_colocated_share ──► the server's share of a shared GPU and
+            the --mem-fraction-static its command gets (the plan is laid out again with it), or one line refusing it
 
 `plan_from_environment` reads the inputs from what examples/slurm/dppo.sbatch exports (DPPO_NODES,
 DPPO_TRAINER_NODES, DPPO_ROLLOUT_NODES, DPPO_GPUS_PER_NODE, DPPO_ROLLOUT_PORT, DPPO_RDZV_PORT), falling back to
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from megatron_dppo.launch.arguments import is_embedded_default
+from megatron_dppo.launch.colocated_sglang import dry_run_colocated_share, with_server_flags
 from megatron_dppo.launch.memory_plan import dry_run_memory_plan
 from megatron_dppo.weight_update_protocol import sync_rank_offsets
 
@@ -359,17 +362,23 @@ def format_plan(plan: LaunchPlan) -> str:
 
 
 def print_plan(args, env=None) -> None:
-    """--dry-run: print the plan and each trainer GPU's memory plan (launch/memory_plan.py); if it cannot be laid out,
-    or the trainer's GPUs cannot hold it, end with one line saying why and exit with status 2."""
+    """--dry-run: print the plan and each trainer GPU's memory plan (launch/memory_plan.py) with a colocated server's
+    share (launch/colocated_sglang.py); if it cannot be laid out, or the trainer's GPUs cannot hold it, end with one
+    line saying why and exit with status 2."""
     from megatron_dppo.rollout.client import RolloutServerError
 
     try:
         plan = plan_from_environment(args, env)
+        memory, error = dry_run_memory_plan(args, plan.dp, on_gpus=plan.gpus_per_node > 0)
+        if not error:
+            share, error, server_flags = dry_run_colocated_share(args, plan.dp, on_gpus=plan.gpus_per_node > 0)
+            memory += share
+            if server_flags is not None:  # the servers' commands as they start: with the fraction passed
+                plan = plan_from_environment(with_server_flags(args, server_flags), env)
         text = format_plan(plan)
     except (ValueError, RolloutServerError) as error:
         print(f"pretrain_dppo.py --dry-run: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    memory, error = dry_run_memory_plan(args, plan.dp, on_gpus=plan.gpus_per_node > 0)
     print("\n".join([text, "", *memory]), flush=True)
     if error:
         print(f"pretrain_dppo.py --dry-run: error: {error}", file=sys.stderr, flush=True)

@@ -150,6 +150,13 @@ class StageMemory:
     optimizer: float
     activations: float
     working: float
+    main_params: float = 0.0  # of `optimizer`, what is allocated when the optimizer is built: the fp32 main copy
+    # (bf16/fp16); Adam's moments come at its first step, or when a checkpoint loads
+
+    @property
+    def resident_when_built(self) -> float:
+        """What the actor holds once built, before its first step or load: what a colocated server finds taken."""
+        return self.weights + self.gradients + self.main_params
 
     @property
     def estimate(self) -> float:
@@ -273,7 +280,8 @@ def stage_memory(layout: TrainerLayout, stage: int) -> StageMemory:
     shape, size, tokens = layout.shape, DTYPE_BYTES[layout.dtype], layout.tokens
     parameters = stage_parameters(layout, stage)
     main_copy = FP32_BYTES if layout.dtype != "fp32" else 0
-    optimizer = parameters * (2 * FP32_BYTES + main_copy) / (layout.dp if layout.distributed_optimizer else 1)
+    shards = layout.dp if layout.distributed_optimizer else 1
+    optimizer = parameters * (2 * FP32_BYTES + main_copy) / shards
     last = stage == layout.pp - 1
     in_flight = layout.pp - stage  # 1F1B: stage p runs PP - p forwards before its first backward
     activations = layer_activations(layout) + outside_layers_per_token(layout, stage) * tokens
@@ -283,7 +291,8 @@ def stage_memory(layout: TrainerLayout, stage: int) -> StageMemory:
     layer_working = sum(saved_per_token(layout).values()) * tokens
     return StageMemory(stage=stage, weights=parameters * size * (1 + layout.reference_model),
                        gradients=parameters * FP32_BYTES, optimizer=optimizer,
-                       activations=activations * in_flight, working=max(loss_working, layer_working))
+                       activations=activations * in_flight, working=max(loss_working, layer_working),
+                       main_params=parameters * main_copy / shards)
 
 
 def plan_memory(layout: TrainerLayout) -> list[StageMemory]:
@@ -321,14 +330,40 @@ def _fits(layout: TrainerLayout, gpu_gib: float) -> bool:
     return all(plan.total <= gpu_gib * GIB for plan in plan_memory(layout))
 
 
-def _most_tokens_that_fit(layout: TrainerLayout, gpu_gib: float) -> int | None:
-    """The largest --max-tokens-per-gpu (a multiple of 1024) below the layout's that fits, or None."""
+def _most_tokens_that_fit(layout: TrainerLayout, fits) -> int | None:
+    """The largest --max-tokens-per-gpu (a multiple of 1024) below the layout's for which `fits(layout)`, or None."""
     tokens = layout.tokens // 1024 * 1024
     while tokens >= 1024:
-        if _fits(replace(layout, tokens=tokens), gpu_gib):
+        if fits(replace(layout, tokens=tokens)):
             return tokens
         tokens -= 1024
     return None
+
+
+def single_changes(layout: TrainerLayout, fits) -> list[tuple[str, TrainerLayout]]:
+    """(flags, the layout they give) for each one change of flags that lowers a trainer GPU's memory: full recompute
+    of every layer, the distributed optimizer, the largest --max-tokens-per-gpu for which `fits(layout)`, more TP
+    over the same processes."""
+    changes = []
+    full = replace(layout, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if layout.recompute_granularity != "full" or (layout.recompute_method, layout.recompute_num_layers) != (
+            "uniform", 1):
+        changes.append((recompute_flags(full), full))
+    if not layout.distributed_optimizer and layout.dp > 1:
+        changes.append(("--use-distributed-optimizer", replace(layout, distributed_optimizer=True)))
+    tokens = _most_tokens_that_fit(layout, fits)
+    if tokens is not None:
+        changes.append((f"--max-tokens-per-gpu {tokens}", replace(layout, tokens=tokens)))
+    for tp in (2 * layout.tp, 4 * layout.tp):
+        try:
+            layout.shape.check_parallel(tp, layout.pp)
+        except ValueError:
+            continue
+        if layout.dp % (tp // layout.tp) == 0:  # the same processes: DP shrinks as TP grows
+            wider = replace(layout, tp=tp, dp=layout.dp * layout.tp // tp)
+            changes.append((f"--tensor-model-parallel-size {tp}", wider))
+            break
+    return changes
 
 
 def memory_plan_error(layout: TrainerLayout, gpu_gib: float) -> str | None:
@@ -338,27 +373,9 @@ def memory_plan_error(layout: TrainerLayout, gpu_gib: float) -> str | None:
     worst = max(plans, key=lambda plan: plan.total)
     if worst.total <= gpu_gib * GIB:
         return None
-    fixes = []
-    full = replace(layout, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if layout.recompute_granularity != "full" or (layout.recompute_method, layout.recompute_num_layers) != (
-            "uniform", 1):
-        fixes.append((recompute_flags(full), full))
-    if not layout.distributed_optimizer and layout.dp > 1:
-        fixes.append(("--use-distributed-optimizer", replace(layout, distributed_optimizer=True)))
-    tokens = _most_tokens_that_fit(layout, gpu_gib)
-    if tokens is not None:
-        fixes.append((f"--max-tokens-per-gpu {tokens}", replace(layout, tokens=tokens)))
-    for tp in (2 * layout.tp, 4 * layout.tp):
-        try:
-            layout.shape.check_parallel(tp, layout.pp)
-        except ValueError:
-            continue
-        if layout.dp % (tp // layout.tp) == 0:  # the same processes: DP shrinks as TP grows
-            wider = replace(layout, tp=tp, dp=layout.dp * layout.tp // tp)
-            fixes.append((f"--tensor-model-parallel-size {tp}", wider))
-            break
     options = [f"{flags} ({max(plan.total for plan in plan_memory(fixed)) / GIB:.2f} GiB)"
-               for flags, fixed in fixes if _fits(fixed, gpu_gib)]
+               for flags, fixed in single_changes(layout, lambda changed: _fits(changed, gpu_gib))
+               if _fits(fixed, gpu_gib)]
     advice = ("; fits with " + ", or ".join(options)) if options else \
         "; no single change fits: combine --recompute-granularity full, a lower --max-tokens-per-gpu and more TP/PP"
     return (f"the memory plan needs an estimated {worst.total / GIB:.1f} GiB per GPU of pipeline stage {worst.stage} "

@@ -3,11 +3,14 @@
     parse/validate args ─► rank 0: the layout of the SGLang / vLLM servers it will start (enough GPUs?)
     ─► --hf-checkpoint: its tokenizer and the task (prompts + reward), read before anything starts
     ─► torch.distributed + Megatron parallel state
-    ─► the memory plan of a trainer GPU (launch/memory_plan.py): refused here if it cannot fit
     ─► or the embedded default: tiny model + cached warm start, and the synthetic task
+    ─► where the run starts (launch/resume.py): its own latest checkpoint in --save, --load, or afresh; one line says
+       which; a --save holding another run's checkpoints is refused (rank 0 decides for every rank)
+    ─► the memory plan of a trainer GPU (launch/memory_plan.py), with --rollout-colocate the SGLang server's share
+       of it and the --mem-fraction-static it gets (launch/colocated_sglang.py): refused here if it cannot fit
     ─► actor (+ frozen reference when --kl-coef > 0)
     ─► rank 0: rollout servers (embedded engine | SGLang | vLLM | external URLs), client, weight syncer, server pool
-    ─► resume (--load) ─► initial weight sync ─► evaluate ─► RL steps ─► evaluate ─► save
+    ─► resume (the checkpoint decided above) ─► initial weight sync ─► evaluate ─► RL steps ─► evaluate ─► save
 The last line on rank 0 is a JSON summary.
 """
 
@@ -23,16 +26,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_dppo.actor.actor import Actor, OptimConfig
-from megatron_dppo.actor.checkpoint import read_hf_config, resolve_checkpoint
+from megatron_dppo.actor.checkpoint import iteration_dir, read_hf_config, resolve_checkpoint
 from megatron_dppo.actor.model import Recompute
 from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint, read_config
 from megatron_dppo.convert.mapping import model_shape
 from megatron_dppo.data.checks import HELDOUT_METRIC, eval_metric
 from megatron_dppo.errors import UserInputError
-from megatron_dppo.launch.arguments import is_embedded_default
+from megatron_dppo.launch.arguments import build_parser, is_embedded_default
+from megatron_dppo.launch.colocated_sglang import start_colocated_share, with_server_flags
 from megatron_dppo.launch.launch_plan import weight_sync_backend
 from megatron_dppo.launch.memory_plan import start_memory_error
+from megatron_dppo.launch.resume import resume_decision, run_record
 from megatron_dppo.metrics import MetricsLogger, RolloutRecords, WandbRun
 from megatron_dppo.pipeline.tasks import Task, dataset_task, synthetic_task
 from megatron_dppo.pipeline.trainer import Trainer
@@ -125,6 +130,8 @@ def start_rollout(args, model_dir: Path, synced_weights: Callable[[], Iterable[t
         handles = [launch_embedded_engine(str(model_dir), **options)
                    for _ in range(args.rollout_num_servers)]
     elif args.rollout_backend in ("sglang", "vllm"):
+        if args.rollout_colocate and not is_cpu():  # the server sizes itself from the free memory it finds: the
+            torch.cuda.empty_cache()               # memory plan's, once the allocator hands its cached blocks back
         handles = start_local_servers(args, str(model_dir), is_cpu())
         if args.rollout_backend == "vllm":
             api, control = VLLMCompletionsAPI(), VLLMControl()
@@ -217,6 +224,32 @@ def check_rollout_layout(args) -> None:
         local_servers(args, args.hf_checkpoint or "", is_cpu())
 
 
+def resume_point(args, record: dict) -> str | None:
+    """The checkpoint this run loads (None: it starts from the model), as rank 0 decides it (resume_decision) and
+    says in one line; every rank gets the same answer, or the same UserInputError."""
+    decided = [None]
+    if dist.get_rank() == 0:
+        try:
+            decision = resume_decision(args.save, args.load, args.fresh_start, record)
+            decided = [(decision.checkpoint, decision.message, None)]
+        except UserInputError as error:
+            decided = [(None, None, str(error))]
+    dist.broadcast_object_list(decided, src=0)
+    checkpoint, message, error = decided[0]
+    if error:
+        raise UserInputError(error)
+    if message and dist.get_rank() == 0:
+        print(message, flush=True)
+    return checkpoint
+
+
+def saves_what_it_loaded(save: str | None, load: str | None, step: int, loaded_step: int) -> bool:
+    """Whether a save now would write the very checkpoint the run loaded, with no step taken since (a finished run
+    run again): skipped, as it holds nothing new and would replace the directory `latest` names."""
+    return bool(save and load) and step == loaded_step and \
+        iteration_dir(save, step).resolve() == resolve_checkpoint(load).resolve()
+
+
 def run(args) -> dict:
     start = time.perf_counter()
     check_rollout_layout(args)
@@ -234,13 +267,18 @@ def run(args) -> dict:
 
         model_dir, tokenizer, warm_start = embedded.prepare(args)
         task = build_task(args, tokenizer)
-    hf_config = read_hf_config(resolve_checkpoint(args.load)) if args.load else read_config(model_dir)
+    start_config = read_hf_config(resolve_checkpoint(args.load)) if args.load else read_config(model_dir)
+    record = run_record(args, build_parser(), start_config)
+    load = resume_point(args, record)
+    hf_config = start_config if load == args.load else read_hf_config(resolve_checkpoint(load))
     shape = model_shape(hf_config)
-    memory_error = start_memory_error(args, dist.get_world_size() // (args.tensor_model_parallel_size *
-                                                                       args.pipeline_model_parallel_size),
-                                      shape, device_memory_bytes())
+    dp = dist.get_world_size() // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    memory_error, server_flags = start_memory_error(args, dp, shape, device_memory_bytes()), None
+    if not memory_error:
+        memory_error, server_flags = start_colocated_share(args, dp, shape, device_memory_bytes())
     if memory_error:  # every rank finds it alike; before the model is built, so nothing is allocated for nothing
         raise UserInputError(memory_error)
+    server_args = args if server_flags is None else with_server_flags(args, server_flags)  # with the fraction
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     checkpoint = HFCheckpoint(model_dir)
     optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
@@ -252,7 +290,7 @@ def run(args) -> dict:
     actor = Actor(shape, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, dtype, optim,
                   checkpoint, args.sequence_parallel, args.transformer_impl,
                   recompute=Recompute(args.recompute_granularity, args.recompute_method, args.recompute_num_layers))
-    if warm_start is not None and not args.load:
+    if warm_start is not None and not load:
         actor.load_sharded(warm_start, with_optimizer=False)
     reference = None
     if args.kl_coef > 0:
@@ -263,10 +301,11 @@ def run(args) -> dict:
     pool = client = syncer = None
     with contextlib.ExitStack() as stack:
         if rank0:
-            pool, client, syncer = start_rollout(args, model_dir, actor.hf_tensors)
+            pool, client, syncer = start_rollout(server_args, model_dir, actor.hf_tensors)
             stack.callback(pool.stop)
-        trainer = Trainer(args, actor, task, tokenizer, client, syncer, hf_config, reference)
-        resumed = trainer.load(args.load) if args.load else {}
+        trainer = Trainer(args, actor, task, tokenizer, client, syncer, hf_config, reference, record)
+        resumed = trainer.load(load) if load else {}
+        loaded_step = trainer.step
         trainer.sync_weights()
         before = resumed.get("eval_before") or trainer.evaluate(args.eval_size)
         prompts = resumed.get("prompt_totals") or {"prompts_drawn": 0.0, "prompts_pruned": 0.0}
@@ -291,7 +330,8 @@ def run(args) -> dict:
                               "seconds_wall": clock.wall(), "wandb_run_id": metrics.wandb_run_id})
         seconds_rl = clock.seconds()
         after = trainer.evaluate(args.eval_size)
-        if args.save and not (args.save_interval and trainer.step % args.save_interval == 0):
+        if args.save and not (args.save_interval and trainer.step % args.save_interval == 0) and \
+                not saves_what_it_loaded(args.save, load, trainer.step, loaded_step):
             trainer.save({"eval_before": before, "seconds_rl": seconds_rl, "seconds_wall": clock.wall(),
                           "prompt_totals": dict(prompts), "wandb_run_id": metrics.wandb_run_id})
         metrics.close()

@@ -52,9 +52,12 @@ T = TypeVar("T")
 
 
 class Trainer:
-    def __init__(self, args, actor, task, tokenizer, client, syncer, hf_config: dict, reference=None):
+    def __init__(self, args, actor, task, tokenizer, client, syncer, hf_config: dict, reference=None,
+                 run_record: dict | None = None):
+        """`run_record`: the run's fingerprint, model config and flags (launch/resume.py), saved with every
+        checkpoint so that a later run knows whether it is this one."""
         self.args, self.actor, self.task, self.tokenizer, self.hf_config = args, actor, task, tokenizer, hf_config
-        self.client, self.syncer, self.reference = client, syncer, reference
+        self.client, self.syncer, self.reference, self.run_record = client, syncer, reference, run_record
         self.rank0 = dist.get_rank() == 0
         self.step = 0
         # every rank holds the pruner (D3S selects tokens on every rank); only rank 0 generates and selects samples
@@ -201,8 +204,8 @@ class Trainer:
                  "rng": rng_states, "pending_rollouts": self.rollouts.ready,
                  "partial_rollouts": self.maker.partial.state_dict() if self.maker.partial and self.rank0 else None,
                  "optimizer_layout": self.optimizer_layout(), **extra}
-        save_checkpoint(self.args.save, self.step, self.actor.sharded_state_dict(),
-                        self.hf_config, state if self.rank0 else None, self.args.keep_last_checkpoints)
+        save_checkpoint(self.args.save, self.step, self.actor.sharded_state_dict(), self.hf_config,
+                        state if self.rank0 else None, self.args.keep_last_checkpoints, run_record=self.run_record)
 
     def optimizer_layout(self) -> dict:
         return optimizer_layout(self.args.tensor_model_parallel_size, self.args.pipeline_model_parallel_size,
