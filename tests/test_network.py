@@ -23,7 +23,7 @@ import pytest
 from megatron_dppo.platform.network import PortRange, free_port_in
 from tests.launch import REPO_ROOT
 
-PREFIX = f"dppo-{os.getpid()}-net"  # dppo-<owner pid>-: tests/cluster/cluster.sh sweep removes it once we are gone
+PREFIX = f"dppo-pid{os.getpid()}-net"  # tests/cluster/cluster.sh sweep removes these once this process is gone
 NODE, PEER, FABRIC = f"{PREFIX}-node", f"{PREFIX}-peer", f"{PREFIX}-fabric"
 HOSTS = "127.0.0.1\tlocalhost\n127.0.1.1\tnode\n10.77.0.2\tpeer\n10.78.0.2\tfabric-peer\n::1\tlocalhost\n"
 
