@@ -21,6 +21,7 @@ TEXT_FLAGS = {
     # checked by their argparse type: the reward file loads (rewards/custom.py), the wandb package is installed
     "--custom-reward-function", "--wandb-project",
     "--wandb-exp-name", "--wandb-save-dir",  # free text: W&B's run name, a folder
+    "--heartbeat-port", "--weight-sync-port",  # PORT or FIRST-LAST, checked by their argparse type (PortRange.parse)
 }
 
 

@@ -41,6 +41,7 @@ from megatron_dppo.flags import (
     FlagParser,
     require_domains,
 )
+from megatron_dppo.launch import cluster_flags
 from megatron_dppo.launch import rollout_correction_flags as correction
 from megatron_dppo.launch.memory_plan import memory_flags, recompute_errors
 from megatron_dppo.launch.rollout_servers import SGLANG_TP_FLAGS, rollout_server_gpus
@@ -95,7 +96,7 @@ def build_parser() -> FlagParser:
         "default (tiny model, synthetic arithmetic, embedded rollout engine).",
     )
     for add_flags in (megatron_flags, memory_flags, rollout_flags, algorithm_flags, correction.add_flags, reward_flags,
-                      data_flags, embedded_flags, operation_flags):
+                      data_flags, embedded_flags, operation_flags, cluster_flags.add_flags):
         add_flags(parser)
     require_domains(parser)
     parser.note_replaced_defaults("the embedded default", EMBEDDED_DEFAULTS, EMBEDDED_TASK_DEFAULTS,
@@ -400,7 +401,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     server_gpus, server_errors = rollout_server_gpus(args)
     errors = [*megatron_errors(args), *recompute_errors(args), *rollout_errors(args), *server_errors,
               *vllm_errors(args), *algorithm_errors(args, parser), *correction.errors(args, parser),
-              *batch_filling_errors(args, parser),
+              *batch_filling_errors(args, parser), *cluster_flags.errors(args),
               *range_combination_errors(args), *model_and_data_errors(args, parser), *embedded_errors(args)]
     if errors:
         parser.error(errors[0] if len(errors) == 1 else "\n  ".join(["invalid arguments:", *errors]))

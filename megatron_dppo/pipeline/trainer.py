@@ -17,6 +17,11 @@ older tokens corrected the same way.
 
 On-policy with one update epoch, the old log-probs equal the current ones: the update uses the forward pass's own
 log-probs (detached) as old log-probs and skips a forward pass; otherwise a forward-only pass computes them first.
+
+Each phase method is marked `@phase(name)` (platform/watchdog.py): the watchdog reports it when a peer goes silent,
+bounds the ones with deadlines (save), and an exception leaving it is said in one line naming rank, host and phase.
+Phases: step ⊃ rollouts (rank 0; the others wait in experience), experience, logprobs, update, sync; evaluate,
+save, load.
 """
 
 import random
@@ -42,6 +47,7 @@ from megatron_dppo.errors import UserInputError
 from megatron_dppo.pipeline.experience import Experience, ExperienceMaker, Rollouts, run_progress
 from megatron_dppo.pipeline.packing import pack_micro_batches, padding_token_id, sequence_pad_multiple
 from megatron_dppo.platform import collectives
+from megatron_dppo.platform.watchdog import phase
 from megatron_dppo.rollout.client import SamplingParams
 
 
@@ -58,6 +64,7 @@ class Trainer:
         self.rollouts = NextRollouts(self.maker, args.async_rollout and self.rank0)
 
     # ------------------------------------------------------------------------------------------- the loop
+    @phase("step")
     def train_one_step(self, elapsed_s: float = 0.0) -> dict:
         """One RL step; `elapsed_s` is the RL wall time so far (rank 0's clock), for the run's progress."""
         self.step += 1
@@ -75,6 +82,7 @@ class Trainer:
                 "seconds_step": time.perf_counter() - start, "lr": self.actor.lr}
 
     # ------------------------------------------------------------------------------------------- phases
+    @phase("experience")
     def make_experience(self, rollouts: Rollouts | None, elapsed_s: float) -> Experience:
         """rank 0 computes, every rank receives: rewards → advantages (full groups) → history → DAPO → pruning."""
         progress = run_progress(self.step, elapsed_s, self.args.train_iters, self.args.time_budget_s)
@@ -92,6 +100,7 @@ class Trainer:
     def needs_old_logprob_pass(self) -> bool:
         return self.args.ppo_epochs > 1 or self.args.async_rollout or self.pruner.selects_tokens
 
+    @phase("logprobs")
     def compute_old_logprobs(self, micro_batches, experience: Experience) -> float:
         """Forward-only passes: old log-probs (and entropy for D3S) and reference log-probs, into the batches."""
         start = time.perf_counter()
@@ -115,6 +124,7 @@ class Trainer:
         placeholders on the other stages, which never read them."""
         return outputs if outputs else [{"logprobs": None} for _ in micro_batches]
 
+    @phase("update")
     def update(self, micro_batches, experience: Experience) -> dict:
         """ppo_epochs optimizer steps over the packed batches with the policy loss; returns metrics."""
         start = time.perf_counter()
@@ -143,6 +153,7 @@ class Trainer:
 
         return loss_fn
 
+    @phase("sync")
     def sync_weights(self) -> dict:
         """Push the actor's weights to the rollout servers; every rank iterates (TP gathers, PP sends)."""
         start = time.perf_counter()
@@ -161,6 +172,7 @@ class Trainer:
         return result
 
     # ------------------------------------------------------------------------------------------- evaluation
+    @phase("evaluate")
     def evaluate(self, count: int) -> dict:
         """rank 0: greedy accuracy on `count` held-out prompts through the rollout servers."""
         result = [None]
@@ -179,6 +191,7 @@ class Trainer:
     def total_steps(self) -> int:
         return self.args.train_iters if self.args.train_iters is not None else 10**9
 
+    @phase("save")
     def save(self, extra: dict) -> None:
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
         rng_states = [None] * dist.get_world_size()
@@ -195,6 +208,7 @@ class Trainer:
         return optimizer_layout(self.args.tensor_model_parallel_size, self.args.pipeline_model_parallel_size,
                                 self.args.use_distributed_optimizer)
 
+    @phase("load")
     def load(self, checkpoint) -> dict:
         """Resume: model, optimizer, scheduler, step, data position, pruner history, RNG, pending rollouts. With
         --no-load-optim (Megatron-LM's flag) the optimizer and its LR schedule start afresh, the rest resumes."""
@@ -235,6 +249,7 @@ class NextRollouts:
         self.future = None  # the next step's rollouts being generated
         self.ready: Rollouts | None = None  # the next step's rollouts, generated (also after a resume)
 
+    @phase("rollouts")
     def take(self, step: int) -> Rollouts:
         if self.ready is not None:
             rollouts, self.ready = self.ready, None
@@ -245,6 +260,7 @@ class NextRollouts:
         if self.executor is not None:
             self.future = self.executor.submit(self.maker.generate, step)
 
+    @phase("rollouts")
     def finish(self) -> None:
         if self.future is not None:
             self.ready, self.future = self.future.result(), None

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from megatron_dppo.platform import collectives
+from megatron_dppo.platform.network import ANY_PORT, PortRange, free_port_in
 from megatron_dppo.rollout.client import RolloutServerError, control_request
 from megatron_dppo.weight_update_protocol import (
     DEFAULT_GROUP_NAME,
@@ -203,7 +204,7 @@ class SyncStats:
 class WeightSyncer:
     """Trainer side (group rank 0) of the sync; see the module docstring for the order of operations."""
 
-    def __init__(self, urls: list[str], master_address: str = "127.0.0.1", master_port: int | None = None,
+    def __init__(self, urls: list[str], master_address: str = "127.0.0.1", master_ports: PortRange = ANY_PORT,
                  backend: str = "gloo", group_name: str = DEFAULT_GROUP_NAME,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0, api_key: str | None = None,
                  pause_mode: str = "retract", engine_ranks: list[int] | None = None,
@@ -216,6 +217,8 @@ class WeightSyncer:
         copy to pack, a small one costs a broadcast's fixed latency to send alone).
         keep_host_copy: remember the last synced tensors (host memory, one model copy) so that `resend()` can
         restore a restarted engine without the trainer ranks' help (they may be busy in a collective).
+        master_ports: where this side's store listens (--weight-sync-port): the first free port of the range, or any
+        free one.
         control: how each SGLang control route reaches a server, `control(url, path, payload, method, timeout_s,
         api_key)`; the default posts it as is, rollout/vllm.VLLMControl carries it out on vLLM."""
         if not urls:
@@ -239,7 +242,7 @@ class WeightSyncer:
         if len(self.engine_ranks) != len(self.urls):
             raise ValueError(f"engine_ranks has {len(self.engine_ranks)} entries for {len(self.urls)} servers")
         self.master_address = master_address
-        self.master_port = master_port
+        self.master_ports = master_ports
         self.backend = backend
         self.group_name = group_name
         self.bucket_bytes = bucket_bytes
@@ -305,13 +308,13 @@ class WeightSyncer:
 
     def init_group(self) -> None:
         """Every engine joins at its rank offset while this process joins as rank 0 (all concurrently); first any
-        group of this name is left on both sides: servers started elsewhere outlive a killed trainer, this side's
-        group lost a member when an engine restarted, and torch (so SGLang, as the embedded engine) refuses a group
-        name that exists."""
-        from megatron_dppo.platform.network import free_port
-
+        group of this name is left on both sides, and any weight-update session left open is closed: servers started
+        elsewhere outlive a killed trainer (one killed mid-sync leaves its session open, which would refuse the next
+        begin), this side's group lost a member when an engine restarted, and torch (so SGLang, as the embedded
+        engine) refuses a group name that exists."""
         self.destroy_group()
-        port = self.master_port or free_port()
+        self._end_update(raise_errors=False)  # an engine without an open session refuses: nothing to close
+        port = free_port_in(self.master_ports, "--weight-sync-port")
         offsets, world_size = sync_rank_offsets(self.engine_ranks)
         joining_error = None
         futures = self._submit_each("/init_weights_update_group",
