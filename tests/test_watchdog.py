@@ -134,6 +134,18 @@ def test_a_rank_that_exits_without_finishing_ends_the_run_at_once(ranks):
     assert "in phase update" in line, line
 
 
+def test_an_error_every_rank_found_alike_is_said_once_and_ends_no_rank_through_the_watchdog(ranks):
+    """exit_saying_once stops the watchdog first: rank 0 says the error and exits, the others wait for torchrun to
+    stop them (platform/process.py), as before there was a watchdog."""
+    for rank in (0, 1):
+        ranks.start(rank, 2, [["load", 0.5]], say_once="the error, once")
+    assert ranks.wait(0, 60) == 2
+    time.sleep(TIMEOUT_S + 2 * INTERVAL_S)
+    assert ranks.processes[1].poll() is None, ranks.output(1)  # still in its wait, not ended by the watchdog
+    assert ranks.output(0).count("the error, once") == 1 and "the error, once" not in ranks.output(1)
+    assert endings(ranks.output(0)) == endings(ranks.output(1)) == []
+
+
 def test_ranks_that_finish_stop_their_watchdogs_and_exit_cleanly(ranks):
     for rank, seconds in ((0, 2.0), (1, 1.0), (2, 3.0)):  # rank 0, the hub, finishes between the others
         ranks.start(rank, 3, [["update", seconds], ["sync", seconds]])

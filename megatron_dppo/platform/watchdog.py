@@ -26,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -40,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 EXIT_STATUS = 75  # EX_TEMPFAIL: the run goes on from its last checkpoint
-OUTSIDE = "between phases"
+OUTSIDE = "outside"  # the main thread is in none of the trainer's phases (setup, metrics, between steps)
 MAX_LINE = 4096  # a message is one JSON line; longer ones are refused (a stray client)
 
 
@@ -59,7 +60,7 @@ class PhaseClock:
 
     def __init__(self):
         self.stack: list[tuple[str, float]] = []
-        self.listeners: list[Callable[[], None]] = []
+        self.listeners: list[Callable[[str], None]] = []  # each told the phase entered (or returned to)
 
     def current(self) -> tuple[str, float]:
         """(phase, seconds in it); OUTSIDE before the first and between phases."""
@@ -78,8 +79,9 @@ class PhaseClock:
         self._tell()
 
     def _tell(self) -> None:
+        name = self.current()[0]
         for listener in list(self.listeners):
-            listener()
+            listener(name)
 
 
 CLOCK = PhaseClock()
@@ -250,16 +252,23 @@ class Hub:
         self.connections: list[Connection] = []
         self.probes: list[ServerProbe] = []
         self.stopping = threading.Event()
-        self.changed = threading.Event()  # rank 0's own phase changed: tell the watchers
+        self.own_phases: collections.deque[str] = collections.deque()  # rank 0's changes, each told to the watchers
+        self.wake_read, self.wake_write = socket.socketpair()
         self.selector = selectors.DefaultSelector()
         listener.setblocking(False)
         self.selector.register(listener, selectors.EVENT_READ)
-        CLOCK.listeners.append(self.changed.set)
+        self.selector.register(self.wake_read, selectors.EVENT_READ)
+        CLOCK.listeners.append(self._own_phase)
         self.thread = threading.Thread(target=self._run, name="watchdog-hub", daemon=True)
         self.thread.start()
 
     def watch_servers(self, urls: list[str]) -> None:
         self.probes.extend(ServerProbe(url, self.config, self.stopping) for url in urls)
+
+    def _own_phase(self, name: str) -> None:
+        self.own_phases.append(name)
+        with contextlib.suppress(OSError):
+            self.wake_write.send(b"!")
 
     def _run(self) -> None:
         next_beat = time.monotonic()
@@ -267,11 +276,13 @@ class Hub:
             for key, _ in self.selector.select(timeout=min(0.2, max(0.0, next_beat - time.monotonic()))):
                 if key.fileobj is self.listener:
                     self._accept()
+                elif key.fileobj is self.wake_read:
+                    with contextlib.suppress(OSError):
+                        self.wake_read.recv(4096)
                 else:
                     self._read(key.data)
-            if self.changed.is_set():
-                self.changed.clear()
-                self._tell_watchers(0, this_host(), CLOCK.current()[0])
+            while self.own_phases:
+                self._tell_watchers(0, this_host(), self.own_phases.popleft())
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self.config.interval_s
                 for connection in self.connections:
@@ -368,7 +379,9 @@ class Hub:
         for connection in list(self.connections):
             self._drop(connection)
         self.listener.close()
-        CLOCK.listeners.remove(self.changed.set)
+        CLOCK.listeners.remove(self._own_phase)
+        self.wake_read.close()
+        self.wake_write.close()
 
 
 class Beat:
@@ -384,7 +397,7 @@ class Beat:
         self.thread = threading.Thread(target=self._run, name="watchdog-beat", daemon=True)
         self.thread.start()
 
-    def _wake(self) -> None:
+    def _wake(self, phase_name: str = "") -> None:
         with contextlib.suppress(OSError):
             self.wake_write.send(b"!")
 
@@ -469,11 +482,16 @@ class Beat:
         self.wake_write.close()
 
 
+RUNNING: list[Watchdog] = []  # this process's started watchdogs (stop_all)
+
+
 class Watchdog:
     """This rank's watchdog (a Hub on rank 0, a Beat elsewhere, nothing when disabled); `stop()` at the run's end."""
 
     def __init__(self, hub: Hub | None = None, beat: Beat | None = None):
         self.hub, self.beat = hub, beat
+        if hub is not None or beat is not None:
+            RUNNING.append(self)
 
     def watch_servers(self, urls: list[str]) -> None:
         """Rank 0: probe these rollout servers too."""
@@ -485,12 +503,21 @@ class Watchdog:
             if part is not None:
                 part.stop()
         self.hub = self.beat = None
+        if self in RUNNING:
+            RUNNING.remove(self)
 
     def __enter__(self) -> Watchdog:
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_all() -> None:
+    """Stop this process's watchdogs as a finished run does: an error every rank found alike ends each of them in its
+    own way (platform/process.py exit_saying_once), which is no lost peer."""
+    for watchdog in list(RUNNING):
+        watchdog.stop()
 
 
 def start(config: WatchdogConfig, rank: int, world_size: int, hub_host: str,

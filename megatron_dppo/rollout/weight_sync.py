@@ -336,8 +336,10 @@ class WeightSyncer:
         if tell_engines:
             for url in self.urls:
                 try:
+                    # the whole timeout: an engine still receiving a dead trainer's broadcast holds its model lock
+                    # until its group times out, and a group it still holds would refuse the new one
                     self.control(url, "/destroy_weights_update_group", self.destroy_group_payload(),
-                                 timeout_s=min(self.timeout_s, 10.0), api_key=self.api_key)
+                                 timeout_s=self.timeout_s, api_key=self.api_key)
                 except RolloutServerError:
                     pass  # an engine without the group (a new or restarted one) refuses; a dead one cannot answer
         if self.group is not None:

@@ -3,7 +3,8 @@
     python tests/workers/watchdog_rank.py PLAN_JSON
     plan: {"world": N, "port": P, "interval_s": s, "timeout_s": s, "deadlines": {phase: s},
            "phases": [[name, seconds], ...], "servers": [url, ...] (rank 0 probes them),
-           "fail_in": name (raise in that phase), "exit_without_bye": bool}
+           "fail_in": name (raise in that phase), "exit_without_bye": bool,
+           "say_once": text (after the phases, exit through exit_saying_once, as an error every rank found alike)}
 
 Prints "ready" once its watchdog runs, then goes through its phases; exits 0 after stopping the watchdog (or 1
 without it, with exit_without_bye, as a crashed process would).
@@ -14,6 +15,7 @@ import os
 import sys
 import time
 
+from megatron_dppo.platform.process import exit_saying_once
 from megatron_dppo.platform.watchdog import WatchdogConfig, phase, start
 
 
@@ -31,6 +33,8 @@ def main() -> int:
                 raise RuntimeError(f"planted failure in {name}")
     if plan.get("exit_without_bye"):
         os._exit(1)
+    if plan.get("say_once"):
+        exit_saying_once(2, plan["say_once"])
     watchdog.stop()
     return 0
 
