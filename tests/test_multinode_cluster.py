@@ -33,6 +33,9 @@ from tests.launch import REPO_ROOT
 from tests.test_slurm import running_slurm
 from tests.test_trainer import ENTRY, SHORT, read_metrics
 
+# a warm start and two trainer launches per test module, each bounded by LAUNCH_TIMEOUT_S
+pytestmark = pytest.mark.timeout(3600)
+
 CLUSTER_SCRIPT = REPO_ROOT / "tests" / "cluster" / "cluster.sh"
 ROLLOUT_NODE = REPO_ROOT / "examples" / "slurm" / "rollout_node.sh"
 WAIT_HEALTHY = REPO_ROOT / "examples" / "slurm" / "wait_healthy.py"
@@ -41,7 +44,10 @@ ROLLOUT_PORT, RDZV_PORT = 30000, 29500  # fixed: each host's network namespace i
 URLS = [f"http://rollout-0:{ROLLOUT_PORT + i}" for i in range(2)]
 # Rollouts are the synced policy's: the engines' log-probs equal the trainer's (fp32; both CPU, observed ~1e-6)
 LOGPROB_GAP_TOL = 1e-4
-LAUNCH_TIMEOUT_S = 300
+LAUNCH_TIMEOUT_S = 900  # a hang guard: one launch took 54-67 s on an idle 2-core machine, over 8 min on a loaded one
+# A folder to keep the warm start in across test sessions (the embedded cache is keyed by its configuration): unset,
+# each session makes its own
+WARM_START_CACHE_VARIABLE = "DPPO_CLUSTER_WARM_START_CACHE"
 
 
 class Cluster:
@@ -151,8 +157,9 @@ def sweep_stale_clusters() -> None:
     assert swept.returncode == 0, swept.stderr
 
 
-@pytest.fixture(scope="module")
-def cluster():
+@contextlib.contextmanager
+def running_cluster():
+    """Three namespace hosts (cluster.sh start), stale clusters swept first, stopped at the end of the block."""
     sweep_stale_clusters()
     directory = Path(tempfile.mkdtemp(prefix="dppo-cluster-"))
     try:
@@ -168,17 +175,23 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
+def cluster():
+    with running_cluster() as hosts:
+        yield hosts
+
+
+@pytest.fixture(scope="module")
 def warm_start(cluster, tmp_path_factory) -> tuple[Path, Path]:
     """(HF model dir, model-only warm-start checkpoint) of the embedded default's tiny model, from one process on
     trainer-0 (its own network: no port another test takes meanwhile): the model the rollout nodes serve (the
     trainer's first sync replaces its weights) and the trainer starts from."""
-    cache = tmp_path_factory.mktemp("warm_start")
+    cache = Path(os.environ.get(WARM_START_CACHE_VARIABLE) or tmp_path_factory.mktemp("warm_start"))
     result = cluster.run("trainer-0", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", 1,
                                        "--master-addr", "127.0.0.1", "--master-port", RDZV_PORT, ENTRY, *SHORT,
                                        "--train-iters", 0, "--cache-dir", cache, "--log-dir", cache / "log"],
-                         timeout=LAUNCH_TIMEOUT_S)
+                         timeout=2 * LAUNCH_TIMEOUT_S)
     assert result.returncode == 0, f"the warm start failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    (root,) = cache.glob("embedded_*")
+    (root,) = [path for path in cache.glob("embedded_*") if (path / "init").is_dir()]
     return root / "init", root / "warm_start"
 
 
