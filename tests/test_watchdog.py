@@ -172,6 +172,12 @@ def test_an_exception_leaving_a_phase_is_said_in_one_line_naming_rank_host_and_p
                      "RuntimeError: planted failure in update"]
 
 
+def test_a_user_input_error_leaving_a_phase_is_left_to_the_entry_point_to_say_once(ranks):
+    ranks.start(0, 1, [["load", 0.1]], fail_in="load", user_error=True)
+    assert ranks.wait(0, 60) == 1
+    assert "planted failure in load" in ranks.output(0) and "megatron_dppo: rank" not in ranks.output(0)
+
+
 SERVER = """
 import http.server, sys
 class Answer(http.server.BaseHTTPRequestHandler):

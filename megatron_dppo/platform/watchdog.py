@@ -40,6 +40,8 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from megatron_dppo.errors import UserInputError
+
 EXIT_STATUS = 75  # EX_TEMPFAIL: the run goes on from its last checkpoint
 OUTSIDE = "outside"  # the main thread is in none of the trainer's phases (setup, metrics, between steps)
 MAX_LINE = 4096  # a message is one JSON line; longer ones are refused (a stray client)
@@ -89,7 +91,8 @@ CLOCK = PhaseClock()
 
 class phase(contextlib.ContextDecorator):
     """`with phase("sync"):` or `@phase("sync")`: this rank is in that phase meanwhile. An exception leaving the
-    innermost phase is said in one line naming the rank, the host and the phase (then propagates)."""
+    innermost phase is said in one line naming the rank, the host and the phase (then propagates); not a
+    UserInputError, which every rank finds alike and the entry point says once."""
 
     def __init__(self, name: str):
         self.name = name
@@ -103,7 +106,8 @@ class phase(contextlib.ContextDecorator):
         if self.entered.pop():
             seconds = CLOCK.current()[1]
             CLOCK.leave()
-            if error is not None and not getattr(error, "phase_said", False) and isinstance(error, Exception):
+            if (isinstance(error, Exception) and not isinstance(error, UserInputError)  # said once, by the entry
+                    and not getattr(error, "phase_said", False)):
                 first_line = (str(error).splitlines() or [""])[0][:1000]
                 print(f"megatron_dppo: rank {this_rank()} on {this_host()} failed in phase {self.name} after "
                       f"{seconds:.0f} s: {type(error).__name__}: {first_line}", file=sys.stderr, flush=True)

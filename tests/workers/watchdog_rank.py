@@ -3,7 +3,8 @@
     python tests/workers/watchdog_rank.py PLAN_JSON
     plan: {"world": N, "port": P, "interval_s": s, "timeout_s": s, "deadlines": {phase: s},
            "phases": [[name, seconds], ...], "servers": [url, ...] (rank 0 probes them),
-           "fail_in": name (raise in that phase), "exit_without_bye": bool,
+           "fail_in": name (raise a RuntimeError in that phase; a UserInputError with "user_error": true),
+           "exit_without_bye": bool,
            "say_once": text (after the phases, exit through exit_saying_once, as an error every rank found alike)}
 
 Prints "ready" once its watchdog runs, then goes through its phases; exits 0 after stopping the watchdog (or 1
@@ -15,6 +16,7 @@ import os
 import sys
 import time
 
+from megatron_dppo.errors import UserInputError
 from megatron_dppo.platform.process import exit_saying_once
 from megatron_dppo.platform.watchdog import WatchdogConfig, phase, start
 
@@ -30,7 +32,7 @@ def main() -> int:
         with phase(name):
             time.sleep(seconds)
             if plan.get("fail_in") == name:
-                raise RuntimeError(f"planted failure in {name}")
+                raise (UserInputError if plan.get("user_error") else RuntimeError)(f"planted failure in {name}")
     if plan.get("exit_without_bye"):
         os._exit(1)
     if plan.get("say_once"):
