@@ -217,8 +217,7 @@ class WeightSyncer:
         copy to pack, a small one costs a broadcast's fixed latency to send alone).
         keep_host_copy: remember the last synced tensors (host memory, one model copy) so that `resend()` can
         restore a restarted engine without the trainer ranks' help (they may be busy in a collective).
-        master_ports: where this side's store listens (--weight-sync-port): the first free port of the range, or any
-        free one.
+        master_ports: where this side's store listens (--weight-sync-port): the range's first free port, or any.
         control: how each SGLang control route reaches a server, `control(url, path, payload, method, timeout_s,
         api_key)`; the default posts it as is, rollout/vllm.VLLMControl carries it out on vLLM."""
         if not urls:
