@@ -160,14 +160,17 @@ class TrainerRun:
         self.wait_for(entered, f"phase {name} after {after_saves} saves")
 
     def wait_line(self, host: str, pattern: str, since: float) -> tuple[str, float]:
-        """The first line of `host`'s log matching `pattern`, and how long after `since` it was seen."""
+        """`host`'s first line ending the run (the watchdog's, or a phase's failure), which must match `pattern`,
+        and how long after `since` it was seen."""
+        ending = re.compile(r"^(watchdog: (?!heartbeats on)|megatron_dppo: rank ).*$", re.MULTILINE)
         deadline = time.monotonic() + RUN_TIMEOUT_S
-        while True:
-            match = re.search(pattern, self.text(host), re.MULTILINE)
-            if match:
-                return match.group(0), time.monotonic() - since
-            assert time.monotonic() < deadline, f"{self.name}: no line {pattern!r} on {host}\n{self.details()}"
+        while not (found := ending.search(self.text(host))):
+            assert time.monotonic() < deadline, f"{self.name}: no line ending the run on {host}\n{self.details()}"
             time.sleep(0.05)
+        seconds = time.monotonic() - since
+        assert re.fullmatch(pattern, found.group(0)), f"{self.name} on {host}: {found.group(0)!r} is not " \
+            f"{pattern!r}\n{self.details()}"
+        return found.group(0), seconds
 
     def wait_exit(self, host: str, timeout: float = RUN_TIMEOUT_S) -> int:
         try:
@@ -198,9 +201,6 @@ def reference(cluster, warm_start, servers, tmp_path_factory):  # noqa: F811
     finally:
         run.end()
     return deterministic(read_metrics(root / "log")), root / "ckpt" / f"iter_{STEPS:07d}"
-
-
-WATCHDOG_LINE = r"^watchdog: .*$"
 
 
 def test_partitions_a_frozen_rank_and_a_bad_server_end_the_run_in_bound_and_every_resume_trains_on_exactly(

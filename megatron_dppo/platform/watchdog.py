@@ -5,7 +5,7 @@ within a bound, with one line naming the host and the phase, instead of leaving 
     every rank: `with phase("update"):` around each phase (pipeline/trainer.py) ─► its current phase (main thread)
     rank 0: Hub, one thread, a TCP listener on --heartbeat-port (its port told to the other ranks once, at start)
         ◄─ each other rank's connection: hello, its phase at every change and every interval, bye at the end
-        ─► to each rank every interval: a beat;  to watchers: every phase change
+        ─► to each rank: a beat every interval and at each of rank 0's phase changes;  to watchers: every change
         ◄─ ServerProbe threads: each rollout server's answer to GET /health, every interval
         ─► every interval: a rank or server unheard for --heartbeat-timeout-s, a rank whose connection closed
            without a bye, or a phase past its deadline ─► end(line): the line to every rank, printed, exit 75
@@ -285,8 +285,12 @@ class Hub:
                         self.wake_read.recv(4096)
                 else:
                     self._read(key.data)
-            while self.own_phases:
-                self._tell_watchers(0, this_host(), self.own_phases.popleft())
+            while self.own_phases:  # every change at once: the line a rank says names rank 0's phase as it was
+                name = self.own_phases.popleft()
+                self._tell_watchers(0, this_host(), name)
+                for connection in self.connections:
+                    if connection.rank is not None:
+                        connection.send({"beat": name})
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self.config.interval_s
                 for connection in self.connections:
@@ -542,10 +546,20 @@ def start(config: WatchdogConfig, rank: int, world_size: int, hub_host: str,
     return Watchdog(hub=Hub(config, world_size, listener))
 
 
-def watch(address: str) -> int:
-    """Print every rank's phase changes, as the hub at `address` (HOST:PORT) sends them, until the run ends."""
+def watch(address: str, wait_s: float = 600.0) -> int:
+    """Print every rank's phase changes, as the hub at `address` (HOST:PORT) sends them, until the run ends; a hub
+    not listening yet is waited for, up to `wait_s`."""
     host, _, port = address.rpartition(":")
-    with socket.create_connection((host.strip("[]"), int(port)), timeout=30) as sock:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=30)
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    with sock:
         sock.settimeout(None)
         sock.sendall(json.dumps({"watch": True}).encode() + b"\n")
         for line in sock.makefile("r"):
