@@ -164,8 +164,12 @@ class TrainerRun:
         and how long after `since` it was seen."""
         ending = re.compile(r"^(watchdog: (?!heartbeats on)|megatron_dppo: rank ).*$", re.MULTILINE)
         deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (found := ending.search(self.text(host))):
-            assert time.monotonic() < deadline, f"{self.name}: no line ending the run on {host}\n{self.details()}"
+        while True:
+            ended = self.processes[host].poll() is not None  # before the read: an ended launch's log is complete
+            if found := ending.search(self.text(host)):
+                break
+            assert time.monotonic() < deadline and not ended, f"{self.name}: no line ending the run on {host}\n" + \
+                self.details()
             time.sleep(0.05)
         seconds = time.monotonic() - since
         assert re.fullmatch(pattern, found.group(0)), f"{self.name} on {host}: {found.group(0)!r} is not " \

@@ -109,7 +109,7 @@ class phase(contextlib.ContextDecorator):
             if (isinstance(error, Exception) and not isinstance(error, UserInputError)  # said once, by the entry
                     and not getattr(error, "phase_said", False)):
                 first_line = (str(error).splitlines() or [""])[0][:1000]
-                print(f"megatron_dppo: rank {this_rank()} on {this_host()} failed in phase {self.name} after "
+                print(f"\nmegatron_dppo: rank {this_rank()} on {this_host()} failed in phase {self.name} after "
                       f"{seconds:.0f} s: {type(error).__name__}: {first_line}", file=sys.stderr, flush=True)
                 with contextlib.suppress(AttributeError):
                     error.phase_said = True
@@ -134,7 +134,7 @@ def end_run(line: str) -> None:
     """Say `line` and end this process now (see the module docstring)."""
     with contextlib.suppress(Exception):
         sys.stdout.flush()
-    print(line, file=sys.stderr, flush=True)
+    print(f"\n{line}", file=sys.stderr, flush=True)  # a line of its own, also after a progress bar's "\r"
     os._exit(EXIT_STATUS)
 
 
