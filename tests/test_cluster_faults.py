@@ -212,7 +212,6 @@ def test_partitions_a_frozen_rank_and_a_bad_server_end_the_run_in_bound_and_ever
     mode, proxy_log = servers
     save, log_dir, logs = save_fs / "chain", tmp_path / "log", tmp_path / "logs"
     logs.mkdir()
-    measured = []
 
     def launch(name: str, urls: list[str], resume: bool) -> TrainerRun:
         args = common_args(warm_start, save, log_dir, urls)
@@ -225,7 +224,7 @@ def test_partitions_a_frozen_rank_and_a_bad_server_end_the_run_in_bound_and_ever
         """Each host's log gets its expected line within the bound; every torchrun ends, non-zero."""
         for host, pattern in expected.items():
             line, seconds = run.wait_line(host, pattern, at)
-            measured.append((fault, host, round(seconds, 1), line))
+            print(f"fault table: {fault} | {host} | {seconds:.1f} s | {line}", flush=True)
             assert seconds <= DETECT_BOUND_S, f"{fault}: {host} said it {seconds:.1f} s after the fault: {line}"
 
     # 1. mid-step: trainer-1's cable out while rank 0 generates step 2's rollouts and rank 1 waits for them
@@ -313,16 +312,17 @@ def test_partitions_a_frozen_rank_and_a_bad_server_end_the_run_in_bound_and_ever
                                              r"\d+ s: RolloutServerError: generate for requests .* failed after 4 "
                                              r"attempts; last errors: http://rollout-0:3010[01].*$", at)
         said = time.monotonic()
-        measured.append(("malformed bodies", "trainer-0", None, line[:200]))
+        print(f"fault table: malformed bodies | trainer-0 | its phase's seconds | {line}", flush=True)
         assert run.wait_exit("trainer-0") != 0 and run.wait_exit("trainer-1", DETECT_BOUND_S) != 0
-        measured.append(("malformed bodies", "trainer-1 ended", round(time.monotonic() - said, 1), ""))
+        print(f"fault table: malformed bodies | trainer-1 ended | {time.monotonic() - said:.1f} s after rank 0's "
+              f"line | {run.text('trainer-1').strip().splitlines()[-1][:300]}", flush=True)
     finally:
         run.end()
     assert latest() == "iter_0000005"
 
     # 6. slow answers and three spoilt ones: the run trains through them to the end
     mode.write_text("delay 2 faults 500,truncated,layout\n")
-    served_before = proxy_log.read_text().count("fault ")
+    served_before = len(spoilt_answers(proxy_log))
     run = launch("6-slow-and-spoilt", PROXIED, resume=True)
     try:
         codes = {host: run.wait_exit(host) for host in run.processes}
@@ -330,12 +330,9 @@ def test_partitions_a_frozen_rank_and_a_bad_server_end_the_run_in_bound_and_ever
     finally:
         run.end()
         mode.write_text("pass\n")
-    spoilt = proxy_log.read_text().splitlines()
-    assert [line for line in spoilt if line.startswith("fault ")][served_before:] == [
+    assert spoilt_answers(proxy_log)[served_before:] == [
         "fault 500 on /generate", "fault truncated on /generate", "fault layout on /generate"]
 
-    for fault, host, seconds, line in measured:
-        print(f"fault table: {fault} | {host} | {seconds} s | {line[:160]}")
     reference_metrics, reference_checkpoint = reference
     metrics = deterministic(read_metrics(log_dir))
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
@@ -349,6 +346,11 @@ def test_partitions_a_frozen_rank_and_a_bad_server_end_the_run_in_bound_and_ever
     for host in ("trainer-0", "trainer-1", "rollout-0"):
         versions = [cluster.get_json(host, f"{url}/model_info")["weight_version"] for url in DIRECT]
         assert versions == [str(STEPS)] * 2, f"from {host}: {versions}"
+
+
+def spoilt_answers(proxy_log: Path) -> list[str]:
+    """The proxy's "fault F on /generate" lines, in order."""
+    return [line for line in proxy_log.read_text().splitlines() if re.fullmatch(r"fault \S+ on /\S+", line)]
 
 
 def is_rank_worker(pid: int) -> bool:

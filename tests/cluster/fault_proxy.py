@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import ClientConnectorError, ClientSession, ClientTimeout, web
 
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
 
@@ -75,10 +75,13 @@ def proxy_app(target_port: int, mode: Mode, session: ClientSession) -> web.Appli
             print(f"fault {fault} on {request.path}", flush=True)
             return web.Response(status=500, text="injected error")
         headers = {key: value for key, value in request.headers.items() if key.lower() not in HOP_HEADERS}
-        async with session.request(request.method, f"http://127.0.0.1:{target_port}{request.path_qs}",
-                                   data=await request.read(), headers=headers) as answer:
-            body, status = await answer.read(), answer.status
-            content_type = answer.headers.get("Content-Type", "application/json").split(";")[0]
+        try:
+            async with session.request(request.method, f"http://127.0.0.1:{target_port}{request.path_qs}",
+                                       data=await request.read(), headers=headers) as answer:
+                body, status = await answer.read(), answer.status
+                content_type = answer.headers.get("Content-Type", "application/json").split(";")[0]
+        except ClientConnectorError:  # the server is not up (yet): a gateway's answer, as a real proxy gives
+            return web.Response(status=502, text=f"no server on port {target_port}")
         if fault is not None:
             print(f"fault {fault} on {request.path}", flush=True)
             body = spoil(fault, body)
