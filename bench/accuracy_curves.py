@@ -10,7 +10,8 @@ intervals over paired seeds.
     ─► comparison_targets: warm start + 50/75/90% of the gain of the LOWER of the two curves' final accuracies
        (symmetric in the two methods, and on the rising part of both); the paper's target, the baseline's own final
     ─► crossing_time per target ─► speedups: baseline cost / method cost; headline = geometric mean over 50/75/90%
-    ─► compare_paired: the estimate over the seeds both ran and a jackknife-t interval on the log speed-up
+    ─► compare_paired: the estimate over the seeds both ran and a jackknife-t interval on the log speed-up (and its
+       standard error, which bench/verdict.py's rule reads)
 
 Invariants: seed s's baseline run and method run enter or leave every estimate together (they share the pool, its
 order, the held-out set and the start); every evaluation is counted once; nothing is read off a curve past the end of
@@ -19,6 +20,7 @@ bench/estimator_check.py runs this estimator on simulated curves whose ratio is 
 median and the interval's coverage; the results page prints that calibration beside the measurement.
 """
 
+import functools
 import math
 import statistics
 
@@ -141,14 +143,36 @@ def speedups(baseline: list[list[tuple[float, float]]], method: list[list[tuple[
             "reached_paper": method_times[PAPER_TARGET][1]}
 
 
-def t_quantile(probability: float, degrees_of_freedom: int) -> float:
-    """Student's t quantile from the normal one by its Cornish-Fisher expansion (four terms: within 1e-3 of the exact
-    value at 0.975 from 3 degrees of freedom up, which is all the interval needs)."""
-    z = statistics.NormalDist().inv_cdf(probability)
-    v = float(degrees_of_freedom)
-    return (z + (z ** 3 + z) / (4 * v) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * v ** 2)
-            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * v ** 3)
-            + (79 * z ** 9 + 776 * z ** 7 + 1482 * z ** 5 - 1920 * z ** 3 - 945 * z) / (92160 * v ** 4))
+@functools.lru_cache(maxsize=4096)
+def t_cdf(x: float, dof: int) -> float:
+    """Student's t distribution function, exact to about 1e-10: with x = sqrt(dof) tan(angle) the density becomes
+    cos(angle)^(dof - 1) on [0, pi/2), a smooth integrand on a bounded interval (Simpson's rule, 2000 intervals)."""
+    if x < 0:
+        return 1.0 - t_cdf(-x, dof)
+
+    def integral(end: float) -> float:
+        grid = np.cos(np.linspace(0.0, end, 2001)) ** (dof - 1)
+        return end / 6000 * float(grid[0] + grid[-1] + 4 * grid[1:-1:2].sum() + 2 * grid[2:-1:2].sum())
+
+    return 0.5 + 0.5 * integral(math.atan(x / math.sqrt(dof))) / integral(math.pi / 2)
+
+
+@functools.lru_cache(maxsize=4096)
+def t_quantile(probability: float, dof: int) -> float:
+    """The x at which t_cdf(x, dof) = probability (bisection)."""
+    low, high = -1e3, 1e3
+    for _ in range(80):
+        middle = (low + high) / 2
+        low, high = (middle, high) if t_cdf(middle, dof) < probability else (low, middle)
+    return (low + high) / 2
+
+
+def jackknife_error(leave_one_out: list[float]) -> float:
+    """The jackknife standard error of a log ratio from its leave-one-seed-out values (n seeds)."""
+    n = len(leave_one_out)
+    logs = [math.log(value) for value in leave_one_out]
+    centre = statistics.fmean(logs)
+    return math.sqrt((n - 1) / n * sum((value - centre) ** 2 for value in logs))
 
 
 def jackknife_interval(estimate: float, leave_one_out: list[float],
@@ -158,10 +182,7 @@ def jackknife_interval(estimate: float, leave_one_out: list[float],
     n = len(leave_one_out)
     if n < MIN_INTERVAL_SEEDS:
         return None
-    logs = [math.log(value) for value in leave_one_out]
-    centre = statistics.fmean(logs)
-    standard_error = math.sqrt((n - 1) / n * sum((value - centre) ** 2 for value in logs))
-    half = t_quantile(0.5 + confidence / 2, n - 1) * standard_error
+    half = t_quantile(0.5 + confidence / 2, n - 1) * jackknife_error(leave_one_out)
     return math.exp(math.log(estimate) - half), math.exp(math.log(estimate) + half)
 
 
@@ -179,12 +200,13 @@ def compare_paired(baseline: dict[int, list], method: dict[int, list]) -> dict:
         return speedups([baseline[s] for s in sample], [method[s] for s in sample])
 
     estimate = compare(seeds)
-    intervals = {"headline_interval": None, "paper_interval": None}
-    if estimate is not None and len(seeds) >= 3:
+    intervals = {"headline_interval": None, "paper_interval": None, "log_se": None}
+    if estimate is not None and len(seeds) >= MIN_INTERVAL_SEEDS:
         left_out = [compare([s for s in seeds if s != dropped]) for dropped in seeds]
         if all(draw is not None for draw in left_out):
             for kind in ("headline", "paper"):
                 intervals[f"{kind}_interval"] = jackknife_interval(estimate[kind], [d[kind] for d in left_out])
+            intervals["log_se"] = jackknife_error([d["headline"] for d in left_out])
     finals = [final_accuracy(method[s]) for s in seeds]
     return {"seeds": seeds, "estimate": estimate, **intervals,
             "final_mean": statistics.fmean(finals),

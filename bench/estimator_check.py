@@ -11,19 +11,26 @@ The noise, per run: a level shift of its final accuracy (seeds differ in how far
 pair's two runs, as the records showed), a slow wobble of the curve (an autoregressive process over evaluations),
 the binomial noise of evaluating a fixed number of held-out problems, and the shared machine's speed (each run's step
 time scaled by a lognormal factor). python bench/estimator_check.py prints the table.
+
+--rule: the verdict's rule (bench/verdict.py) on simulated benches of the primary axis (COST_MODEL_CURVE: cost-model
+time, whose per-run speed varies far less than wall time's): a method whose every step is a set ratio faster than
+each of three baselines, seeds added look by look as the bench adds them, Holm's correction across the three; the
+table gives how often each verdict comes out per true ratio (its error rates) and the seeds the rule used.
+    python bench/estimator_check.py --rule --write-page docs/results.md   # the page's verdict-rule block
 """
 
 import argparse
 import math
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import verdict  # noqa: E402
 from bench.accuracy_curves import MIN_INTERVAL_SEEDS, compare_paired  # noqa: E402
 from bench.markdown_table import markdown  # noqa: E402
 
@@ -44,6 +51,12 @@ class CurveModel:
     wobble_sd: float = 0.016  # the curve's slow wobble (SD) ...
     wobble_steps: float = 20.0  # ... correlated over this many steps
     speed_sd: float = 0.15  # SD of the log of a run's step-time factor (the shared machine)
+
+
+# The primary axis: cost-model time prices each step's logged work, so a run's speed varies only with its work (the
+# records' seeds: SD of the log cost-model seconds per step 0.006-0.042 within a method, against 0.04-0.19 wall)
+COST_MODEL_CURVE = CurveModel(speed_sd=0.04)
+RULE_RATIOS = (1.0, 1.3, 2.37)
 
 
 def simulate_run(model: CurveModel, rng: np.random.Generator, ratio: float) -> list[tuple[float, float]]:
@@ -95,16 +108,77 @@ def calibration_table(rows: list[dict], seeds: int) -> str:
                       str(r["datasets"])] for r in rows])
 
 
+def rule_outcome(ratio: float, model: CurveModel, rng: np.random.Generator,
+                 baselines: int = 3) -> tuple[list[str], int]:
+    """One simulated bench read by the verdict's rule: a method `ratio` times faster per step than each of
+    `baselines` baselines, paired seeds added up to each of verdict.LOOKS until verdict.should_stop; the verdicts
+    (one per baseline) and the seeds used."""
+    method, others = {}, [{} for _ in range(baselines)]
+    for look in verdict.LOOKS:
+        for seed in range(len(method), look):
+            method[seed] = simulate_run(model, rng, ratio)
+            for runs in others:
+                runs[seed] = simulate_run(model, rng, 1.0)
+        results = {index: compare_paired(runs, method) for index, runs in enumerate(others)}
+        if verdict.should_stop(results) or look == verdict.LOOKS[-1]:
+            return [decided["verdict"] for decided in verdict.verdicts(results).values()], look
+    raise AssertionError("unreachable: the last look decides")
+
+
+def rule_check(ratios: list[float], benches: int, model: CurveModel = COST_MODEL_CURVE, seed: int = 0) -> list[dict]:
+    """Per true ratio: `benches` simulated benches read by the rule; the share of each verdict over every baseline of
+    every bench, and the mean seeds used."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for ratio in ratios:
+        outcomes = [rule_outcome(ratio, model, rng) for _ in range(benches)]
+        found = [v for verdicts, _ in outcomes for v in verdicts]
+        rows.append({"ratio": ratio, "benches": benches, "seeds": statistics.fmean(s for _, s in outcomes),
+                     **{v: found.count(v) / len(found) for v in verdict.VERDICTS}})
+    return rows
+
+
+def rule_table(rows: list[dict]) -> str:
+    return markdown(["true speed-up", *verdict.VERDICTS, "mean paired seeds used", "simulated benches"],
+                    [[f"{r['ratio']:.2f}", *[f"{100 * r[v]:.1f}%" for v in verdict.VERDICTS], f"{r['seeds']:.1f}",
+                      str(r["benches"])] for r in rows])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ratios", nargs="+", type=float, default=[1.0, 1.5, 2.37])
+    parser.add_argument("--ratios", nargs="+", type=float, default=None,
+                        help="true speed-ups (default 1.0 1.5 2.37; --rule: 1.0 1.3 2.37)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[6, 12], help="paired seeds per simulated bench")
     parser.add_argument("--datasets", type=int, default=400, help="simulated benches per ratio")
+    parser.add_argument("--rule", action="store_true", help="the verdict's rule, looks and Holm's correction included")
+    parser.add_argument("--write-page", default=None, help="--rule: write the table as this page's verdict-rule block")
+    parser.add_argument("--seed-noise", nargs="+", type=float, default=[1.0],
+                        help="--rule: one table per scale of each run's level shift and slow wobble (1: the "
+                             "CurveModel's)")
     args = parser.parse_args(argv)
+    if args.rule:
+        ratios = args.ratios or list(RULE_RATIOS)
+        report = ("The rule on simulated benches of the primary axis (`python bench/estimator_check.py --rule "
+                  f"--datasets {args.datasets} --seed-noise {' '.join(map(str, args.seed_noise))}`): a method whose "
+                  "every step is the true ratio faster than each of three baselines, 512 held-out problems, each "
+                  f"run's speed's log SD {COST_MODEL_CURVE.speed_sd}; {args.datasets} benches per ratio, each "
+                  "baseline's verdict counted.")
+        for scale in args.seed_noise:
+            model = replace(COST_MODEL_CURVE, level_sd=scale * COST_MODEL_CURVE.level_sd,
+                            wobble_sd=scale * COST_MODEL_CURVE.wobble_sd)
+            report += (f"\n\nEach run's level shift {model.level_sd:.3f} and slow wobble {model.wobble_sd:.3f} (SD; "
+                       f"{scale}x the CurveModel's):\n\n{rule_table(rule_check(ratios, args.datasets, model))}")
+        print(report, flush=True)
+        if args.write_page:
+            from bench.markdown_table import write_page
+
+            write_page(Path(args.write_page), "verdict-rule", report)
+        return
     if min(args.seeds) < MIN_INTERVAL_SEEDS:
         parser.error(f"--seeds {min(args.seeds)}: an interval needs {MIN_INTERVAL_SEEDS} paired seeds or more")
     for seeds in args.seeds:
-        print(calibration_table(calibration(args.ratios, seeds, args.datasets), seeds), flush=True)
+        print(calibration_table(calibration(args.ratios or [1.0, 1.5, 2.37], seeds, args.datasets), seeds),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -409,8 +409,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def time_to_accuracy_settings(options: argparse.Namespace):
     """time_to_accuracy's Settings for our GRPO runs: only the options given here override its defaults."""
-    argv = ["--out-dir", options.out_dir, "--methods", "grpo", "--no-control", "--math-budget-s", "0",
-            "--processes", str(options.processes)]
+    argv = ["--out-dir", options.out_dir, "--methods", "grpo", "--processes", str(options.processes)]
     for flag, value in (("--budget-s", options.budget_s), ("--warm-start-steps", options.warm_start_steps),
                         ("--eval-interval", options.eval_interval), ("--eval-size", options.eval_size)):
         if value is not None:
@@ -448,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
     settings = time_to_accuracy_settings(options)
     started, load_at_start = time.perf_counter(), load_average()
-    warm_start, _ = accuracy_runs.prepare_warm_start(settings, measure_rate=False)
+    warm_start = accuracy_runs.prepare_warm_start(settings)
     hf_dir = export_warm_start(warm_start, settings.out_dir / "peer")
     size = model_size(hf_dir)
     runs = {"grpo": [], PEER_METHOD: []}

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_dppo.algo.beta_binomial import all_equal_probability  # noqa: E402
 from megatron_dppo.algo.history import PromptHistory  # noqa: E402
 from megatron_dppo.metrics import OUTCOMES_FILE  # noqa: E402
 
@@ -73,26 +74,34 @@ def quality(predictions: list[float], outcomes: list[bool], weights: list[float]
                    hits / zeros if zeros else math.nan)
 
 
-def replayed_steps(records: list[dict], decay: float, prior: float):
+def replayed_steps(records: list[dict], decay: float, prior: float, score: str = "zero_variance"):
     """A run's steps in order through a fresh PromptHistory(decay, prior): yields (visits, z, seen) per step, z [P]
-    the history's predictions before the step and seen [P] whether each prompt was visited before; the history then
-    folds the step's outcomes."""
+    the history's predictions before the step (`score`: the zero-variance indicator's EMA, or the success-rate
+    belief's P(all equal)) and seen [P] whether each prompt was visited before; the history then folds the step's
+    outcomes."""
     history = PromptHistory(decay, prior)
     for step in sorted({r["step"] for r in records}):
         visits = [r for r in records if r["step"] == step]
         ids = [r["prompt_id"] for r in visits]
         difficulties = [r["difficulty"] for r in visits]
-        yield (visits, history.zero_variance_probability(ids, difficulties),
-               [history.visits(prompt_id) > 0 for prompt_id in ids])
+        if score == "success_rate":
+            a, b = history.success_rate_posterior(ids, difficulties)
+            z = torch.full_like(a, math.nan)
+            known = ~torch.isnan(a)
+            z[known] = all_equal_probability(a[known], b[known], len(visits[0]["rewards"]))
+        else:
+            z = history.zero_variance_probability(ids, difficulties)
+        yield visits, z, [history.visits(prompt_id) > 0 for prompt_id in ids]
         history.update(ids, [0.0] * len(ids), [r["response_length_mean"] for r in visits],
                        rewards=[r["rewards"] for r in visits], difficulties=difficulties)
 
 
-def replay(runs: list[list[dict]], decay: float, prior: float) -> dict[str, tuple[list, list]]:
+def replay(runs: list[list[dict]], decay: float, prior: float,
+           score: str = "zero_variance") -> dict[str, tuple[list, list]]:
     """Per visit kind ("seen", "first"): (predictions, outcomes) of the history's predictor over every run."""
     kinds = {"seen": ([], []), "first": ([], [])}
     for records in runs:
-        for visits, predicted, seen in replayed_steps(records, decay, prior):
+        for visits, predicted, seen in replayed_steps(records, decay, prior, score):
             for record, z, before in zip(visits, predicted.tolist(), seen):
                 if not math.isnan(z):
                     kind = kinds["seen" if before else "first"]
@@ -110,7 +119,7 @@ class KeepRuleGain:
 
 
 def keep_rule_gain(runs: list[list[dict]], keep_fraction: float, p_min: float = 0.2, decay: float = DEFAULT_DECAY,
-                   prior: float = DEFAULT_PRIOR) -> KeepRuleGain:
+                   prior: float = DEFAULT_PRIOR, score: str = "zero_variance") -> KeepRuleGain:
     """DPPO's prompt level replayed on GRPO runs' steps (every drawn group rolled out): at each step the drawn prompts
     get the stochastic keep probabilities p_i = clip(c · sqrt(1 - z_i), p_min, 1) with mean `keep_fraction`, from
     the history's prediction z_i before the step. A group whose rewards vary carries gradient, so the 1/p-weighted
@@ -121,7 +130,7 @@ def keep_rule_gain(runs: list[list[dict]], keep_fraction: float, p_min: float = 
 
     uniform = predicted = oracle = kept = informative_kept = informative = drawn = 0.0
     for records in runs:
-        for visits, z, _ in replayed_steps(records, decay, prior):
+        for visits, z, _ in replayed_steps(records, decay, prior, score):
             varied = torch.tensor([0.0 if r["zero_variance"] else 1.0 for r in visits], dtype=torch.float64)
             if torch.isnan(z).any():
                 continue
@@ -137,6 +146,44 @@ def keep_rule_gain(runs: list[list[dict]], keep_fraction: float, p_min: float = 
     if not predicted:
         raise ValueError("no step with a prediction and a group with varied rewards: the runs are too short")
     return KeepRuleGain(uniform / predicted, informative_kept / kept, informative / drawn, uniform / oracle)
+
+
+def success_rate_mixture(runs: list[list[dict]], grid_points: int = 41, iterations: int = 500
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution of the groups' true success rates, fitted to their pass counts: weights [grid_points] on
+    success rates [grid_points] evenly spaced over [0, 1], the nonparametric maximum-likelihood binomial mixture (EM).
+    Every visit of every run is one group; a prompt whose rate changes over the run counts at each rate it had."""
+    counts = torch.tensor([sum(r["rewards"]) for records in runs for r in records], dtype=torch.float64)
+    group_size = len(runs[0][0]["rewards"])
+    rates = torch.linspace(0.0, 1.0, grid_points, dtype=torch.float64)
+    binomial = torch.distributions.Binomial(group_size, probs=rates[None, :].clamp(1e-12, 1 - 1e-12))
+    likelihood = binomial.log_prob(counts[:, None]).exp()  # [groups, grid]
+    likelihood[:, 0] = (counts == 0).double()
+    likelihood[:, -1] = (counts == group_size).double()
+    weights = torch.full((grid_points,), 1.0 / grid_points, dtype=torch.float64)
+    for _ in range(iterations):
+        responsibility = likelihood * weights
+        responsibility = responsibility / responsibility.sum(dim=1, keepdim=True).clamp(min=1e-300)
+        weights = responsibility.mean(dim=0)
+    return rates, weights
+
+
+def success_rate_oracle_gain(runs: list[list[dict]], keep_fraction: float, p_min: float = 0.2,
+                             samples: int = 200_000, seed: int = 0) -> float:
+    """The keep rule's variance gain over uniform keeping for a predictor that knows each drawn prompt's true success
+    rate p (the ceiling a history can approach: the outcome itself stays random): prompts drawn from the runs'
+    fitted rates (success_rate_mixture), z = p^G + (1 - p)^G, p_i = clip(c sqrt(1 - z_i), p_min, 1) at mean
+    `keep_fraction`, and the gain E[(1 - z)] / keep_fraction over E[(1 - z) / p], on the same footing as
+    keep_rule_gain's (an informative group's share of the variance is its probability of being informative)."""
+    from megatron_dppo.algo.pruning import proportional_keep_probs
+
+    rates, weights = success_rate_mixture(runs)
+    group_size = len(runs[0][0]["rewards"])
+    generator = torch.Generator().manual_seed(seed)
+    drawn = rates[torch.multinomial(weights, samples, replacement=True, generator=generator)]
+    informative = 1.0 - drawn ** group_size - (1.0 - drawn) ** group_size
+    keep = proportional_keep_probs(informative.clamp(min=0).sqrt(), keep_fraction, p_min)
+    return float(informative.sum() / keep_fraction) / float((informative / keep).sum())
 
 
 def recorded_quality(records: list[dict], after_step: int = 0) -> Quality:

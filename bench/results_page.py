@@ -1,28 +1,30 @@
 """The time-to-accuracy bench's report: its tables, figures and the generated blocks of docs/results.md, from the
 runs bench/accuracy_runs.py finished (none is started here).
 
-    finished runs ─► load_groups (run_costs) ─► per baseline (accuracy_runs.BASELINES): every method's times, tokens
-    and FLOPs to the baseline's 50/75/90% targets and its final accuracy, the speed-ups and their paired intervals
-    (accuracy_curves.compare_paired) ─► the prompt level at work, where the time goes, fewer steps x shorter steps,
-    the Qwen3-4B projection, the control, figures (megatron_dppo.metrics.plot_runs), the MATH cost table
-    ─► results_report (the block and the bench's last lines) ─► write_page (between the block's markers)
+    finished runs ─► load_analysed: load_groups (run_costs) and the price list that gives cost-model time
+    ─► compare_all: per axis and baseline (accuracy_runs.BASELINES), every method's speed-up to the 50/75/90%
+       targets with its paired interval (accuracy_curves.compare_paired)
+    ─► the verdict on verdict.PRIMARY_AXIS (bench/verdict.py), the null and filter checks, the status paragraph
+    ─► the work each step did and the machine, the prompt level, where the time goes, fewer x shorter steps, the
+       Qwen3-4B projection band, figures ─► results_report (the block and the bench's last lines)
+    screening_report (--screen), grpo_tuning_report (--tune-grpo) ─► write_page (between the block's markers)
+
+Invariant: every figure the page's prose gives about the runs is generated here, from the same numbers as the
+tables (the status paragraph included), so that no hand-written figure can disagree with its block.
 """
 
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 
-from bench import prompt_prediction
+from bench import prompt_prediction, verdict
 from bench.accuracy_curves import (
     MIN_INTERVAL_SEEDS,
     PAPER_TARGET,
     TARGET_FRACTIONS,
     accuracy_points,
     compare_paired,
-    final_accuracy,
-    seed_mean_curve,
     seed_mean_runs,
 )
 from bench.accuracy_runs import (
@@ -30,11 +32,16 @@ from bench.accuracy_runs import (
     BASELINES,
     HEADLINE_BASELINE,
     HEADLINE_METHOD,
+    NULL_CHECK,
     PAIRING_FLAGS,
+    RENAMED,
+    RESEEDED,
     RL_FLAGS,
     SECONDARY_METHODS,
     Settings,
+    init_model,
     pool_size,
+    samples_per_prompt,
     task_flags,
     warm_start_flags,
 )
@@ -47,80 +54,77 @@ from bench.run_costs import (
     load_groups,
     model_size,
     phase_breakdown,
-    speedup_decomposition,
-    steps_at,
-    token_dependent_seconds,
-    value_at,
+    price_list,
     with_cost_model,
-    with_costs,
+    with_projected_cost,
 )
-from bench.training_run import finished
-from megatron_dppo.metrics import Run, load_run, plot_runs
+from megatron_dppo.metrics import Run, plot_runs
+from megatron_dppo.servers.embedded.scheduler import MAX_BATCH_SIZE
 
 CALIBRATION_RATIOS = (1.0, 1.5, 2.37)  # the known speed-ups the page reads simulated benches at (2.37: the paper's)
 CALIBRATION_DATASETS = 300  # simulated benches per ratio
 BASELINE_NAMES = {"grpo-paper": "GRPO as the DPPO paper ran it, every group trained",
                   "grpo": "GRPO with the DAPO filter, zero-variance groups dropped",
                   "dapo-dynamic-sampling": "GRPO with DAPO's dynamic sampling, rounds until the batch is varied"}
-# The bench's last lines: DPPO's defaults against each baseline, the headline then the paper's definition
-LAST_LINE_NAMES = {"grpo-paper": "dppo_speedup_vs_grpo", "grpo": "dppo_speedup_vs_grpo_filtered",
-                   "dapo-dynamic-sampling": "dppo_speedup_vs_grpo_dynamic_sampling"}
-# What a speed-up is read on: any cumulative cost of the runs (run_costs), the headline on the first
-AXES = {"seconds_steps": "RL wall time", "cost_model_seconds": "cost-model time",
+# The bench's last lines: DPPO's defaults against each baseline (the key of each line)
+LAST_LINE_KEYS = {"grpo-paper": "grpo", "grpo": "grpo_filtered", "dapo-dynamic-sampling": "grpo_dynamic_sampling"}
+# The issue's goals for DPPO against each baseline: (speed-up, the 95% interval's low end at least), on the primary axis
+GOALS = {"grpo-paper": (2.37, 1.5), "grpo": (1.3, None), "dapo-dynamic-sampling": (2.0, None)}
+# What a speed-up is read on: any cumulative cost of the runs (run_costs); "step": steps taken, so that a speed-up
+# in steps is the per-step learning (fewer steps to the same accuracy)
+AXES = {"seconds_steps": "RL wall time", "cost_model_seconds": "cost-model time", "step": "steps",
         "tokens_generated_total": "generated tokens", "tokens_trained_total": "trained tokens", "flops_total": "FLOPs"}
-WALL, COST_MODEL = "seconds_steps", "cost_model_seconds"
-DECIDED_WIDTH = 0.5  # an interval narrower than this decides a headline
+WALL, COST_MODEL, PRIMARY = "seconds_steps", "cost_model_seconds", verdict.PRIMARY_AXIS
 # grpo and grpo-paper are the same optimiser step by step (the filter drops only zero-advantage groups and keeps the
 # full batch's normaliser): grpo's speed-up over grpo-paper is known in advance, their step-time ratio
 FILTER_CHECK = ("grpo-paper", "grpo")
 NOT_REACHED = "†"  # a time (and cost) to a target the curve never reached: its budget stands in
+# Qwen3-4B on MATH on 8 H100s: the share of a GRPO step that is generation (the rest: log-probs and update); peers
+# report 45-70% for long math responses, an assumption and not a measurement of ours: the projection is a band over it
+PROJECTION_SHARES = (0.45, 0.55, 0.70)
 
 
-def results_report(settings: Settings, sft_steps_per_second: float, control: tuple[Path, int] | None,
-                   math_model: Path | None, started: float) -> tuple[str, str]:
-    """The generated block of the page, from the finished runs, and the bench's last lines. `control`: the control's
-    run directory and its extra supervised steps (run_control); `math_model`: the MATH runs' model (None: none)."""
-    size = model_size(next((settings.out_dir / "cache" / "init").glob("embedded_*/init")))
+def results_report(settings: Settings, started: float) -> tuple[str, str]:
+    """The generated block of the page, from the finished runs, and the bench's last lines."""
+    size = model_size(init_model(settings))
     groups, cost = load_analysed(settings, size)
     comparisons = compare_all(groups)
     flat = {method: list(by_seed.values()) for method, by_seed in groups.items()}
-    wall = comparisons[WALL]
-    sections = [settings_section(settings, groups, size),
-                f"### The estimator where the answer is known\n\n{known_ratio_section(groups, comparisons, settings)}"]
-    sections += [speedup_section(baseline, groups, comparisons) for baseline in BASELINES]
-    headline = wall[HEADLINE_BASELINE]
-    target_times = {method: result["estimate"]["times"][TARGET_FRACTIONS[-1]][0]
-                    if result["estimate"] and result["estimate"]["times"][TARGET_FRACTIONS[-1]][1] else None
-                    for method, result in headline.items()}
-    sections += [
-        f"### The work each step did, and the machine (mean per step over every seed)\n\n{work_table(groups)}",
+    rule = rule_verdicts(comparisons)
+    lines = last_lines(comparisons, groups, rule)
+    work = work_summary(groups)
+    cap = prompt_level_cap(settings.out_dir / "runs", groups, method=dppo_read(groups))
+    sections = [
+        f"### Status\n\n{status(comparisons, groups, rule, work, cap)}",
+        settings_section(settings, groups, size),
+        f"### The estimator where the answer is known\n\n{known_ratio_section(groups, comparisons)}",
+        *[speedup_section(baseline, groups, comparisons) for baseline in BASELINES],
+        f"### The work each step did, and the machine (mean per step over every seed)\n\n{work_table(work)}",
         f"### The prompt level at work (all seeds; epochs over the {pool_size()}-problem pool)\n\n"
-        f"{prompt_level_table(settings.out_dir / 'runs', groups, pool_size())}\n\n"
-        f"{prompt_level_cap(settings.out_dir / 'runs', groups)}",
+        f"{prompt_level_table(settings.out_dir / 'runs', groups, pool_size())}\n\n{cap['text']}",
         f"### Where the time goes (mean per step, ms and share of the step)\n\n{phase_table(flat)}",
-        f"### Fewer steps or shorter steps (to {HEADLINE_BASELINE}'s {100 * TARGET_FRACTIONS[-1]:.0f}% target)\n\n"
-        f"{decomposition_table(groups, target_times, HEADLINE_BASELINE, cost)}",
-        f"### Projection for Qwen3-4B on MATH, 8 H100s (on paper, not measured)\n\n"
-        f"{projection(groups, target_times, HEADLINE_BASELINE)}",
-    ]
-    if control and finished(control[0]):  # --analyse-only: when it has run (here or in the records)
-        sections.append(control_section(settings, control, sft_steps_per_second, headline))
-    sections.append(figures_section(settings, groups))
-    if math_model:
-        sections.append(math_section(settings, math_model))
-    lines = last_lines(comparisons, groups)
-    sections.append(f"Bench wall time (runs not already finished + analysis): {time.perf_counter() - started:.0f} s. "
-                    "Last lines:\n\n" + "\n".join(f"    {line}" for line in lines))
+        f"### The price list behind cost-model time\n\n{price_section(flat, cost)}",
+        "### Projection for Qwen3-4B on MATH, 8 H100s (on paper, not measured)\n\n"
+        f"{projection(groups, dppo_read(groups))}",
+        figures_section(settings, groups),
+        f"Bench wall time (runs not already finished + analysis): {time.perf_counter() - started:.0f} s. "
+        "Last lines:\n\n" + "\n".join(f"    {line}" for line in lines)]
     return "\n\n".join(sections), "\n".join(lines)
 
 
-def load_analysed(settings: Settings, size: ModelSize) -> tuple[dict[str, dict[int, Run]], dict]:
-    """Every finished run (method -> seed -> run, each method with the seeds it has) with its cost columns, the
-    cost-model time among them, and the step-cost fit that priced it (one fit over every step of every run)."""
-    seeds = {m: settings.seeds if m not in SECONDARY_METHODS else settings.seeds[:settings.secondary_seeds]
-             for m in settings.methods}
-    groups = load_groups(settings.out_dir / "runs", seeds, size)
-    missing = [baseline for baseline in BASELINES if baseline not in groups]
+def analysed_seeds(settings: Settings, method: str) -> list[int]:
+    return settings.seeds[:settings.secondary_seeds] if method in SECONDARY_METHODS else settings.seeds
+
+
+def load_analysed(settings: Settings, size: ModelSize | None, methods: list[str] | None = None,
+                  required: tuple[str, ...] = tuple(BASELINES)) -> tuple[dict[str, dict[int, Run]], dict]:
+    """Every finished run of `methods` (default: settings.methods and the RENAMED ones; method -> seed -> run, each
+    method with the seeds it has) with its cost columns, the cost-model time among them, and the price list that
+    priced it (one fit over every step of every run)."""
+    methods = methods or [*settings.methods, *RENAMED]
+    groups = load_groups(settings.out_dir / "runs", {m: analysed_seeds(settings, m) for m in methods}, size,
+                         samples_per_prompt())
+    missing = [baseline for baseline in required if baseline not in groups]
     if missing:
         raise ValueError(f"no finished run of the baseline(s) {missing}: every speed-up is read against every "
                          f"baseline; run them (bench/time_to_accuracy.py always adds them to --methods)")
@@ -128,7 +132,7 @@ def load_analysed(settings: Settings, size: ModelSize) -> tuple[dict[str, dict[i
     return {m: {s: with_cost_model(run, cost) for s, run in by_seed.items()} for m, by_seed in groups.items()}, cost
 
 
-def compare_all(groups: dict[str, dict[int, Run]]) -> dict[str, dict[str, dict[str, dict]]]:
+def compare_all(groups: dict[str, dict[int, Run]], baselines=tuple(BASELINES)) -> dict[str, dict[str, dict]]:
     """axis -> baseline -> method -> compare_paired over the seeds both ran; an axis that some run does not count
     (FLOPs without a model size) is left out."""
     out = {}
@@ -136,8 +140,23 @@ def compare_all(groups: dict[str, dict[int, Run]]) -> dict[str, dict[str, dict[s
         if any(run.records[-1].get(axis, 0.0) <= 0 for by_seed in groups.values() for run in by_seed.values()):
             continue
         curves = {m: {s: accuracy_points(run, axis) for s, run in by_seed.items()} for m, by_seed in groups.items()}
-        out[axis] = {b: {m: compare_paired(curves[b], points) for m, points in curves.items()} for b in BASELINES}
+        out[axis] = {b: {m: compare_paired(curves[b], points) for m, points in curves.items()} for b in baselines}
     return out
+
+
+def rule_verdicts(comparisons: dict, method: str = HEADLINE_METHOD) -> dict[str, dict]:
+    """baseline -> verdict.verdicts of `method` against each baseline on the primary axis (no runs: undecided)."""
+    return verdict.verdicts({b: comparisons[PRIMARY][b].get(method) for b in BASELINES})
+
+
+def rule_stops(settings: Settings) -> bool:
+    """verdict.should_stop for the headline method on the runs finished so far with settings.seeds, priced by the
+    page's own price list (fitted over every run the page reads)."""
+    groups, _ = load_analysed(settings, None)
+    if HEADLINE_METHOD not in groups:
+        return False
+    comparisons = compare_all({m: groups[m] for m in (*BASELINES, HEADLINE_METHOD)})
+    return verdict.should_stop({b: comparisons[PRIMARY][b][HEADLINE_METHOD] for b in BASELINES})
 
 
 def interval_text(result: dict | None, kind: str = "headline") -> str:
@@ -160,50 +179,102 @@ def step_time_ratio(groups: dict[str, dict[int, Run]], baseline: str, method: st
             / sum(groups[method][s].records[steps - 1][axis] for s in seeds))
 
 
+def holds(result: dict | None, truth: float) -> bool:
+    interval = result["headline_interval"] if result and result["estimate"] else None
+    return bool(interval) and interval[0] <= truth <= interval[1]
+
+
 def check_lines(groups: dict[str, dict[int, Run]], comparisons: dict) -> list[str]:
-    """grpo against grpo-paper, whose speed-up is their step-time ratio: on wall time and on cost-model time."""
-    baseline, method = FILTER_CHECK
-    if baseline not in groups or method not in groups:
-        return ["grpo_filter_check: nan"]
-    return [f"grpo_filter_check{'' if axis == WALL else '_cost_model'}: "
-            f"{interval_text(comparisons[axis][baseline][method])}, step-time ratio "
-            f"{step_time_ratio(groups, baseline, method, axis):.2f}" for axis in (WALL, COST_MODEL)]
-
-
-def last_lines(comparisons: dict, groups: dict[str, dict[int, Run]]) -> list[str]:
-    """DPPO's defaults against each baseline: `name: X [low, high]` on wall time, then on cost-model time, then the
-    paper's definition (time to the baseline's final accuracy); then the known-ratio check."""
+    """The known-ratio checks on the runs, on wall and cost-model time: grpo against grpo-paper, whose speed-up is
+    their step-time ratio, and grpo-null against grpo, whose is 1."""
     lines = []
-    for baseline, name in LAST_LINE_NAMES.items():
-        lines.append(f"{name}: {interval_text(comparisons[WALL].get(baseline, {}).get(HEADLINE_METHOD))}")
-        lines.append(f"{name}_cost_model: "
-                     f"{interval_text(comparisons[COST_MODEL].get(baseline, {}).get(HEADLINE_METHOD))}")
-    for baseline, name in LAST_LINE_NAMES.items():
-        lines.append(f"{name}_paper_definition: "
-                     f"{interval_text(comparisons[WALL].get(baseline, {}).get(HEADLINE_METHOD), 'paper')}")
+    baseline, method = FILTER_CHECK
+    for axis in (WALL, COST_MODEL):
+        suffix = "" if axis == WALL else "_cost_model"
+        lines.append(f"grpo_filter_check{suffix}: {interval_text(comparisons[axis][baseline][method])}, step-time "
+                     f"ratio {step_time_ratio(groups, baseline, method, axis):.2f}"
+                     if method in groups else f"grpo_filter_check{suffix}: nan")
+    baseline, method = NULL_CHECK
+    for axis in (WALL, COST_MODEL):
+        lines.append(f"grpo_null_check{'' if axis == WALL else '_cost_model'}: "
+                     f"{interval_text(comparisons[axis][baseline].get(method))}")
+    return lines
+
+
+def last_lines(comparisons: dict, groups: dict[str, dict[int, Run]], rule: dict[str, dict]) -> list[str]:
+    """DPPO's defaults against each baseline: the verdict (and for an equivalence its interval), then `name: X [low,
+    high]` on wall time, on cost-model time, and the paper's definition (time to the baseline's final accuracy);
+    then the known-ratio checks."""
+    axis_name = AXES[PRIMARY]
+    lines = []
+    for baseline, key in LAST_LINE_KEYS.items():
+        decided = rule[baseline]
+        lines.append(f"dppo_verdict_vs_{key}: {decided['verdict']} ({axis_name}, {decided['seeds']} seeds)")
+        if decided["equivalence_interval"]:
+            low, high = decided["equivalence_interval"]
+            lines.append(f"dppo_equivalence_vs_{key}: [{low:.2f}, {high:.2f}]")
+    for baseline, key in LAST_LINE_KEYS.items():
+        result = {axis: comparisons[axis][baseline].get(HEADLINE_METHOD) for axis in (WALL, COST_MODEL)}
+        lines.append(f"dppo_speedup_vs_{key}: {interval_text(result[WALL])}")
+        lines.append(f"dppo_speedup_vs_{key}_cost_model: {interval_text(result[COST_MODEL])}")
+        lines.append(f"dppo_speedup_vs_{key}_paper_definition: {interval_text(result[WALL], 'paper')}")
     return lines + check_lines(groups, comparisons)
 
 
-def decided(comparisons: dict) -> bool:
-    """Every headline interval of DPPO against a baseline narrower than DECIDED_WIDTH, on wall time or, where not
-    there, on cost-model time (bench/time_to_accuracy.py adds seeds until this holds)."""
-    def width(axis: str, baseline: str) -> float:
-        result = comparisons[axis].get(baseline, {}).get(HEADLINE_METHOD)
-        interval = result["headline_interval"] if result else None
-        return interval[1] - interval[0] if interval else float("inf")
-
-    return all(min(width(WALL, b), width(COST_MODEL, b)) < DECIDED_WIDTH for b in LAST_LINE_NAMES)
+def dppo_read(groups: dict[str, dict[int, Run]]) -> str:
+    """The DPPO whose runs the page's DPPO sections read: the headline method, or before it has a run, the first
+    RENAMED one (its records)."""
+    return next((m for m in (HEADLINE_METHOD, *RENAMED) if m in groups), HEADLINE_METHOD)
 
 
-def headline_decided(settings: Settings) -> bool:
-    """decided() on the runs finished so far with settings.seeds."""
-    size = model_size(next((settings.out_dir / "cache" / "init").glob("embedded_*/init")))
-    return decided(compare_all(load_analysed(settings, size)[0]))
+def status(comparisons: dict, groups: dict[str, dict[int, Run]], rule: dict[str, dict], work: dict[str, dict],
+           cap: dict) -> str:
+    """The page's status paragraph, from the same numbers as the tables and last lines: the rule's verdict for the
+    headline method and, read by the same rule, for each RENAMED one that has runs; the goals; the checks."""
+    rows = []
+    for method in (HEADLINE_METHOD, *RENAMED):
+        decided_by = rule if method == HEADLINE_METHOD else rule_verdicts(comparisons, method)
+        if method != HEADLINE_METHOD and method not in groups:
+            continue
+        for baseline, decided in decided_by.items():
+            goal, low_end = GOALS[baseline]
+            result = comparisons[PRIMARY][baseline].get(method)
+            estimate = result["estimate"]["headline"] if result and result["estimate"] else None
+            interval = decided["interval"]
+            met = estimate is not None and estimate >= goal and (low_end is None or bool(interval and
+                                                                                      interval[0] > low_end))
+            rows.append([method, baseline, f"**{decided['verdict']}** ({decided['seeds']} seeds)",
+                         interval_text(result), interval_text(comparisons[WALL][baseline].get(method)),
+                         f"{goal}x" + (f", low end above {low_end}" if low_end else ""), "met" if met else "not met"])
+    table = markdown(["method", "against", f"verdict ({AXES[PRIMARY]})", "speed-up in cost-model time [95%]",
+                      "speed-up in RL wall time [95%]", "the goal", ""], rows)
+    checks = []
+    for name, (baseline, method), truth in (("filter check", FILTER_CHECK, None), ("null check", NULL_CHECK, 1.0)):
+        if method not in groups:
+            checks.append(f"the {name} ({method} against {baseline}) has no runs yet")
+            continue
+        result = comparisons[COST_MODEL][baseline].get(method)
+        expected = truth if truth is not None else step_time_ratio(groups, baseline, method, COST_MODEL)
+        checks.append(f"the {name} ({method} against {baseline}) reads {interval_text(result)} in cost-model time "
+                      f"against a true {expected:.2f}: {'holds' if holds(result, expected) else 'FAILS'}")
+    where, read = "", dppo_read(groups)
+    if read in work and "grpo" in work:
+        method_work, grpo_work = work[read], work["grpo"]
+        where = (f" Where the time goes: {read} trains {method_work['informative']:.1f} informative groups a step "
+                 f"against grpo's {grpo_work['informative']:.1f} (zero-variance share of the rolled-out groups "
+                 f"{1 - method_work['informative_share']:.0%} against {1 - grpo_work['informative_share']:.0%})"
+                 + (f"; its keep rule, replayed on grpo's steps, lowers the step's gradient variance "
+                    f"{cap['variance_gain']:.2f}x against uniform keeping, where a perfect predictor would "
+                    f"{cap['oracle_gain']:.2f}x" if cap.get("variance_gain") else "") + ".")
+    return (f"DPPO against each baseline by the rule fixed above (primary axis {AXES[PRIMARY]}; Holm's "
+            f"correction across the three baselines; the last lines give {HEADLINE_METHOD}'s):\n\n{table}\n\n"
+            f"Checks on the runs: {'; '.join(checks)}.{where}")
 
 
-def known_ratio_section(groups: dict[str, dict[int, Run]], comparisons: dict, settings: Settings) -> str:
+def known_ratio_section(groups: dict[str, dict[int, Run]], comparisons: dict) -> str:
     """The estimator's calibration on simulated curves of known ratio (bench/estimator_check.py) at this bench's
-    seed count, and its reading of grpo against grpo-paper, whose ratio is their step-time ratio."""
+    seed count, and its reading of the runs whose ratio is known: grpo against grpo-paper (their step-time ratio) and
+    grpo against itself with independent seeds (1)."""
     seeds = max(len(by_seed) for by_seed in groups.values())
     if seeds >= MIN_INTERVAL_SEEDS:
         rows = calibration(list(CALIBRATION_RATIOS), seeds, CALIBRATION_DATASETS)
@@ -218,73 +289,40 @@ def known_ratio_section(groups: dict[str, dict[int, Run]], comparisons: dict, se
             "On the runs: grpo and grpo-paper are the same optimiser step by step (the filter drops only "
             "zero-advantage groups and keeps the full batch's normaliser), so grpo's speed-up over grpo-paper must "
             "read their step-time ratio (the RL time of their first K steps, K the fewest steps any of their runs "
-            "took):\n\n" + "\n".join(f"    {line}" for line in check_lines(groups, comparisons)))
+            f"took); {NULL_CHECK[1]} is grpo with independent seeds (its seed-s run draws --rl-seed s + "
+            f"{RESEEDED[NULL_CHECK[1]]}: another pool, order and sampling, everything else equal), so its speed-up "
+            "over grpo must read 1.0, under the learning noise every comparison of two methods faces:\n\n"
+            + "\n".join(f"    {line}" for line in check_lines(groups, comparisons)))
 
 
 def settings_section(settings: Settings, groups: dict[str, dict[int, Run]], size: ModelSize) -> str:
     """What was run: the settings, the finished runs and every flag."""
+    renamed = "; ".join(f"{name}: `{' '.join(old.flags)}` as run at revision {old.revision} (its records, read by the "
+                        f"command they ran with)" for name, old in RENAMED.items() if name in groups)
     return (
-        f"Settings: the {settings.task} synthetic task, {len(settings.seeds)} seed(s) {settings.seeds}, every method "
-        f"with every seed; seed s of every method shares GRPO's seed s (`{' '.join(PAIRING_FLAGS)}`: the pool, its "
-        f"order, the held-out set, the start). RL budget {settings.budget_s:.0f} s per run (evaluations excluded), "
-        f"warm start {settings.warm_start_steps} supervised steps (`{' '.join(warm_start_flags(settings.task))}`), "
-        f"{settings.eval_size} held-out problems every {settings.eval_interval} steps, {settings.processes} "
-        f"processes. Model: {size.parameters} parameters.\n"
+        f"Settings: the worked synthetic task, seeds {settings.seeds} (the baselines, {HEADLINE_METHOD} and "
+        f"{NULL_CHECK[1]} with every seed, {', '.join(SECONDARY_METHODS)} with the first {settings.secondary_seeds}); "
+        f"seed s of every method shares GRPO's seed s (`{' '.join(PAIRING_FLAGS)}`: the pool, its order, the held-out "
+        f"set, the start), but {NULL_CHECK[1]}'s draws --rl-seed s + {RESEEDED[NULL_CHECK[1]]}. RL budget "
+        f"{settings.budget_s:.0f} s per run (evaluations excluded), warm start {settings.warm_start_steps} supervised "
+        f"steps (`{' '.join(warm_start_flags())}`), {settings.eval_size} held-out problems every "
+        f"{settings.eval_interval} steps, {settings.processes} processes. Model: {size.parameters} parameters.\n"
         f"Finished runs (seeds): " + "; ".join(f"{m} {sorted(by_seed)}" for m, by_seed in groups.items()) + ".\n"
-        f"Common RL flags: `{' '.join(RL_FLAGS + task_flags(settings.task))}`; per method: "
-        + "; ".join(f"{m}: `{' '.join(ALL_METHODS[m])}`" for m in settings.methods) + ".")
-
-
-def control_section(settings: Settings, control: tuple[Path, int], sft_steps_per_second: float,
-                    comparisons: dict[str, dict]) -> str:
-    """The supervised control's accuracy against every method's final accuracy."""
-    control_dir, extra_steps = control
-    accuracy = json.loads((control_dir / "summary.json").read_text())["heldout_accuracy_before"]
-    return (f"### Supervised control (seed {settings.seeds[0]})\n\n"
-            f"The warm start measured {sft_steps_per_second:.2f} supervised steps/s, so the RL budget of "
-            f"{settings.budget_s:.0f} s buys {extra_steps} more supervised steps on the same warm-start data: a warm "
-            f"start of {settings.warm_start_steps + extra_steps} steps reaches held-out accuracy "
-            f"**{accuracy:.3f}**, against "
-            + ", ".join(f"{m} {r['final_mean']:.3f}" for m, r in comparisons.items())
-            + " (final accuracy of RL, mean over seeds).")
+        f"Common RL flags: `{' '.join(RL_FLAGS + task_flags())}`; per method: "
+        + "; ".join(f"{m}: `{' '.join(ALL_METHODS[m])}`" for m in groups if ALL_METHODS.get(m))
+        + (f"; {renamed}" if renamed else "") + ".")
 
 
 def figures_section(settings: Settings, groups: dict[str, dict[int, Run]]) -> str:
     """Draws every run's curves and the seed-mean curves; links to them, relative to the page (or --out-dir)."""
     figures = plot_runs([run for by_seed in groups.values() for run in by_seed.values()], settings.figures_dir,
                         ("heldout_accuracy", "reward_mean"), ("seconds_steps",), smooth=10,
-                        title=f"{settings.task} synthetic task: all methods, all seeds")
+                        title="worked synthetic task: all methods, all seeds")
     figures += plot_runs(seed_mean_runs(groups), settings.figures_dir / "seed_mean", ("heldout_accuracy",),
-                         ("seconds_steps",), title=f"{settings.task} synthetic task: mean over seeds, each evaluation "
+                         ("seconds_steps",), title="worked synthetic task: mean over seeds, each evaluation "
                                                    "centred on its neighbours")
     link_root = settings.page.parent if settings.page else settings.out_dir
     return "\n".join(f"![{path.parent.name}/{path.stem}]({os.path.relpath(path, link_root)})" for path in figures)
-
-
-def math_section(settings: Settings, model_dir: Path) -> str:
-    """The methods' per-step costs on MATH train prompts (run_math_methods' runs)."""
-    size = model_size(model_dir)
-    groups = load_groups(settings.out_dir / "math", dict.fromkeys(settings.methods, settings.seeds[:1]), size)
-    return (f"### MATH train prompts, tiny random model, {settings.math_budget_s:.0f} s per method "
-            f"(seed {settings.seeds[0]})\n\n"
-            f"{math_table({m: list(r.values()) for m, r in groups.items()}, size)}")
-
-
-def grpo_tuning_report(settings: Settings, run_dirs: dict[str, list[Path]]) -> str:
-    """Each GRPO setting (run_grpo_tuning's runs) scored by the mean held-out accuracy over the RL budget (the area
-    under its seed-mean accuracy-vs-time curve / the budget: higher is faster to any accuracy); a table."""
-    rows = []
-    for label, dirs in run_dirs.items():
-        runs = [with_costs(load_run(run_dir, label), None, False) for run_dir in dirs]
-        points = [accuracy_points(run, "seconds_steps") for run in runs]
-        curve = seed_mean_curve(points)
-        area = sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(curve, curve[1:]))
-        final = statistics.fmean(final_accuracy(seed_points) for seed_points in points)
-        rows.append([label, f"{area / max(curve[-1][0], 1e-9):.3f}", f"{final:.3f}",
-                     f"{statistics.fmean(len(run.records) for run in runs):.0f}"])
-    best = max(rows, key=lambda row: float(row[1]))
-    return (markdown(["GRPO setting", "mean held-out accuracy over the budget", "final accuracy", "steps"], rows)
-            + f"\n\nBest: {best[0]} ({len(settings.seeds)} seeds, {settings.budget_s:.0f} s each).")
 
 
 # ------------------------------------------------------------------------------------------------ tables
@@ -369,35 +407,60 @@ def phase_table(groups: dict[str, list[Run]]) -> str:
     return markdown(header, rows)
 
 
-def work_table(groups: dict[str, dict[int, Run]]) -> str:
-    """Per method, the mean step's logged work (rollout rounds, decode iterations, groups rolled out and how many of
-    them had varied rewards, generated and trained tokens), its speed (µs per generated token in the rollout phase),
-    informative groups per second of RL time and of cost-model time, and what else the machine did meanwhile."""
-    rows = []
+def work_summary(groups: dict[str, dict[int, Run]]) -> dict[str, dict]:
+    """Per method, the mean step's logged work (rollout rounds, engine batches, decode iterations, groups rolled out
+    and how many of them had varied rewards, generated and trained tokens), its speed (µs per generated token in the
+    rollout phase), informative groups per second of RL time and of cost-model time, wall over cost-model time, and
+    what else the machine ran meanwhile (machine.json: the load monitor's other processes' CPU per second of the run;
+    None for runs recorded before it measured them, whose reading subtracted two clocks and was clipped at 0)."""
+    out = {}
     for method, by_seed in groups.items():
         records = [r for run in by_seed.values() for r in run.records]
         mean = step_means(records)
-        informative = mean("groups_rolled_out") - mean("zero_variance_groups_rolled_out")
         rl_seconds = sum(run.records[-1]["seconds_steps"] for run in by_seed.values())
         model_seconds = sum(run.records[-1]["cost_model_seconds"] for run in by_seed.values())
-        microseconds = 1e6 * sum(float(r.get("seconds_rollout", 0)) for r in records) / max(
-            sum(float(r.get("tokens_generated", 0)) for r in records), 1)
-        others = [machine["other_cores_busy"] for machine in (machine_record(run) for run in by_seed.values())
-                  if machine and machine.get("other_cores_busy") is not None]
-        rows.append([method, f"{mean('dapo_rounds', 1.0):.2f}", f"{mean('decode_iterations'):.0f}",
-                     f"{mean('groups_rolled_out'):.1f}", f"{informative:.1f}",
-                     f"{informative / max(mean('groups_rolled_out'), 1e-9):.2f}",
-                     fmt_count(mean("tokens_generated")), fmt_count(mean("tokens_trained")), f"{microseconds:.0f}",
-                     f"{informative * len(records) / rl_seconds:.1f}",
-                     f"{informative * len(records) / model_seconds:.1f}",
-                     f"{statistics.fmean(others):.2f} (max {max(others):.2f})" if others else "-"])
-    header = ["method", "rollout rounds", "decode iterations", "groups rolled out", "informative groups",
-              "informative share", "tokens generated", "tokens trained", "rollout µs per generated token",
-              "informative groups per RL s", "informative groups per cost-model s",
-              "other processes' cores busy during its runs (mean, max)"]
+        informative = mean("groups_rolled_out") - mean("zero_variance_groups_rolled_out")
+        machines = [(run.summary or {}).get("machine") or {} for run in by_seed.values()]  # run_costs.load_groups
+        others = [machine["other_cores_busy"] for machine in machines if "other_cpu_seconds" in machine]
+        out[method] = {
+            "rounds": mean("dapo_rounds", 1.0), "batches": mean("engine_batches", 1.0),
+            "iterations": mean("decode_iterations"), "groups": mean("groups_rolled_out"), "informative": informative,
+            "informative_share": informative / max(mean("groups_rolled_out"), 1e-9),
+            "generated": mean("tokens_generated"), "trained": mean("tokens_trained"),
+            "microseconds": 1e6 * sum(float(r.get("seconds_rollout", 0)) for r in records) / max(
+                sum(float(r.get("tokens_generated", 0)) for r in records), 1),
+            "per_rl_second": informative * len(records) / rl_seconds,
+            "per_model_second": informative * len(records) / model_seconds,
+            "wall_over_model": rl_seconds / model_seconds,
+            "estimated": statistics.fmean(bool(r.get("work_estimated")) for r in records),
+            "others": (statistics.fmean(others), max(others)) if others else None}
+    return out
+
+
+def work_table(work: dict[str, dict]) -> str:
+    rows = [[method, f"{w['rounds']:.2f}", f"{w['batches']:.2f}", f"{w['iterations']:.0f}"
+             + (f" ({w['estimated']:.0%} estimated)" if w["estimated"] else ""), f"{w['groups']:.1f}",
+             f"{w['informative']:.1f}", f"{w['informative_share']:.2f}", fmt_count(w["generated"]),
+             fmt_count(w["trained"]), f"{w['microseconds']:.0f}", f"{w['per_rl_second']:.1f}",
+             f"{w['per_model_second']:.1f}", f"{w['wall_over_model']:.2f}",
+             f"{w['others'][0]:.2f} (max {w['others'][1]:.2f})" if w["others"] else "not measured"]
+            for method, w in work.items()]
+    header = ["method", "rollout rounds", "engine batches", "decode iterations", "groups rolled out",
+              "informative groups", "informative share", "tokens generated", "tokens trained",
+              "rollout µs per generated token", "informative groups per RL s", "informative groups per cost-model s",
+              "RL wall time / cost-model time", "other processes' cores busy during its runs (mean, max)"]
     return (markdown(header, rows) + "\n\nInformative: a group whose rewards vary (the others have zero advantage "
-            "and no gradient). Cores busy: the machine's busy CPU time during each run minus the run's own, per "
-            "second of the run (`machine.json` beside each run): the load the shared machine added.")
+            f"and no gradient). Engine batches: the embedded engine decodes at most {MAX_BATCH_SIZE} rows at once, the "
+            "rest in a later batch, whose loop runs after the first, as long as its own longest response; decode "
+            "iterations sum over a step's batches. Runs recorded before the trainer logged its batches had them "
+            f"derived (each rollout round's groups rolled out x {samples_per_prompt()} rows, {MAX_BATCH_SIZE} at a "
+            "time), and logged the longest response's iterations only: where a round overflowed one batch, the later "
+            "batch's iterations are estimated (the longest mean response of its groups over the run's own ratio of "
+            "that to the logged iterations on one-batch steps) and the step is priced, not fitted. RL wall time / "
+            "cost-model time near 1 for every method: the price list prices each method's steps alike. Cores busy: "
+            "the other processes' CPU seconds during each run per second of the run (`machine.json`: every process's "
+            "CPU time and its reaped children's, read before and after, the bench's own aside); runs recorded before "
+            "this monitor are not measured.")
 
 
 def step_means(records: list[dict]):
@@ -408,92 +471,51 @@ def step_means(records: list[dict]):
     return mean
 
 
-def machine_record(run: Run) -> dict | None:
-    """The run's machine.json (what else the machine did while it ran; run_costs.load_groups reads it), if any."""
-    return (run.summary or {}).get("machine")
-
-
-def decomposition_table(runs: dict[str, dict[int, Run]], times: dict[str, float | None], baseline: str,
-                        cost: dict) -> str:
-    """Speed-up = fewer steps x shorter steps at the seed-mean times to one target (`times`: method -> RL seconds,
-    None where never reached), and the step-cost fit `cost` (fitted on every run's steps) split into its fixed and
-    token-dependent parts."""
-    parts = speedup_decomposition(runs, times, baseline)
-    token_cost = {}
-    for method, by_seed in runs.items():
-        phases = phase_breakdown(list(by_seed.values()))
-        token_cost[method] = (phases["seconds_step"], token_dependent_seconds(cost, phases))
-    base_step, base_tokens = token_cost[baseline]
+def price_section(groups: dict[str, list[Run]], cost: dict) -> str:
+    """The price list (run_costs.fit_step_cost) and what it makes of each method's mean step: the part priced by
+    tokens and the part that is not (the fixed part and decode iterations)."""
     rows = []
-    for method, part in parts.items():
-        step, tokens = token_cost[method]
-        rows.append([method, f"{part['steps']:.0f}" if part["steps"] is not None else "not reached",
-                     f"{part['step_ratio']:.2f}x" if part["step_ratio"] else "-",
-                     f"{part['step_time_ratio']:.2f}x" if part["step_time_ratio"] else "-",
-                     f"{1000 * (step - tokens):.0f} / {1000 * tokens:.0f}", f"{base_tokens / tokens:.2f}x"
-                     if tokens > 0 else "-"])
-    header = ["method", "steps to target (seed mean)", f"fewer steps: {baseline} steps / steps",
-              f"shorter steps: {baseline} s/step / s/step", "fixed / token-dependent ms per step (fit)",
-              f"{baseline} token-dependent time / method's"]
-    fit = (f"Fit over every step of every run (R² {cost['r_squared']:.2f}): step ≈ {1000 * cost['fixed']:.0f} ms "
-           f"+ {1000 * cost['per_round']:.0f} ms per rollout round"
-           f" + {1000 * cost['per_iteration']:.2f} ms per decode iteration + {1e6 * cost['per_generated']:.0f} µs per "
-           f"generated token + {1e6 * cost['per_trained']:.0f} µs per trained token. Of {baseline}'s mean step "
-           f"({1000 * base_step:.0f} ms) the part that does not scale with tokens (fixed and decode iterations) is "
-           f"{100 * (base_step - base_tokens) / base_step:.0f}%.")
-    return markdown(header, rows) + "\n\n" + fit
-
-
-# Qwen3-4B on MATH on 8 H100s: the share of a GRPO step that is generation (the rest: log-probs and update), as peers
-# report for long math responses; an assumption, not a measurement of ours
-PROJECTION_GENERATION_SHARE = 0.65
-
-
-def projection(runs: dict[str, dict[int, Run]], times: dict[str, float | None], baseline: str,
-               method: str = HEADLINE_METHOD) -> str:
-    """The measured ratios carried to a token-bound step (no fixed cost): speed-up = fewer steps / (generation share
-    x generated-token ratio + update share x trained-token ratio), per step, up to the time to one target (`times`:
-    method -> seed-mean RL seconds to it, None where never reached)."""
-    if method not in runs or not times.get(method):
-        return f"No projection: {method} did not reach {baseline}'s {100 * TARGET_FRACTIONS[-1]:.0f}% target."
-    step_ratio = speedup_decomposition(runs, times, baseline)[method]["step_ratio"]
-    per_step = {}
-    for name in (baseline, method):
-        steps = statistics.fmean(steps_at(run, times[name]) for run in runs[name].values())
-        per_step[name] = [statistics.fmean(value_at(run, key, "seconds_steps", times[name]) for run in
-                                           runs[name].values()) / steps
-                          for key in ("tokens_generated_total", "tokens_trained_total")]
-    generated = per_step[method][0] / per_step[baseline][0]
-    trained = per_step[method][1] / per_step[baseline][1]
-    share = PROJECTION_GENERATION_SHARE
-    step_cost = share * generated + (1 - share) * trained
-    return (f"Assumptions: (1) the step is token-bound: generation scales with generated tokens and the update with "
-            f"trained tokens (at 4,096-token responses and batches of 32 x 8 a fixed cost like ours is small); "
-            f"(2) a GRPO step is {100 * share:.0f}% generation and {100 * (1 - share):.0f}% log-probs and update; "
-            f"(3) {method}'s measured ratios against {baseline} carry over: {generated:.2f}x its generated tokens and "
-            f"{trained:.2f}x its trained tokens per step, and {step_ratio:.2f}x fewer steps to its "
-            f"{100 * TARGET_FRACTIONS[-1]:.0f}% target. Then a {method} step costs {share:.2f} x {generated:.2f} + "
-            f"{1 - share:.2f} x {trained:.2f} = {step_cost:.2f} of GRPO's, and the time to target "
-            f"{1 / step_ratio:.2f} x {step_cost:.2f}: **about {step_ratio / step_cost:.2f}x** (the paper: 2.37x, "
-            "to GRPO's final accuracy).")
-
-
-def math_table(groups: dict[str, list[Run]], size: ModelSize) -> str:
-    rows = []
-    base = None
     for method, runs in groups.items():
-        phases = phase_breakdown(runs)
-        steps = statistics.fmean(len(run.records) for run in runs)
-        flops = statistics.fmean(run.records[-1]["flops_total"] / max(len(run.records), 1) for run in runs)
-        base = base or (phases["tokens_generated"], phases["tokens_trained"], flops, phases["seconds_step"])
-        rows.append([method, f"{steps:.0f}", f"{phases['reward_mean']:.3f}", f"{1000 * phases['seconds_step']:.0f}",
-                     f"{phases['kept_fraction']:.2f}", fmt_count(phases["tokens_generated"]),
-                     fmt_count(phases["tokens_trained"]), fmt_count(flops),
-                     f"{phases['seconds_step'] / base[3]:.2f} / {phases['tokens_trained'] / max(base[1], 1):.2f} / "
-                     f"{flops / max(base[2], 1):.2f}"])
-    header = ["method", "steps", "mean reward", "ms/step", "kept fraction", "tokens gen/step", "tokens trained/step",
-              "FLOPs/step", "vs GRPO (s / trained / FLOPs per step)"]
-    return markdown(header, rows) + f"\n\nModel: {size.parameters} parameters, {size.layers} layers, d={size.hidden}."
+        records = [r for run in runs for r in run.records]
+        mean = step_means(records)
+        priced = {term: cost["prices"][term] * mean(term, 1.0 if term == "fixed" else 0.0) for term in cost["prices"]}
+        step = sum(priced.values())
+        rows.append([method, f"{1000 * mean('seconds_step'):.0f}", f"{1000 * step:.0f}",
+                     *[f"{1000 * value:.0f} ({value / step:.0%})" for value in priced.values()]])
+    header = ["method", "ms/step (wall)", "ms/step (cost model)",
+              *[term.replace("_", " ").replace("tokens ", "") for term in cost["prices"]]]
+    return (f"Non-negative least squares of every step's time on its logged work, over every step of every run "
+            f"(bench/run_costs.py; ± a jackknife standard error over runs): {price_list(cost)}. A method's mean step, "
+            f"priced (ms and share):\n\n{markdown(header, rows)}")
+
+
+def projection(groups: dict[str, dict[int, Run]], method: str = HEADLINE_METHOD) -> str:
+    """The measured runs carried to a token-bound step (no fixed cost, as at 4,096-token responses): each step costs
+    share x its generated tokens / grpo-paper's mean step's + (1 - share) x its trained tokens / grpo-paper's, and
+    the speed-up is read on that cost as the headline is (the geometric mean over the 50/75/90% targets, the paired
+    interval), for each generation share of PROJECTION_SHARES and each baseline."""
+    if method not in groups:
+        return f"No projection: {method} has no finished run."
+    records = [r for run in groups[HEADLINE_BASELINE].values() for r in run.records]
+    reference = (statistics.fmean(float(r.get("tokens_generated", 0)) for r in records),
+                 statistics.fmean(float(r.get("tokens_trained", 0)) for r in records))
+    rows = []
+    for baseline in BASELINES:
+        row = [baseline]
+        for share in PROJECTION_SHARES:
+            axis = f"projected_{share}"
+            curves = {name: {seed: accuracy_points(with_projected_cost(run, share, reference), axis)
+                             for seed, run in groups[name].items()} for name in (baseline, method)}
+            row.append(interval_text(compare_paired(curves[baseline], curves[method])))
+        rows.append(row)
+    header = ["against", *[f"generation {100 * share:.0f}% of a GRPO step" for share in PROJECTION_SHARES]]
+    return (f"Assumptions: (1) the step is token-bound: generation scales with generated tokens and the update with "
+            f"trained tokens (at 4,096-token responses and batches of 32 x 8 a fixed cost like ours is small); (2) "
+            f"generation is {', '.join(f'{100 * share:.0f}%' for share in PROJECTION_SHARES)} of a {HEADLINE_BASELINE} "
+            f"step (peers report this range; the rest: log-probs and update); (3) {method}'s measured steps carry "
+            f"over: their tokens and how many of them reach each target. {method}'s speed-up then, read as the "
+            "headline is (geometric mean over the 50/75/90% targets, 95% interval over paired seeds):\n\n"
+            f"{markdown(header, rows)}\n\nThe paper: 2.37x, to GRPO's final accuracy.")
 
 
 def first_epoch_end(run: Run, pool: int) -> int:
@@ -540,33 +562,22 @@ def prompt_level_table(root: Path, runs: dict[str, dict[int, Run]], pool: int) -
 
 
 def prompt_level_cap(root: Path, groups: dict[str, dict[int, Run]], reference: str = "grpo",
-                     method: str = HEADLINE_METHOD) -> str:
+                     method: str = HEADLINE_METHOD) -> dict:
     """What the prompt level buys DPPO and what would cap it: its keep rule replayed on `reference`'s outcomes (every
-    drawn group rolled out) at `method`'s mean kept fraction of drawn prompts (prompt_prediction.keep_rule_gain)."""
+    drawn group rolled out) at `method`'s mean kept fraction of drawn prompts (prompt_prediction.keep_rule_gain);
+    {"text", "variance_gain", "oracle_gain"}."""
     if reference not in groups or method not in groups:
-        return f"(needs finished runs of {reference} and {method})"
+        return {"text": f"(needs finished runs of {reference} and {method})"}
     keep_fraction = statistics.fmean(float(r.get("kept_fraction_prompts", 1.0)) for run in groups[method].values()
                                      for r in run.records[1:])
     runs = [prompt_prediction.read_outcomes(root / reference / f"seed_{seed}") for seed in groups[reference]]
     gain = prompt_prediction.keep_rule_gain(runs, keep_fraction)
-    return (f"{method}'s keep rule replayed on {reference}'s steps (every drawn group rolled out; "
-            f"`prompt_prediction.keep_rule_gain`), keeping {keep_fraction:.2f} of the drawn prompts as {method} did: "
-            f"{100 * gain.informative_share:.0f}% of the kept groups have varied rewards against "
-            f"{100 * gain.base_share:.0f}% of all drawn, and the step's gradient variance is "
-            f"**{gain.variance_gain:.2f}x lower** than keeping the same number uniformly at random. A predictor that "
-            f"knew every outcome would make it {gain.oracle_gain:.2f}x lower. With refill, DPPO rolls out as many "
-            "groups as GRPO and its step estimates the gradient of all the prompts it drew: the history's prediction "
-            "is the whole of its lever against the filtered GRPO.")
-
-
-def write_page(page: Path, block: str, generated: str) -> None:
-    """Replace the page's generated block named `block` (between its markers), keeping the text around it."""
-    begin, end = f"<!-- BEGIN GENERATED {block} by bench/time_to_accuracy.py -->", f"<!-- END GENERATED {block} -->"
-    text = page.read_text() if page.is_file() else "# Results\n"
-    if begin not in text:
-        text = f"{text.rstrip()}\n\n{begin}\n{end}\n"
-    if end not in text:
-        raise ValueError(f"{page} has {begin!r} but not {end!r}: restore the end marker after the generated block")
-    head, rest = text.split(begin, 1)
-    tail = rest.split(end, 1)[1]
-    page.write_text(f"{head}{begin}\n{generated}\n{end}{tail}")
+    return {"variance_gain": gain.variance_gain, "oracle_gain": gain.oracle_gain, "text": (
+        f"{method}'s keep rule replayed on {reference}'s steps (every drawn group rolled out; "
+        f"`prompt_prediction.keep_rule_gain`), keeping {keep_fraction:.2f} of the drawn prompts as {method} did: "
+        f"{100 * gain.informative_share:.0f}% of the kept groups have varied rewards against "
+        f"{100 * gain.base_share:.0f}% of all drawn, and the step's gradient variance is "
+        f"**{gain.variance_gain:.2f}x lower** than keeping the same number uniformly at random. A predictor that "
+        f"knew every outcome would make it {gain.oracle_gain:.2f}x lower. With refill, DPPO rolls out as many "
+        "groups as GRPO and its step estimates the gradient of all the prompts it drew: the history's prediction "
+        "is the whole of its lever against the filtered GRPO.")}

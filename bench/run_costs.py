@@ -1,9 +1,16 @@
 """What a run cost: the model's size, FLOPs per step, cumulative cost columns, where a step's time goes, and the
-step-cost fit; the runs of every method loaded with those columns (load_groups).
+step-cost model (a price list of the logged work) that gives cost-model time; the runs of every method loaded with
+those columns (load_groups).
 
     <runs>/<method>/seed_<n> ─► load_run ─► with_costs: + seconds_steps (RL time without evaluations),
-        tokens_generated_total, tokens_trained_total, flops_total ─► value_at / steps_at a time to target
-    every step of every run ─► phase_breakdown (mean per phase) and fit_step_cost (least squares of the step time)
+        tokens_generated_total, tokens_trained_total, flops_total ─► with_engine_work: engine batches (logged, or
+        derived for older records) ─► value_at / steps_at a time to target
+    every step of every run ─► phase_breakdown (mean per phase)
+                           ─► fit_step_cost: non-negative least squares of the step time on its PRICED_WORK
+                              ─► price_list ─► with_cost_model: + cost_model_seconds (the prices applied to a run)
+
+Invariants: every price is >= 0 (a price list, not a regression's signs); a step whose work was estimated rather
+than logged is priced but never fitted; the fit's standard errors treat a run, not a step, as the independent unit.
 """
 
 import json
@@ -12,8 +19,11 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from bench.training_run import MACHINE_FILE, finished
-from megatron_dppo.metrics import Run, load_run
+from megatron_dppo.metrics import OUTCOMES_FILE, Run, load_run
+from megatron_dppo.servers.embedded.scheduler import MAX_BATCH_SIZE
 
 PHASES = ("seconds_rollout", "seconds_reward", "seconds_logprobs", "seconds_update", "seconds_sync")
 
@@ -84,9 +94,11 @@ def value_at(run: Run, key: str, x_key: str, x: float | None) -> float | None:
     return float(run.records[-1][key])
 
 
-def load_groups(root: Path, seeds_by_method: dict[str, list[int]], size: ModelSize) -> dict[str, dict[int, Run]]:
-    """Each method's finished runs under root (<method>/seed_<n>) with their cost columns: method -> seed -> run;
-    a method with no finished run is left out."""
+def load_groups(root: Path, seeds_by_method: dict[str, list[int]], size: ModelSize | None,
+                samples_per_prompt: int) -> dict[str, dict[int, Run]]:
+    """Each method's finished runs under root (<method>/seed_<n>) with their cost columns and engine work
+    (with_engine_work), and their machine.json as summary["machine"]: method -> seed -> run; a method with no finished
+    run is left out."""
     groups = {}
     for method, seeds in seeds_by_method.items():
         by_seed = {}
@@ -94,7 +106,10 @@ def load_groups(root: Path, seeds_by_method: dict[str, list[int]], size: ModelSi
             run_dir = root / method / f"seed_{seed}"
             if finished(run_dir):
                 old_pass = method == "d3s"  # the trainer's only old-log-prob pass with one on-policy epoch
-                run = with_costs(load_run(run_dir, method), size, old_pass)
+                outcomes = run_dir / OUTCOMES_FILE
+                run = with_engine_work(with_costs(load_run(run_dir, method), size, old_pass), [
+                    json.loads(line) for line in outcomes.read_text().splitlines() if line.strip()]
+                    if outcomes.is_file() else [], samples_per_prompt)
                 if (run_dir / MACHINE_FILE).is_file():  # what else the machine did meanwhile (training_run.launch)
                     run.summary = {**(run.summary or {}), "machine": json.loads((run_dir / MACHINE_FILE).read_text())}
                 by_seed[seed] = run
@@ -117,71 +132,128 @@ def phase_breakdown(runs: list[Run]) -> dict[str, float]:
     return mean
 
 
-def steps_at(run: Run, seconds: float) -> float:
-    """Steps taken by the first record whose RL time reaches `seconds` (0 at 0 s)."""
-    return value_at(run, "step", "seconds_steps", seconds)
+# The step-cost model's price list: what one unit of each kind of logged work costs (seconds), fitted over every step
+# of every run. A step pays its fixed part once, each decode iteration (one position of the engine's loop: its batches
+# run one after another, each as long as its own longest response, so a second batch adds its own loop), and each
+# generated and trained token. A batch's own cost (prefill, request) has no price of its own: only DAPO's rounds run
+# several batches in these runs, each with its own loop, so it cannot be told apart from the iterations (the earlier
+# per-round term read -131 ms); DAPO's rounds pay through their iterations and tokens.
+PRICED_WORK = {"fixed": "a step", "decode_iterations": "a decode iteration",
+               "tokens_generated": "a generated token", "tokens_trained": "a trained token"}
 
 
-def speedup_decomposition(runs: dict[str, dict[int, Run]], times: dict[str, float | None],
-                          baseline: str) -> dict[str, dict]:
-    """Per method of `times` (method -> seed-mean RL seconds to one target, None where never reached; the baseline's
-    among them), its speed-up split into fewer steps x shorter steps: step_ratio = the baseline's mean steps to its
-    time / the method's mean steps to its time, step_time_ratio = baseline s/step / method s/step over those spans;
-    their product is the speed-up."""
-    out = {}
-    base_time = times[baseline]
-    base_steps = statistics.fmean(steps_at(run, base_time) for run in runs[baseline].values())
-    for method, reached in times.items():
-        if not reached:
-            out[method] = {"steps": None, "step_ratio": None, "step_time_ratio": None}
-            continue
-        steps = statistics.fmean(steps_at(run, reached) for run in runs[method].values())
-        out[method] = {"steps": steps, "step_ratio": base_steps / steps,
-                       "step_time_ratio": (base_time / base_steps) / (reached / steps)}
-    return out
-
-
-def fit_step_cost(runs: list[Run]) -> dict[str, float]:
-    """Least squares over every step: seconds_step ≈ fixed + per_round · rollout rounds + per_iteration ·
-    decode_iterations + per_generated · tokens_generated + per_trained · tokens_trained (decode_iterations: the
-    engine's decode loop iterations, as many as the step's longest response, or the chunks' under partial rollouts,
-    summed over DAPO's dynamic-sampling rounds; a term is left out where a run does not log it or it never varies).
-    Returns the coefficients (seconds, seconds per round, iteration or token) and the fit's R²."""
-    import torch
-
-    records = [r for run in runs for r in run.records]
-    iterations = all("decode_iterations" in r for r in records)
-    rounds = len({float(r.get("dapo_rounds", 1.0)) for r in records}) > 1
-    terms = (("dapo_rounds",) * rounds + ("decode_iterations",) * iterations
-             + ("tokens_generated", "tokens_trained"))
-    if len(records) < 1 + len(terms):
-        raise ValueError(f"{len(records)} step records cannot fit a {1 + len(terms)}-term cost model: run longer or "
-                         "more runs")
-    design = torch.tensor([[1.0] + [work(r, term) for term in terms] for r in records], dtype=torch.float64)
-    target = torch.tensor([float(r.get("seconds_step", 0.0)) for r in records], dtype=torch.float64)
-    coefficients = torch.linalg.lstsq(design, target.unsqueeze(1)).solution.squeeze(1)
-    residual = target - design @ coefficients
-    total = ((target - target.mean()) ** 2).sum()
-    r_squared = float(1 - (residual ** 2).sum() / total) if total > 0 else 0.0
-    fixed, *values = coefficients.tolist()
-    per_term = dict(zip(terms, values))
-    return {"fixed": fixed, "per_round": per_term.get("dapo_rounds", 0.0),
-            "per_iteration": per_term.get("decode_iterations", 0.0),
-            "per_generated": per_term["tokens_generated"], "per_trained": per_term["tokens_trained"],
-            "r_squared": r_squared}
+def with_engine_work(run: Run, outcomes: list[dict], samples_per_prompt: int) -> Run:
+    """The run with every step's engine batches, logged (pipeline/experience.py roll_out) or, for runs recorded
+    before they were logged, derived: each rollout round's groups_rolled_out x G rows, MAX_BATCH_SIZE at a time.
+    Such a run logged the longest response's decode iterations over a round, not the sum over its batches: where a
+    round overflowed one batch, the later batch's loop is estimated from `outcomes` (prompt_outcomes.jsonl) as the
+    longest mean response length of its groups over the run's own ratio of that to the logged iterations on its
+    one-batch steps, and the step is marked "work_estimated" (priced, but left out of the fit)."""
+    if all("engine_batches" in record for record in run.records):
+        return run
+    per_batch = MAX_BATCH_SIZE // samples_per_prompt  # groups of one batch
+    lengths: dict[int, list[float]] = {}
+    for outcome in outcomes:
+        lengths.setdefault(outcome["step"], []).append(outcome["response_length_mean"])
+    records, ratios = [], []
+    for record in run.records:
+        rounds = work(record, "dapo_rounds")
+        groups = float(record.get("groups_rolled_out", 0.0))
+        batches = rounds * max(math.ceil(groups / rounds / per_batch - 1e-9), 1)
+        record = {**record, "engine_batches": batches}
+        means = lengths.get(int(record["step"]), [])
+        if record.get("partial_chunks"):  # partial rollouts: chunks of their own, their iterations logged as run
+            pass
+        elif batches > rounds and len(means) > per_batch:  # one round (DAPO's rounds are one batch each)
+            record["later_batch_length"] = max(means[per_batch:])
+        elif means and record.get("decode_iterations"):
+            ratios.append(max(means) / record["decode_iterations"])
+        records.append(record)
+    ratio = statistics.median(ratios) if ratios else 1.0
+    for record in records:
+        if "later_batch_length" in record:
+            record["decode_iterations"] += min(record.pop("later_batch_length") / ratio, record["decode_iterations"])
+            record["work_estimated"] = True
+    return Run(run.label, records, run.summary)
 
 
 def work(record: dict, term: str) -> float:
-    """One step's amount of a cost term (a step without DAPO's dynamic sampling is one rollout round)."""
-    return float(record.get(term, 1.0 if term == "dapo_rounds" else 0.0))
+    """One step's amount of a priced kind of work (a step without DAPO's dynamic sampling is one rollout round,
+    one engine batch where it did not log its batches)."""
+    if term == "fixed":
+        return 1.0
+    return float(record.get(term, 1.0 if term in ("dapo_rounds", "engine_batches") else 0.0))
+
+
+def nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """argmin |design x - target| over x >= 0: the least-squares fit on every subset of the columns, the best one
+    whose coefficients are all non-negative (the optimum's positive coefficients are the unconstrained fit on their
+    columns; 2^columns fits, for the handful of priced kinds of work)."""
+    best, columns = None, design.shape[1]
+    for mask in range(1, 2 ** columns):
+        chosen = [column for column in range(columns) if mask >> column & 1]
+        solution = np.linalg.lstsq(design[:, chosen], target, rcond=None)[0]
+        if (solution < 0).any():
+            continue
+        residual = float(((design[:, chosen] @ solution - target) ** 2).sum())
+        if best is None or residual < best[0]:
+            best = (residual, chosen, solution)
+    coefficients = np.zeros(columns)
+    coefficients[best[1]] = best[2]
+    return coefficients
+
+
+def fit_step_cost(runs: list[Run]) -> dict:
+    """The price list: non-negative least squares of seconds_step on the PRICED_WORK of every step whose work was
+    logged (not work_estimated), so that every price reads as what one more unit of that work costs; a kind of work
+    that never varies is left out (priced 0; the fixed part takes it). Returns "prices" (term -> seconds),
+    "standard_errors" (term -> jackknife over runs: each run's steps share its machine's speed, so the run, not the
+    step, is the independent unit), "r_squared", "steps" and "steps_estimated", and the flat keys fixed, per_batch,
+    per_iteration, per_generated, per_trained (seconds per unit)."""
+    fitted = [[r for r in run.records if not r.get("work_estimated")] for run in runs]
+    records = [r for run_records in fitted for r in run_records]
+    terms = ["fixed", *(term for term in list(PRICED_WORK)[1:] if len({work(r, term) for r in records}) > 1)]
+    if len(records) < 1 + len(terms):
+        raise ValueError(f"{len(records)} step records cannot fit a {len(terms)}-term cost model: run longer or "
+                         "more runs")
+
+    def fit(subset: list[dict]) -> np.ndarray:
+        design = np.array([[work(r, term) for term in terms] for r in subset])
+        return nonnegative_least_squares(design, np.array([float(r.get("seconds_step", 0.0)) for r in subset]))
+
+    coefficients = fit(records)
+    target = np.array([float(r.get("seconds_step", 0.0)) for r in records])
+    predicted = np.array([[work(r, term) for term in terms] for r in records]) @ coefficients
+    total = float(((target - target.mean()) ** 2).sum())
+    errors = dict.fromkeys(PRICED_WORK, 0.0)
+    if len(fitted) >= 3:  # leave one run out
+        left_out = np.array([fit([r for j, rs in enumerate(fitted) if j != i for r in rs]) for i in range(len(fitted))])
+        spread = np.sqrt((len(fitted) - 1) / len(fitted) * ((left_out - left_out.mean(axis=0)) ** 2).sum(axis=0))
+        errors.update(zip(terms, spread.tolist()))
+    prices = {**dict.fromkeys(PRICED_WORK, 0.0), **dict(zip(terms, coefficients.tolist()))}
+    return {"prices": prices, "standard_errors": errors, "steps": len(records),
+            "steps_estimated": sum(len(run.records) for run in runs) - len(records),
+            "r_squared": 1 - float(((target - predicted) ** 2).sum()) / total if total > 0 else 0.0,
+            "fixed": prices["fixed"],
+            "per_iteration": prices["decode_iterations"], "per_generated": prices["tokens_generated"],
+            "per_trained": prices["tokens_trained"]}
+
+
+def price_list(cost: dict) -> str:
+    """The fit as a price list: each kind of work's price ± its jackknife standard error."""
+    def price(term: str) -> str:
+        value, error = cost["prices"][term], cost["standard_errors"][term]
+        scale, unit = (1e6, "µs") if term.startswith("tokens") else (1e3, "ms")
+        return f"{PRICED_WORK[term]} {scale * value:.3g} ± {scale * error:.2g} {unit}"
+
+    return (f"{'; '.join(price(term) for term in PRICED_WORK)} (R² {cost['r_squared']:.2f} over {cost['steps']} steps"
+            + (f"; {cost['steps_estimated']} steps with estimated work priced, not fitted" if cost["steps_estimated"]
+               else "") + ")")
 
 
 def predicted_step_seconds(record: dict, cost: dict) -> float:
-    """The step-cost fit applied to one step's logged work: its time on a machine of the fit's average speed."""
-    return (cost["fixed"] + cost["per_round"] * work(record, "dapo_rounds")
-            + cost["per_iteration"] * work(record, "decode_iterations")
-            + cost["per_generated"] * work(record, "tokens_generated")
-            + cost["per_trained"] * work(record, "tokens_trained"))
+    """The price list applied to one step's logged work: its time on a machine of the fit's average speed."""
+    return sum(price * work(record, term) for term, price in cost["prices"].items())
 
 
 def with_cost_model(run: Run, cost: dict) -> Run:
@@ -194,6 +266,13 @@ def with_cost_model(run: Run, cost: dict) -> Run:
     return Run(run.label, records, run.summary)
 
 
-def token_dependent_seconds(cost: dict, phases: dict) -> float:
-    """The part of a mean step (phase_breakdown) that scales with tokens, by the fit."""
-    return cost["per_generated"] * phases["tokens_generated"] + cost["per_trained"] * phases["tokens_trained"]
+def with_projected_cost(run: Run, share: float, reference: tuple[float, float]) -> Run:
+    """The run with projected_<share> added: the cumulative cost of its steps on a token-bound machine where a step
+    of `reference`'s mean (generated, trained) tokens costs 1, `share` of it generation (generated tokens) and the
+    rest log-probs and update (trained tokens)."""
+    total, records = 0.0, []
+    for record in run.records:
+        total += (share * float(record.get("tokens_generated", 0)) / reference[0]
+                  + (1 - share) * float(record.get("tokens_trained", 0)) / reference[1])
+        records.append({**record, f"projected_{share}": total})
+    return Run(run.label, records, run.summary)

@@ -1,38 +1,37 @@
-"""Time to accuracy where RL learns (the embedded default's regime): DPPO's two forms against three GRPO baselines,
-with CPPO, D3S, the paper's deterministic DPPO and GRPO with partial rollouts beside them, from one warm start.
+"""Time to accuracy where RL learns (the embedded default's regime): DPPO against three GRPO baselines, with a null
+check, DPPO's other forms, CPPO, D3S and GRPO with partial rollouts beside them, from one warm start; the verdict by
+a rule fixed before the seeds ran (bench/verdict.py).
 
-    0. (--tune-grpo, first) GRPO's own learning rate and rollout batch (8, 16, 32), one changed at a time from
-       RL_FLAGS, scored by the mean held-out accuracy over the budget: every method then shares GRPO's best
-    1. warm start: the embedded default's supervised warm start (cached), timed twice (built, then cached) to measure
-       its supervised steps per second
+    0. (--tune-grpo) GRPO at RL_FLAGS (the grpo method's own runs, reused) against GRPO_GRID's settings (batch 64),
+       scored by the mean held-out accuracy over the budget; (--screen) SCREENING's DPPO variants with 3 seeds against
+       the grpo runs: their speed-up in cost-model time and their steps-to-target ratio
+    1. warm start: the embedded default's supervised warm start (cached)
     2. RL: every method x seed from that checkpoint (--load), the same flags and budget (240 s of RL), on the
-       embedded default's 2048-problem pool; seed s of every method shares GRPO's seed s (the pool, its order, the
-       held-out set, the start: accuracy_runs.PAIRING_FLAGS). Within a seed the methods run in a random order of the
-       seed's own (accuracy_runs.run_order), so a slow stretch of the shared machine falls on none more than another.
-       The baselines and DPPO's two forms run first, with every seed; after --seeds, one more paired seed at a time
-       until every headline interval is narrower than 0.5 (wall or cost-model time), up to --max-seeds; then the
-       other methods with the first 3 seeds
-    3. control: a longer supervised warm start that spends the RL budget on more supervised steps instead
-    4. analysis ─► the generated part of docs/results.md (bench/results_page.py): the estimator's calibration on
-       simulated curves of known ratio and on grpo against grpo-paper; per baseline, every method's speed-up in wall
-       time, cost-model time, tokens and FLOPs with its interval; the work each step did and the machine's load; the
-       prompt level at work and what caps it; where the time goes; the Qwen3-4B projection; figures
-    5. optional (--math-budget-s): the same methods' costs on MATH train prompts (tiny random model)
+       embedded default's 2048-problem pool; seed s of every method shares GRPO's seed s (accuracy_runs.PAIRING_FLAGS)
+       but the null check's, which draws --rl-seed s + 1000. Within a seed the methods run in a random order of the
+       seed's own (accuracy_runs.run_order). The baselines, DPPO and the null check run with seeds 1-6; the rule looks
+       at 6 paired seeds, then 9, then 12, and stops at the first look where every baseline's 95% interval of DPPO's
+       speed-up in cost-model time is within x/÷ 1.25 (log half-width 0.22); the other methods run with the first 3
+    3. analysis ─► the generated part of docs/results.md (bench/results_page.py): the status (the verdict, the goals,
+       the checks), the estimator on simulated curves of known ratio and on the null and filter checks; per baseline,
+       every method's speed-up in wall time, cost-model time, steps, tokens and FLOPs with its interval; the work each
+       step did and the machine's load; the prompt level; where the time goes and the price list; the Qwen3-4B
+       projection band; figures
 
 The three baselines: grpo-paper (GRPO as the DPPO paper ran it, every group trained: --no-dapo-filter), grpo (the DAPO
 zero-variance filter, which every other method keeps) and dapo-dynamic-sampling (rounds of prompts until the batch
 holds B varied groups: what many users run, and what GRESO measured its 2.0x against).
-Noise is removed where it can be: runs interleaved; each step logs its work (rollout rounds, decode iterations,
-generated and trained tokens); each run's machine.json says how busy the rest of the machine was; and every time is
-also read as cost-model time: one least-squares fit of the step time on that work over every step of every run,
+Noise is removed where it can be: runs interleaved; each step logs its work (rollout rounds, engine batches, decode
+iterations, generated and trained tokens); each run's machine.json says what else the machine ran; and every time is
+also read as cost-model time (the primary axis): a price list of that work, fitted over every step of every run,
 applied to each step's work, so that the machine's speed drops out of the comparison.
 Runs are resumable: a run whose directory holds summary.json (started with the same command) is read, not re-run;
 bench/records/time_to_accuracy keeps finished runs by command, so the table is finished over several sittings.
 `touch runs/time_to_accuracy/pause.<name>` holds the bench before its next run until every pause file is gone.
 The code: bench/accuracy_runs.py (methods, settings, runs, records), bench/training_run.py (one run through the entry
-point, pausing, the machine's load), bench/accuracy_curves.py (the estimator), bench/estimator_check.py (the estimator
-on simulated curves of known ratio), bench/run_costs.py (FLOPs, the step-cost fit, cost-model time),
-bench/results_page.py (tables, figures, the page).
+point, pausing, the machine's load), bench/accuracy_curves.py (the estimator), bench/verdict.py (the rule),
+bench/estimator_check.py (the estimator and the rule on simulated curves of known ratio), bench/run_costs.py (FLOPs,
+the price list, cost-model time), bench/results_page.py (tables, figures, the page).
 Definitions (also on the results page):
 - RL time: the sum of the trainer's seconds_step (evaluations excluded); every curve starts at the warm start, 0 s
 - a seed's curve: its held-out evaluations, each averaged with one neighbour on each side (centred: no lag), linear
@@ -48,18 +47,19 @@ Definitions (also on the results page):
   over every generated token (prompt prefill not counted); P counts the tied embedding once.
 
 Examples:
-    python bench/time_to_accuracy.py --tune-grpo --seeds 1 2 --write-page docs/results.md   # GRPO's own settings
-    python bench/time_to_accuracy.py --write-page docs/results.md          # the full benchmark and the page
+    python bench/time_to_accuracy.py --write-page docs/results.md          # the verdict's seeds and the page
     python bench/time_to_accuracy.py --analyse-only --seeds 1 2 3 4 5 6 --write-page docs/results.md   # page only
+    python bench/time_to_accuracy.py --screen --write-page docs/results.md # SCREENING's variants, 3 seeds
+    python bench/time_to_accuracy.py --tune-grpo --seeds 1 2 --write-page docs/results.md   # GRPO at batch 64
     python bench/time_to_accuracy.py --quick                               # smoke check
-Last lines (DPPO's defaults against each baseline: wall time, cost-model time; then the paper's definition; then the
-check against the ratio known in advance):
-    dppo_speedup_vs_grpo: X [low, high]
-    dppo_speedup_vs_grpo_cost_model: X [low, high]
-    dppo_speedup_vs_grpo_filtered: X [low, high]   (and _cost_model)
-    dppo_speedup_vs_grpo_dynamic_sampling: X [low, high]   (and _cost_model)
-    dppo_speedup_vs_grpo..._paper_definition: X [low, high]
+Last lines (DPPO's defaults against each baseline: the verdict, then the speed-ups on wall time, cost-model time and
+the paper's definition; then the checks against ratios known in advance):
+    dppo_verdict_vs_grpo: faster|slower|equivalent|undecided (cost-model time, N seeds)   (and _filtered,
+        _dynamic_sampling; for an equivalence dppo_equivalence_vs_KEY: [low, high])
+    dppo_speedup_vs_grpo: X [low, high]   (and _cost_model, _paper_definition; the same for _filtered and
+        _dynamic_sampling)
     grpo_filter_check: X [low, high], step-time ratio Y   (and _cost_model)
+    grpo_null_check: X [low, high]   (and _cost_model)
 """
 
 import sys
@@ -70,60 +70,66 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.accuracy_runs import (  # noqa: E402
+    RENAMED,
+    SCREENING,
     page_block,
     parse_args,
     prepare_warm_start,
-    run_control,
+    restore_renamed,
     run_grpo_tuning,
-    run_math_methods,
     run_order,
     run_rl,
+    seed_methods,
 )
-from bench.results_page import (  # noqa: E402
-    DECIDED_WIDTH,
-    grpo_tuning_report,
-    headline_decided,
-    results_report,
-    write_page,
-)
+from bench.markdown_table import write_page  # noqa: E402
+from bench.results_page import results_report, rule_stops  # noqa: E402
 from bench.training_run import finished  # noqa: E402
+from bench.tuning_reports import grpo_tuning_report, screening_report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_args(argv, __doc__)
     started = time.perf_counter()
-    warm_start, sft_steps_per_second = prepare_warm_start(settings)
+    warm_start = prepare_warm_start(settings)
     if settings.tune_grpo:
         report = grpo_tuning_report(settings, run_grpo_tuning(settings, warm_start))
-        print(report)
-        if settings.page:
-            write_page(settings.page, "grpo-tuning", report)
+        publish(settings, "grpo-tuning", report, "")
         return
-    # the headline first (the baselines and DPPO's two forms), seed by seed, methods interleaved: a change in the
-    # machine's load falls on all alike; then one more paired seed at a time until it decides, up to --max-seeds
+    if settings.screen:  # the variants alone, seed by seed, against the recorded grpo runs (restored first)
+        for seed in settings.seeds:
+            run_methods(settings, seed, ["grpo", *run_order(settings, seed, list(SCREENING))], warm_start, started)
+        publish(settings, "screening", *screening_report(settings))
+        return
     for seed in settings.seeds:
-        run_seed(settings, seed, warm_start, started)
-    while not settings.analyse_only and len(settings.seeds) < settings.max_seeds and not headline_decided(settings):
-        settings.seeds.append(max(settings.seeds) + 1)
-        print(f"the headline intervals are not yet narrower than {DECIDED_WIDTH}: adding seed {settings.seeds[-1]}",
-              flush=True)
-        run_seed(settings, settings.seeds[-1], warm_start, started)
-    for seed in settings.seeds[:settings.secondary_seeds]:  # then the other methods, with the first seeds
-        run_seed(settings, seed, warm_start, started, secondary=True)
-    control = run_control(settings, sft_steps_per_second) if settings.control else None
-    math_model = run_math_methods(settings) if settings.math_budget_s > 0 else None
-    report, last_lines = results_report(settings, sft_steps_per_second, control, math_model, started)
-    print(report)
-    if settings.page:
-        write_page(settings.page, page_block(settings.task, settings.quick), report)
-    print(last_lines)
+        run_methods(settings, seed, run_order(settings, seed, seed_methods(settings, seed)), warm_start, started)
+    # the verdict's rule: at each look past the first, three more paired seeds unless every interval is narrow enough
+    for look in settings.looks[1:]:
+        if settings.analyse_only or rule_stops(settings):
+            break
+        print(f"the rule goes on to its next look: seeds {len(settings.seeds) + 1}-{look}", flush=True)
+        for seed in range(max(settings.seeds) + 1, max(settings.seeds) + 1 + look - len(settings.seeds)):
+            settings.seeds.append(seed)
+            run_methods(settings, seed, run_order(settings, seed, seed_methods(settings, seed)), warm_start, started)
+    for method in RENAMED:  # read back from their records for the page, never run here
+        for seed in settings.seeds:
+            restore_renamed(settings, method, seed, warm_start)
+    publish(settings, page_block(settings.quick), *results_report(settings, started))
 
 
-def run_seed(settings, seed: int, warm_start: Path, started: float, secondary: bool = False) -> None:
-    """The headline's (or, `secondary`, the other) methods' runs with `seed`, in the seed's own order (run_order)."""
-    for method in run_order(settings, seed, secondary):
+def run_methods(settings, seed: int, methods: list[str], warm_start: Path, started: float) -> None:
+    """`methods`' runs with `seed`, in that order."""
+    for method in methods:
         if finished(run_rl(settings, method, seed, warm_start)):
             print(f"finished {method} seed {seed} ({time.perf_counter() - started:.0f} s so far)", flush=True)
+
+
+def publish(settings, block: str, report: str, last_lines: str) -> None:
+    """Print the report (and write it as the page's `block`), then the last lines."""
+    print(report)
+    if settings.page:
+        write_page(settings.page, block, report)
+    if last_lines:
+        print(last_lines)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PAUSE_FILE = "pause"  # runs/<bench>/pause (or pause.<anything>: one per holder): hold before the next run
 PAUSE_POLL_S = 5.0
-MACHINE_FILE = "machine.json"  # beside a run's summary: what else the machine did while the run ran
+MACHINE_FILE = "machine.json"  # beside a run's summary: what else the machine ran meanwhile (other_load)
 
 
 def command_for(flags: list[str], log_dir: Path, processes: int) -> list[str]:
@@ -35,7 +35,7 @@ def launch(flags: list[str], log_dir: Path, processes: int) -> float:
     log_dir.mkdir(parents=True)
     command = command_for(flags, log_dir, processes)
     (log_dir / "command.txt").write_text(" ".join(command[1:]) + "\n")
-    busy_before, children_before = machine_busy_seconds(), children_cpu_seconds()
+    others_before, children_before = process_cpu(), children_cpu_seconds()
     start = time.perf_counter()
     with open(log_dir / "stdout.log", "w") as log:
         result = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -43,11 +43,9 @@ def launch(flags: list[str], log_dir: Path, processes: int) -> float:
     if result.returncode != 0:
         raise RuntimeError(f"training run failed (exit {result.returncode}); its output is in {log_dir / 'stdout.log'}"
                            f" and its command in {log_dir / 'command.txt'}")
-    own = children_cpu_seconds() - children_before
-    busy = machine_busy_seconds() - busy_before
+    load = other_load(others_before, process_cpu(), seconds)
     (log_dir / MACHINE_FILE).write_text(json.dumps({
-        "wall_seconds": seconds, "run_cpu_seconds": own, "machine_busy_seconds": busy,
-        "other_cores_busy": max(busy - own, 0.0) / seconds if busy is not None else None,
+        "wall_seconds": seconds, "run_cpu_seconds": children_cpu_seconds() - children_before, **load,
         "cores": os.cpu_count()}))
     return seconds
 
@@ -58,16 +56,36 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def machine_busy_seconds() -> float | None:
-    """CPU seconds the whole machine spent busy since boot (every core; /proc/stat's non-idle time), None where the
-    kernel does not expose it. Beside children_cpu_seconds it says how much of a run's machine others used: the
-    noise a shared machine adds to its wall time."""
-    try:
-        fields = [float(value) for value in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-    except OSError:
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # user nice system idle iowait irq softirq steal
+def process_cpu() -> dict[tuple[int, str], tuple[str, int, float]]:
+    """(pid, start time) -> (name, nice, CPU seconds) of every process on the machine but the bench itself: its own
+    user and system time and that of the children it reaped (/proc/<pid>/stat), so that a process that ends does not
+    take its CPU time with it: the time moves into its parent's count. Empty where /proc is not there."""
+    ticks, own, processes = os.sysconf("SC_CLK_TCK"), os.getpid(), {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        if int(entry.name) == own:
+            continue
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:  # it ended meanwhile
+            continue
+        fields = text[text.rindex(")") + 2:].split()  # from field 3 (state) on: the name may hold spaces
+        processes[(int(entry.name), fields[19])] = (text[text.index("(") + 1:text.rindex(")")], int(fields[16]),
+                                                    sum(float(value) for value in fields[11:15]) / ticks)
+    return processes
+
+
+def other_load(before: dict, after: dict, seconds: float, least_seconds: float = 0.1) -> dict:
+    """What else the machine ran between two process_cpu() readings `seconds` apart, the bench's own processes aside
+    (they are its children, and their time moves into the bench, which neither reading counts): other CPU seconds
+    (the sum over processes of after minus before, which counts a process that started meanwhile whole and one that
+    ended in the parent that reaped it), that per second (cores busy), and every process that used `least_seconds` or
+    more, busiest first."""
+    used = {key: after[key][2] - before.get(key, (None, None, 0.0))[2] for key in after}
+    total = sum(process[2] for process in after.values()) - sum(process[2] for process in before.values())
+    busiest = sorted((key for key in used if used[key] >= least_seconds), key=used.get, reverse=True)
+    return {"other_cpu_seconds": total, "other_cores_busy": total / seconds,
+            "other_processes": [{"pid": key[0], "name": after[key][0], "nice": after[key][1],
+                                 "cpu_seconds": round(used[key], 2)} for key in busiest]}
 
 
 def finished(run_dir: Path, flags: list[str] | None = None, processes: int = 0) -> bool:

@@ -97,10 +97,15 @@ CORRECTION_FLAGS = {
 REFILL = ["--rollout-batch-size", "8"]
 NO_DAPO_RATE_HALF = ["--no-dppo-refill", "--dppo-prompt-prune-rate", "0.5", "--no-dapo-filter"]
 CONFIGURATIONS = {
-    "embedded default (dppo: predicted zero-variance, auto rate, refill, DAPO)": Configuration(REFILL, True),
-    "cli default (dppo: predicted zero-variance, auto rate, refill, no DAPO)": Configuration(
+    "embedded default (dppo: success-rate score, systematic sampler, auto rate, refill, DAPO)": Configuration(
+        REFILL, True),
+    "cli default (dppo: success-rate score, systematic sampler, auto rate, refill, no DAPO)": Configuration(
         [*REFILL, "--no-dapo-filter"], True),
     "dppo uniform keep, refill, DAPO": Configuration([*REFILL, "--dppo-keep-policy", "uniform"], True),
+    "dppo previous default (bernoulli sampler, zero-variance score), refill, DAPO": Configuration(
+        [*REFILL, "--dppo-prompt-sampling", "bernoulli", "--dppo-prompt-score", "zero_variance"], True),
+    "dppo with the in-step probe (2 of 8 samples, 12 prompts probed), refill, DAPO": Configuration(
+        [*REFILL, "--dppo-probe-samples", "2", "--dppo-probe-prompts", "12"], True),
     "dppo, no refill, rate 0.5, no DAPO": Configuration(NO_DAPO_RATE_HALF, True),
     "dppo mean |A| EMA score, below_mean, no refill, no DAPO": Configuration(
         ["--dppo-prompt-score", "mean_abs_advantage", *NO_DAPO_RATE_HALF], True),

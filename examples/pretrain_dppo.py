@@ -1,10 +1,15 @@
 """DPPO / GRPO-family RL on Megatron-Core. Launch with torchrun; see `--help` and the README.
 
     torchrun --nproc-per-node 2 examples/pretrain_dppo.py            # the embedded CPU default
-    torchrun --nproc-per-node 8 examples/pretrain_dppo.py --hf-checkpoint Qwen/Qwen3-4B --prompt-data math \\
-        --apply-chat-template --rollout-backend external --rollout-urls http://node2:30000 ...  # a real run
+    torchrun --nproc-per-node 8 examples/pretrain_dppo.py --hf-checkpoint Qwen/Qwen3-4B \\
+        --prompt-data data/math_train.parquet --apply-chat-template \\
+        --rollout-backend external --rollout-urls http://node2:30000 ...   # your model, rolled out by SGLang
+    WORLD_SIZE=8 LOCAL_WORLD_SIZE=8 python examples/pretrain_dppo.py --dry-run ...  # the plans; nothing starts
 
-The last line printed by rank 0 is a JSON summary.
+The second form is the README's "Your cluster" (its data from tools/prepare_data.py); examples/configs/ hold the
+Qwen3-4B recipes, which run it under Slurm with their data step. Both run end to end in the tests on CPUs, with a
+tiny model and the embedded engine in place of SGLang (tests/test_readme.py, tests/test_recipes.py); on GPUs with
+SGLang they have not run yet (README, "What has run where"). The last line printed by rank 0 is a JSON summary.
 """
 
 import json

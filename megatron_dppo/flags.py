@@ -15,6 +15,7 @@ Invariants:
 import argparse
 import copy
 import math
+import re
 from dataclasses import dataclass
 
 from megatron_dppo.platform.process import exit_saying_once
@@ -81,17 +82,23 @@ def shown_default(value) -> str:
     """A default as --help says it: 1e-06, 0.25 0.75, on / off for switches, none."""
     if isinstance(value, bool):
         return "on" if value else "off"
-    if value is None or value == [] or value == ():
+    if value is None or value == "" or value == [] or value == ():
         return "none"
     if isinstance(value, (list, tuple)):
         return " ".join(map(str, value))
     return str(value)
 
 
+# A help that states its own default in words: "(default: ...", "; default: --seed", "(default 1)" (not "Megatron-LM's
+# default, 10", nor "the embedded default's task")
+STATES_DEFAULT = re.compile(r"(^|[(;,.]\s*)default[: ]")
+
+
 class DefaultsShownFormatter(argparse.HelpFormatter):
     """--help with every flag's default, added once here rather than in each help string: `(default: X)` after the
-    help, unless the help already says its default in words (a default that depends on other flags); and where the
-    parser's `default_notes` has the flag (its dest), the note too (`the embedded default: 0.0001`)."""
+    help, unless the help already states its default in words (STATES_DEFAULT: a default that depends on other
+    flags); `(required)` for a flag without one; and where the parser's `default_notes` has the flag (its dest), the
+    note too (`the embedded default: 0.0001`)."""
 
     default_notes: dict[str, str] = {}
     NO_HELP = "\0"  # stands in for a flag's missing help, which argparse would print nothing for
@@ -106,11 +113,18 @@ class DefaultsShownFormatter(argparse.HelpFormatter):
         text = action.help.removeprefix(self.NO_HELP).replace(" (default: %(default)s)", "")  # BooleanOptionalAction's
         if action.default is argparse.SUPPRESS or not action.option_strings:
             return text
-        shown = [] if "default" in text else [f"default: {shown_default(action.default)}"]
+        if action.required:
+            shown = ["required"]
+        else:
+            shown = [] if STATES_DEFAULT.search(text) else [f"default: {shown_default(action.default)}"]
         if action.dest in self.default_notes:
             shown.append(self.default_notes[action.dest])
         added = "; ".join(shown).replace("%", "%%")  # help strings are %-formatted; what is added is plain text
         return f"{text} ({added})".strip() if shown else text
+
+
+class ToolHelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultsShownFormatter):
+    """The tools' --help (tools/*.py): their docstring as written above, every flag's default below."""
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -154,3 +168,9 @@ def require_domains(parser: argparse.ArgumentParser) -> None:
         if action.type in (int, float) or numeric_default:
             raise TypeError(f"{action.option_strings[0]} is numeric but declares no Domain: give it type=COUNT, "
                             "RATE, ... (megatron_dppo.flags), or a new Domain if none fits")
+
+
+def changed_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, *flags: str) -> list[str]:
+    """Those of `flags` whose value is not the parser's default, in the order given (--no-X: X turned off)."""
+    dests = {flag: parser._option_string_actions[flag].dest for flag in flags}
+    return [flag for flag, dest in dests.items() if getattr(args, dest) != parser.get_default(dest)]

@@ -2,7 +2,8 @@
 
     --hf-checkpoint, converters' --hf-dir / --tokenizer-dir, evaluate's --model-dir / --tokenizer-dir: NAME
         ─► a local path of that name ─► that path, as given (its caller checks what it holds)
-        ─► ORG/NAME ─► huggingface_hub.snapshot_download (config, tokenizer, safetensors; no other weight formats)
+        ─► ORG/NAME ─► huggingface_hub.snapshot_download (config, tokenizer, safetensors; no other weight formats;
+                       model_config_file, for --dry-run's memory plan: config.json alone)
                        ─► the snapshot folder in the Hugging Face cache (HF_HOME / HF_HUB_CACHE)
            HF_HUB_OFFLINE=1 (or no Hub reachable) ─► the cached snapshot (refs/main ─► snapshots/<commit>)
            not cached ─► HubError: one line naming the model, the cache, and how to fill it
@@ -58,6 +59,14 @@ def resolve_model(name: str, flag: str) -> Path:
     if not is_repo_id(name):
         return Path(name).expanduser()
     return download(name, "model", flag, MODEL_FILES, "or pass a local folder").folder
+
+
+def model_config_file(name: str, flag: str) -> Path:
+    """config.json of the model `flag` names: in its folder, or of the Hub model ORG/NAME: the cached snapshot's, or
+    downloaded alone (the memory plan of a dry run needs the config, not gigabytes of weights)."""
+    if not is_repo_id(name):
+        return Path(name).expanduser() / "config.json"
+    return download(name, "model", flag, ["config.json"], "or pass a local folder").folder / "config.json"
 
 
 def download(repo_id: str, repo_type: str, what: str, allow_patterns: list[str], other_way: str,

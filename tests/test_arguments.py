@@ -153,7 +153,26 @@ def test_flags_that_do_not_apply_to_the_chosen_prompts_are_named(capsys, tmp_pat
     message = parse_errors(capsys, [*model, "--prompt-data", str(prompts_file)])
     assert "held-out prompts (--eval-prompt-data defaults to math500 for --reward-type math; pass your own " in message
     args = parse_args([*model, "--prompt-data", str(prompts_file), "--eval-prompt-data", str(prompts_file)])
-    assert (args.reward_type, args.eval_prompt_data) == ("math", str(prompts_file))
+    assert (args.reward_type, args.eval_sets) == ("math", [("", str(prompts_file))])
+
+
+def test_named_held_out_sets_parse_in_slimes_form_and_a_bad_count_name_or_configuration_is_one_line(
+        capsys, tmp_path, prompts_file):
+    from tests.tiny_chat import save_tiny_chat_model
+
+    save_tiny_chat_model(tmp_path / "model")
+    flags = ["--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", str(prompts_file)]
+    args = parse_args([*flags, "--eval-prompt-data", "easy", str(prompts_file), "hard", str(prompts_file)])
+    assert args.eval_sets == [("easy", str(prompts_file)), ("hard", str(prompts_file))]
+    assert "--eval-prompt-data takes one SOURCE, or NAME SOURCE pairs (slime's form), but got 3 values" in \
+        parse_errors(capsys, [*flags, "--eval-prompt-data", "easy", str(prompts_file), "hard"])
+    assert "--eval-prompt-data: the set name 'easy' is given twice" in parse_errors(
+        capsys, [*flags, "--eval-prompt-data", "easy", str(prompts_file), "easy", str(prompts_file)])
+    assert f"held-out set hard: --eval-prompt-data {tmp_path / 'missing.jsonl'}: no such file" in parse_errors(
+        capsys, [*flags, "--eval-prompt-data", "easy", str(prompts_file), "hard", str(tmp_path / "missing.jsonl")])
+    assert f"--prompt-data-config main names a configuration of a Hugging Face data set; {prompts_file} is a local " \
+           "source read whole: drop it" in parse_errors(capsys, [*flags, "--eval-prompt-data", str(prompts_file),
+                                                                "--prompt-data-config", "main"])
 
 
 @pytest.mark.shared_data
@@ -162,7 +181,7 @@ def test_built_in_prompt_data_brings_its_reward_and_held_out_set(tmp_path):
 
     save_tiny_chat_model(tmp_path / "model")
     args = parse_args(["--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", "gsm8k"])
-    assert (args.reward_type, args.eval_prompt_data) == ("gsm8k", "gsm8k_test")
+    assert (args.reward_type, args.eval_sets) == ("gsm8k", [("", "gsm8k_test")])
 
 
 def test_transformer_impl_is_megatron_lms_flag_local_by_default_on_the_cpu_and_te_there_is_one_line(capsys,

@@ -3,6 +3,7 @@ and chat messages, every bad input's error, length filtering, resumable shufflin
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,25 +71,32 @@ def test_math_train_has_two_rows_without_a_final_answer_reported_with_file_and_r
     with caplog.at_level(logging.WARNING):
         examples = load_dataset("math_train", skip_bad_rows=True)
     assert len(examples) == 7498
-    assert any("skipped 2 malformed rows" in r.getMessage() for r in caplog.records)
+    assert any("skipped 2 of 7500 rows" in r.getMessage() for r in caplog.records)
 
 
 def test_malformed_rows_of_a_built_in_layout_raise_with_file_and_row_or_are_counted_when_skipped(tmp_path, caplog):
+    """Up to 1% of a set's rows may be left out by --skip-bad-rows (counted in one warning); more is refused in one
+    line naming the set, the count and the fix, as is a set with no usable row."""
     bench = tmp_path / "bench"
     bench.mkdir()
-    rows = [
-        {"problem": "1+1?", "answer": 2.0},
-        {"problem": "", "answer": "9"},
-        {"problem": "2+2?"},
-        {"problem": "3+3?", "answer": "6"},
-    ]
-    (bench / "amc23.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    good = [{"problem": f"{i}+1?", "answer": float(i + 1)} for i in range(198)]
+    bad = [{"problem": "", "answer": "9"}, {"problem": "2+2?"}, {"problem": ["3+3?"], "answer": "6"}]
+    (bench / "amc23.jsonl").write_text("".join(json.dumps(row) + "\n" for row in good[:1] + bad[:2] + good[1:]))
     with pytest.raises(DataFormatError, match=r"amc23\.jsonl, row 2: field 'problem' .*--skip-bad-rows"):
         load_dataset("amc23", data_dir=tmp_path)
     with caplog.at_level(logging.WARNING):
         examples = load_dataset("amc23", data_dir=tmp_path, skip_bad_rows=True)
-    assert [(e.answer, e.row) for e in examples] == [("2", 1), ("6", 4)]
-    assert any("skipped 2 malformed rows" in r.getMessage() for r in caplog.records)
+    assert [(e.answer, e.row) for e in examples[:2]] == [("1", 1), ("2", 4)] and len(examples) == 198
+    assert any("skipped 2 of 200 rows" in r.getMessage() and "amc23.jsonl, row 2" in r.getMessage()
+               for r in caplog.records)
+
+    (bench / "amc23.jsonl").write_text("".join(json.dumps(row) + "\n" for row in good[:1] + bad + good[1:]))
+    with pytest.raises(PromptDataError, match=r"^amc23 \(.*amc23\.jsonl\): 3 of 201 rows are bad \(1\.5%; "
+                                              r"--skip-bad-rows leaves out at most 1%\).*row 2.*: the local copy"):
+        load_dataset("amc23", data_dir=tmp_path, skip_bad_rows=True)
+    (bench / "amc23.jsonl").write_text("".join(json.dumps(row) + "\n" for row in bad))
+    with pytest.raises(PromptDataError, match=r"^amc23 \(.*\): no usable rows \(all 3 bad and skipped; first: "):
+        load_dataset("amc23", data_dir=tmp_path, skip_bad_rows=True)
 
 
 def test_unknown_data_set_name_is_a_clear_error():
@@ -238,15 +246,63 @@ def test_unreadable_and_missing_sources_name_themselves(tmp_path):
 
 
 def test_skip_bad_rows_leaves_them_out_counts_and_reports_them(tmp_path, caplog):
-    rows = [USER_ROWS[0], {"question": "", "final": "1"}, USER_ROWS[1], {"question": "b?", "final": None}]
+    good = [{"question": f"{i}+1?", "final": i + 1} for i in range(198)]
+    rows = [good[0], {"question": "", "final": "1"}, *good[1:], {"question": "b?", "final": None}]
     path = write_jsonl(tmp_path / "rows.jsonl", rows)
     with caplog.at_level(logging.WARNING):
         examples = load_prompt_data(str(path), **USER_KEYS, skip_bad_rows=True)
-    assert [(e.answer, e.row) for e in examples] == [("4", 1), ("8", 3)]
+    assert [(e.answer, e.row) for e in examples[:2]] == [("1", 1), ("2", 3)] and len(examples) == 198
     (warning,) = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
-    assert "skipped 2 malformed rows" in warning and "rows.jsonl, row 2" in warning
+    assert "skipped 2 of 200 rows" in warning and "rows.jsonl, row 2" in warning
     with pytest.raises(PromptDataError, match="no usable rows"):
-        load_prompt_data(str(write_jsonl(tmp_path / "bad.jsonl", rows[1::2])), **USER_KEYS, skip_bad_rows=True)
+        load_prompt_data(str(write_jsonl(tmp_path / "bad.jsonl", rows[1::199])), **USER_KEYS, skip_bad_rows=True)
+
+
+def test_a_label_field_of_another_type_is_refused_with_skip_bad_rows_not_skipped_into_an_empty_set(tmp_path):
+    """A file whose label field changed type (numbers became records) makes every row bad: --skip-bad-rows refuses
+    it in one line naming the source, the count and the fields to check, where it would have trained on nothing."""
+    rows = [{"question": f"{i}+1?", "final": {"value": i + 1}} for i in range(50)]
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(PromptDataError) as refused:
+        load_prompt_data(str(path), **USER_KEYS, skip_bad_rows=True)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"--prompt-data {path}: no usable rows (all 50 bad and skipped")
+    assert "check 'question' (--input-key) and 'final' (--label-key)" in message
+    rows[0]["final"] = 1  # one readable row in 50: 98% bad
+    with pytest.raises(PromptDataError, match=r"49 of 50 rows are bad \(98\.0%"):
+        load_prompt_data(str(write_jsonl(path, rows)), **USER_KEYS, skip_bad_rows=True)
+
+
+def test_a_folder_holding_a_hugging_face_data_set_is_read_in_the_configuration_given(tmp_path):
+    """--prompt-data-config picks one configuration of a Hugging Face data set (its card's `configs`), on the Hub or
+    downloaded whole into a folder (read here: no network); without it, a folder is a directory of files, and a
+    configuration given for a file or a built-in set is refused, one line each."""
+    from megatron_dppo.data.checks import prompt_source_errors
+
+    folder = tmp_path / "gsm8k"
+    for config, answers in (("main", (3, 4)), ("socratic", (5,))):
+        write_parquet_at(folder / config / "train-00000-of-00001.parquet",
+                         [{"question": f"{config} {a}?", "answer": f"so\n#### {a}"} for a in answers])
+    (folder / "README.md").write_text("---\nconfigs:\n" + "".join(
+        f"- config_name: {config}\n  data_files:\n  - split: train\n    path: {config}/train-*\n"
+        for config in ("main", "socratic")) + "---\n")
+    keys = dict(input_key="question", label_key="answer", reward_type="gsm8k")
+    main = load_prompt_data(str(folder), **keys, config="main")
+    assert [(e.prompt, e.answer) for e in main] == [("main 3?", "so\n#### 3"), ("main 4?", "so\n#### 4")]
+    assert [e.prompt for e in load_prompt_data(str(folder), **keys, config="socratic")] == ["socratic 5?"]
+    assert main[0].source == f"{folder} [main, train]"
+    with pytest.raises(PromptDataError, match="the directory holds no"):
+        load_prompt_data(str(folder), **keys)
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"question": "a?", "answer": "1"}])
+    assert prompt_source_errors("--prompt-data", str(rows), "train", False, "main", training=True) == [
+        f"--prompt-data-config main names a configuration of a Hugging Face data set; {rows} is a local source "
+        "read whole: drop it"]
+    assert prompt_source_errors("--prompt-data", str(folder), "train", True, "main", training=True) == []
+
+
+def write_parquet_at(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_parquet(path, rows)
 
 
 def test_chat_messages_without_the_flag_and_a_flag_without_a_template_name_the_row_or_the_tokenizer(tmp_path):
@@ -283,3 +339,35 @@ def test_prepared_parquet_holds_exactly_the_built_in_prompts_and_labels(tmp_path
     for name in ("math500", "gsm8k_test", "olympiadbench"):
         prepared = load_prompt_data(str(tmp_path / f"{name}.parquet"), reward_type=DATASETS[name].reward_type)
         assert [(e.prompt, e.answer) for e in prepared] == [(e.prompt, e.answer) for e in load_dataset(name)], name
+
+
+def test_prepare_data_writes_every_set_it_can_and_names_each_one_it_cannot_a_changed_type_among_them(tmp_path):
+    """Offline, from tiny copies of the public sources where amc23's `problem` became a list (a type change the
+    presence check alone would pass, and every row then bad) and aime24's source is not cached: both are refused in
+    one line each, naming the set and why, while the sets after them are still written; the exit status is 1."""
+    from tests.hub_cache import PUBLIC_SOURCE_FILES, place_in_hub_cache, write_rows
+
+    hf_home, staging = tmp_path / "hf_home", tmp_path / "staging"
+    for repo in ("FlippyDora/amc23", "knoveleng/Minerva-Math", "Hothan/OlympiadBench"):
+        for relative, rows in PUBLIC_SOURCE_FILES[repo].items():
+            changed = [{**row, "problem": [row["problem"]]} for row in rows] if repo == "FlippyDora/amc23" else rows
+            write_rows(changed, staging / repo / relative)
+        place_in_hub_cache(hf_home, repo, staging / repo, repo_type="dataset")
+    finished = subprocess.run(
+        [sys.executable, str(PROJECT_ROOT / "tools" / "prepare_data.py"), "--out", str(tmp_path / "out"), "--sets",
+         "aime24", "amc23", "minerva_math", "olympiadbench", "--skip-bad-rows"], capture_output=True, text=True,
+        timeout=300, cwd=PROJECT_ROOT, env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT),
+                                            "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1",
+                                            "DPPO_DATA_DIR": str(tmp_path / "nowhere")})
+    assert finished.returncode == 1, finished.stderr[-3000:]
+    written = [line.split()[0] for line in finished.stdout.splitlines()]
+    assert written == ["minerva_math", "olympiadbench"], finished.stdout
+    assert all("(0 bad rows left out;" in line for line in finished.stdout.splitlines())
+    aime, amc, summary = finished.stderr.strip().splitlines()
+    assert aime.startswith("prepare_data.py: error: aime24 (no local copy; its public source) HuggingFaceH4/aime_2024")
+    assert amc.startswith("prepare_data.py: error: amc23: FlippyDora/amc23@") and (
+        "'s field 'problem' holds List(Value('string')), where text was expected: the source has changed; put "
+        "bench/amc23.jsonl under DPPO_DATA_DIR instead") in amc, amc
+    assert summary == "prepare_data.py: error: 2 of 4 sets not written (aime24, amc23): see their lines above"
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["minerva_math.parquet",
+                                                                         "olympiadbench.parquet"]

@@ -16,7 +16,8 @@ from megatron_dppo.launch.arguments import EMBEDDED_DEFAULTS, EMBEDDED_TASK_DEFA
 TEXT_FLAGS = {
     "--hf-checkpoint", "--load", "--save", "--log-dir", "--rollout-python", "--rollout-urls",
     "--weight-sync-master-address", "--prompt-data", "--prompt-data-split", "--eval-prompt-data",
-    "--eval-prompt-data-split", "--input-key", "--label-key", "--data-synthetic-cells", "--warm-start-cells",
+    "--eval-prompt-data-split", "--prompt-data-config", "--eval-prompt-data-config",
+    "--input-key", "--label-key", "--data-synthetic-cells", "--warm-start-cells",
     "--cache-dir", "--difficulty-key",
     # checked by their argparse type: the reward file loads (rewards/custom.py), the wandb package is installed
     "--custom-reward-function", "--wandb-project",

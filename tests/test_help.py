@@ -1,13 +1,16 @@
-"""`pretrain_dppo.py --help` as a user reads it: every flag shows its default (added once, by the parser's formatter,
-so a flag added later shows its own without a word in its help), the embedded default's replacements beside them,
-the --sglang-* pass-through, and the truth about --transformer-impl."""
+"""`pretrain_dppo.py --help` and the tools' --help as a user reads them: every flag shows its default (added once, by
+the parser's formatter, so a flag added later shows its own without a word in its help; a help that mentions another
+program's default still gets its own), the embedded default's replacements beside them, the --sglang-* pass-through,
+and the truth about --transformer-impl."""
 
 import os
 import re
 import subprocess
 import sys
 
-from megatron_dppo.flags import COUNT, FlagParser
+import pytest
+
+from megatron_dppo.flags import COUNT, STATES_DEFAULT, FlagParser
 from megatron_dppo.launch.arguments import EMBEDDED_DEFAULTS, build_parser
 from tests.launch import REPO_ROOT
 
@@ -36,12 +39,14 @@ def test_help_lists_the_new_flags_and_every_default_with_the_embedded_defaults_b
     assert "(default: off; the embedded default: on)" in flag_help(text, "--dapo-filter")
     assert "NAME(response, label, **fields) -> float" in flag_help(text, "--custom-reward-function")
     assert "Weights & Biases" in flag_help(text, "--wandb-project")
-    assert "default on every GPU" in flag_help(text, "--transformer-impl")
+    assert "default: transformer_engine on every GPU, local on the CPU" in flag_help(text, "--transformer-impl")
+    assert flag_help(text, "--distributed-timeout-minutes").endswith("(Megatron-LM's default, 10, does not) "
+                                                                     "(default: 120.0)")
     assert "--sglang-FLAG [VALUE]: any flag of `python -m sglang.launch_server`" in " ".join(text.split())
     parser = build_parser()
     for action in parser._actions:
         if action.option_strings and action.dest != "help":
-            assert "default" in flag_help(text, action.option_strings[0]), action.option_strings[0]
+            assert STATES_DEFAULT.search(flag_help(text, action.option_strings[0])), action.option_strings[0]
     for key in EMBEDDED_DEFAULTS:  # each replacement is named, except where it equals the flag's own default
         flag = next(a.option_strings[0] for a in parser._actions if a.dest == key)
         assert ("the embedded default" in flag_help(text, flag)) == (parser.get_default(key) != EMBEDDED_DEFAULTS[key])
@@ -57,3 +62,23 @@ def test_a_flag_added_without_help_shows_its_default_from_the_formatter():
     assert "--recompute-layers RECOMPUTE_LAYERS\n                        (default: 3)" in text
     assert "--no-load-optim       (default: off)" in text
     assert "a rate of 5% or so (default: 5)" in text
+
+
+TOOLS = {"prepare_data": "parse_args", "evaluate": "parse_args", "convert_hf_to_megatron": "parse_args",
+         "convert_megatron_to_hf": "parse_args", "plot_metrics": "main", "gpu_check": "main"}
+
+
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+def test_every_flag_of_each_tool_shows_its_default_or_that_it_is_required(tool, capsys, monkeypatch):
+    import importlib
+
+    monkeypatch.setenv("COLUMNS", "250")
+    with pytest.raises(SystemExit) as exited:
+        getattr(importlib.import_module(f"tools.{tool}"), TOOLS[tool])(["--help"])
+    assert exited.value.code == 0
+    options = capsys.readouterr().out.split("\noptions:\n", 1)[1]
+    flags = re.findall(r"^  (--[\w-]+)", options, re.MULTILINE)
+    assert flags and "--help" not in flags
+    shown = {flag: flag_help(options, flag) for flag in flags}
+    missing = [flag for flag, text in shown.items() if not (STATES_DEFAULT.search(text) or text.endswith("(required)"))]
+    assert missing == [], f"tools/{tool}.py --help shows no default for {missing}"

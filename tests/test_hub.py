@@ -128,4 +128,5 @@ def test_prepare_data_fetches_each_built_in_set_without_a_local_copy_from_its_pu
         f"dataset is not in the cache {tmp_path / 'empty' / 'hub'} and HF_HUB_OFFLINE=1 forbids downloading it: run "
         "`hf download HuggingFaceH4/aime_2024 --repo-type dataset` where the Hub is reachable, with the same HF_HOME "
         "(or copy its datasets--HuggingFaceH4--aime_2024 folder into that cache), or put bench/aime24.jsonl under "
-        "DPPO_DATA_DIR (docs/data_and_rewards.md lists the files)"]
+        "DPPO_DATA_DIR (docs/data_and_rewards.md lists the files)",
+        "prepare_data.py: error: 1 of 1 sets not written (aime24): see their lines above"]

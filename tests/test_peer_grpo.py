@@ -27,8 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def grpo_args(tmp_path, *extra: str):
     """Our parsed flags of time_to_accuracy's GRPO run (seed 3), with `extra` flags appended."""
-    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--methods", "grpo", "--seeds", "3",
-                                         "--no-control", "--math-budget-s", "0"])
+    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--methods", "grpo", "--seeds", "3"])
     return parse_args([*accuracy_runs.rl_flags(settings, "grpo", 3, tmp_path / "warm_start"), *extra])
 
 

@@ -399,7 +399,7 @@ def test_dppo_prompt_score_flag_reaches_the_pruner_and_is_refused_for_other_algo
     name, options = pruner_options(parse_args(["--dppo-prompt-score", "unsolved_rate"]))
     assert build_pruner(name, **options).prompt_score == "unsolved_rate"
     name, options = pruner_options(parse_args([]))
-    assert build_pruner(name, **options).prompt_score == "zero_variance"
+    assert build_pruner(name, **options).prompt_score == "auto"
     with pytest.raises(SystemExit):
         parse_args(["--algorithm", "grpo", "--dppo-prompt-score", "unsolved_rate"])
     assert "--dppo-prompt-score only applies to --algorithm dppo" in capsys.readouterr().err

@@ -103,19 +103,27 @@ def run_bash(script: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
     return finished
 
 
-def test_readme_cluster_section_runs_as_written_from_a_hub_name_and_downloaded_data_offline(tmp_path):
+def new_user(tmp_path: Path, model: str) -> tuple[Path, Path, dict]:
+    """(a fresh copy of the repository, the snapshot of `model`, the environment a command runs in) as a new user
+    has them, offline: no ../shared beside the copy, no local data, the tiny chat model under the Hub name `model`
+    and tiny copies of the data sets' public sources in a Hugging Face cache, HF_HUB_OFFLINE=1."""
     from tests.tiny_chat import save_tiny_chat_model
 
     clone = fresh_copy(tmp_path / "clone" / "megatron_dppo")
     assert not (clone.parent / "shared").exists()
     hf_home = tmp_path / "hf_home"
     save_tiny_chat_model(tmp_path / "tiny-chat")
-    snapshot = place_in_hub_cache(hf_home, MODEL, tmp_path / "tiny-chat")
+    snapshot = place_in_hub_cache(hf_home, model, tmp_path / "tiny-chat")
     place_public_sources(hf_home, tmp_path / "sources")
-    environment = {**os.environ, **SETTINGS, "EVAL_PORT": str(free_port()), "HF_HOME": str(hf_home),
-                   "HF_HUB_OFFLINE": "1", "DPPO_DATA_DIR": str(tmp_path / "no-local-data"),
-                   "PYTHONPATH": str(clone), "OMP_NUM_THREADS": "1",
+    environment = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1",
+                   "DPPO_DATA_DIR": str(tmp_path / "no-local-data"), "PYTHONPATH": str(clone), "OMP_NUM_THREADS": "1",
                    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return clone, snapshot, environment
+
+
+def test_readme_cluster_section_runs_as_written_from_a_hub_name_and_downloaded_data_offline(tmp_path):
+    clone, snapshot, environment = new_user(tmp_path, MODEL)
+    environment.update(SETTINGS, EVAL_PORT=str(free_port()))
     blocks = cluster_blocks()
     finished = run_bash("\n".join(blocks["settings"] + blocks["flow"]), clone, environment)
 

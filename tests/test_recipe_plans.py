@@ -4,9 +4,13 @@ tests/test_slurm.py, no daemons): examples/configs/qwen3_4b_math_*.sh ─► pip
 
 - dppo.sbatch runs its plan step (pretrain_dppo.py --dry-run) as a job step in the SRUN_ARGS container, never with
   the batch host's Python (which may lack numpy or be older than the trainer's);
-- each recipe's memory plan fits an 80 GB H100 (the plan's default --gpu-memory-gib) on Qwen3-4B's config.json;
+- each recipe's memory plan fits an 80 GB H100 (the plan's default --gpu-memory-gib, what one offers) on Qwen3-4B's
+  config.json;
 - without its activation recompute the same recipe cannot fit, and the dry run ends in one line naming the flags
-  that would make it fit (exit status 2, no traceback).
+  that would make it fit (exit status 2, no traceback);
+- the README's dry run, as written with its default MODEL=Qwen/Qwen3-4B on a machine with no GPU and no weights,
+  plans from the config.json alone in the Hugging Face cache (what a config-only download leaves) and checks the plan
+  there too: its TP 2 command fits; at TP 1 with 16,384-token micro-batches it does not, in one line.
 """
 
 import json
@@ -110,7 +114,42 @@ def test_a_recipe_without_recompute_cannot_fit_and_its_dry_run_ends_in_one_line_
     assert result.returncode == 2, result.stderr
     error = result.stderr.strip().splitlines()
     assert len(error) == 1 and "Traceback" not in result.stderr, error
-    for words in ("--gpu-memory-gib is 80", "fits with --recompute-granularity full --recompute-method uniform "
+    for words in ("--gpu-memory-gib is 79.17", "fits with --recompute-granularity full --recompute-method uniform "
                   "--recompute-num-layers 1", "--max-tokens-per-gpu", "--tensor-model-parallel-size 2"):
         assert words in error[0], error[0]
     assert "fits" in result.stdout and " NO" in result.stdout  # the table still shows where the memory goes
+
+
+def test_the_readme_dry_run_without_gpus_plans_the_hub_name_from_its_cached_config_and_refuses_what_cannot_fit(
+        tmp_path):
+    import os
+    import re
+
+    from tests.hub_cache import place_in_hub_cache
+    from tests.test_readme import cluster_blocks, run_bash, training_command
+
+    (tmp_path / "config-only").mkdir()
+    (tmp_path / "config-only" / "config.json").write_text(json.dumps(QWEN3_4B))
+    place_in_hub_cache(tmp_path / "hf_home", "Qwen/Qwen3-4B", tmp_path / "config-only")
+    blocks = cluster_blocks()
+    dry_run = next(line for block in blocks["flow"] for line in block.splitlines() if "--dry-run" in line)
+    script = "\n".join([*blocks["settings"], training_command(blocks["flow"]), dry_run])
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1",
+           "CUDA_VISIBLE_DEVICES": "", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for key in ("MODEL", "NPROC", "TP", "SIZES", "DPPO_GPUS_PER_NODE"):
+        env.pop(key, None)
+    plan = run_bash(script, REPO_ROOT, env).stdout
+    header = re.search(r"^memory plan per trainer GPU .*$", plan, re.MULTILINE).group(0)
+    assert "against --gpu-memory-gib 79.17: bf16, TP 2 x PP 1 x DP 4, distributed optimizer" in header, header
+    row = plan.split(header, 1)[1].splitlines()[2].split()
+    assert row[-1] == "yes" and float(row[-2]) < 79.17, row
+    assert "(no GPU here: checked against --gpu-memory-gib 79.17" in plan
+
+    refused = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=300, env={**env, "TP": "1", "SIZES": "--bf16 --rollout-batch-size 32 "
+                                                          "--n-samples-per-prompt 8 --rollout-max-response-len 4096 "
+                                                          "--max-tokens-per-gpu 16384"})
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith("pretrain_dppo.py --dry-run: error: the memory plan needs an estimated") and (
+        "but --gpu-memory-gib is 79.17; fits with --recompute-granularity full" in line), line

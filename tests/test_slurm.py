@@ -147,8 +147,8 @@ def srun_options(args: list[str]) -> list[str]:
 
 
 def test_every_pipeline_srun_runs_in_the_srun_args_container_and_evaluation_gets_the_gpus(tmp_path):
-    """pipeline.sh's convert, export and evaluate steps take SRUN_ARGS (e.g. pyxis' container) as dppo.sbatch's steps
-    do, and the evaluate step asks for the GPUS_PER_NODE GPUs evaluate_node.sh starts one server on each."""
+    """pipeline.sh's data, convert, export and evaluate steps take SRUN_ARGS (e.g. pyxis' container) as dppo.sbatch's
+    steps do, and the evaluate step asks for the GPUS_PER_NODE GPUs evaluate_node.sh starts one server on each."""
     env, record = stand_in_slurm(tmp_path, ["node1"])
     work = tmp_path / "work"
     (work / "eval").mkdir(parents=True)
@@ -160,7 +160,7 @@ def test_every_pipeline_srun_runs_in_the_srun_args_container_and_evaluation_gets
     assert result.returncode == 0, result.stderr
     steps = {next(arg.split("=", 1)[1] for arg in call["args"] if arg.startswith("--job-name=")): call["args"]
              for call in recorded(record, "srun")}
-    assert set(steps) == {"dppo-convert", "dppo-export", "dppo-eval"}, steps
+    assert set(steps) == {"dppo-data", "dppo-convert", "dppo-export", "dppo-eval"}, steps
     faults = [f"{name}: srun {srun_options(args)} runs outside SRUN_ARGS' container"
               for name, args in steps.items() if not all(flag in srun_options(args) for flag in container)]
     evaluate = srun_options(steps["dppo-eval"])

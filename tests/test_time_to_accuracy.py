@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from bench import accuracy_curves, accuracy_runs, results_page, run_costs, training_run
+from bench import accuracy_curves, accuracy_runs, markdown_table, results_page, run_costs, training_run, verdict
 from megatron_dppo.metrics import Run, load_run
 
 
@@ -48,7 +48,8 @@ def test_final_accuracy_is_the_mean_of_the_last_three_evaluations():
 RISING = [(0, 0.2), (10, 0.4), (20, 0.55), (30, 0.6), (40, 0.6), (50, 0.6)]
 
 
-def test_every_methods_seed_s_run_shares_grpos_pool_order_heldout_set_and_start(tmp_path, monkeypatch):
+def test_every_methods_seed_s_run_shares_grpos_pool_order_heldout_set_and_start_but_the_null_checks(tmp_path,
+                                                                                                     monkeypatch):
     from megatron_dppo.launch.arguments import parse_args
 
     settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path)])
@@ -58,15 +59,22 @@ def test_every_methods_seed_s_run_shares_grpos_pool_order_heldout_set_and_start(
     decisive = ("prompt_data", "synthetic_task", "data_synthetic_cells", "data_train_size", "eval_size", "seed",
                 "rl_seed", "load")
 
+    def parsed(method, seed):
+        return parse_args(accuracy_runs.rl_flags(settings, method, seed, warm_start))
+
     def pairing(method, seed):
-        args = parse_args(accuracy_runs.rl_flags(settings, method, seed, warm_start))
-        return {name: getattr(args, name) for name in decisive}
+        return {name: getattr(parsed(method, seed), name) for name in decisive}
 
     for seed in (1, 2):
         grpo = pairing("grpo", seed)
         assert grpo["rl_seed"] == seed
-        for method in accuracy_runs.ALL_METHODS:
-            assert pairing(method, seed) == grpo, method
+        for method in accuracy_runs.METHODS:
+            if method not in accuracy_runs.RESEEDED:
+                assert pairing(method, seed) == grpo, method
+        # the null check: grpo itself with --rl-seed s + 1000, every other flag equal
+        null, base = vars(parsed("grpo-null", seed)), vars(parsed("grpo", seed))
+        assert null["rl_seed"] == seed + 1000
+        assert {key for key in base if null[key] != base[key]} == {"rl_seed"}
     assert pairing("dppo", 1) != pairing("dppo", 2)
     # the two baselines differ in the DAPO filter alone: grpo-paper's --no-dapo-filter wins over RL_FLAGS'
     paper, filtered = (parse_args(accuracy_runs.rl_flags(settings, name, 1, warm_start)) for name in ("grpo-paper",
@@ -114,94 +122,74 @@ def test_phase_breakdown_puts_the_unaccounted_time_in_other():
     assert phases["other"] == pytest.approx(2.0 - 0.5 - 1.0 - 0.1)
 
 
-def test_step_cost_fit_recovers_a_linear_cost_model():
+def test_step_cost_fit_recovers_a_linear_cost_model_and_prices_nothing_below_zero():
     records = [{"tokens_generated": g, "tokens_trained": t, "seconds_step": 0.1 + 0.001 * g + 0.002 * t}
                for g, t in ((100, 50), (200, 80), (150, 200), (300, 10), (50, 120))]
     fit = run_costs.fit_step_cost([Run("a", records[:3]), Run("b", records[3:])])
     assert fit["fixed"] == pytest.approx(0.1) and fit["per_generated"] == pytest.approx(0.001)
     assert fit["per_trained"] == pytest.approx(0.002) and fit["r_squared"] == pytest.approx(1.0)
+    # a step time that falls with the trained tokens: unconstrained least squares reads a negative price, the price
+    # list reads 0 and the rest of the fit takes the steps
+    falling = [{**r, "seconds_step": 0.5 + 0.001 * r["tokens_generated"] - 0.001 * r["tokens_trained"]}
+               for r in records]
+    fit = run_costs.fit_step_cost([Run("a", falling)])
+    assert min(fit["prices"].values()) >= 0 and fit["per_trained"] == 0
     with pytest.raises(ValueError, match="cannot fit"):
         run_costs.fit_step_cost([Run("a", records[:2])])
 
 
 def test_write_page_replaces_only_its_own_generated_block(tmp_path):
     page = tmp_path / "results.md"
-    results_page.write_page(page, "quick", "first")
+    markdown_table.write_page(page, "quick", "first")
     page.write_text(page.read_text() + "\nHand-written analysis.\n")
-    results_page.write_page(page, "full", "full tables")
-    results_page.write_page(page, "quick", "second")
+    markdown_table.write_page(page, "full", "full tables")
+    markdown_table.write_page(page, "quick", "second")
     text = page.read_text()
     assert "second" in text and "first" not in text and "full tables" in text
     assert "Hand-written analysis." in text
     page.write_text("<!-- BEGIN GENERATED quick by bench/time_to_accuracy.py -->\nno end marker\n")
     with pytest.raises(ValueError, match="restore the end marker"):
-        results_page.write_page(page, "quick", "x")
+        markdown_table.write_page(page, "quick", "x")
 
 
-def test_bad_command_line_values_are_rejected_with_the_flag_name(capsys):
+def test_bad_command_line_values_are_rejected_with_the_flag_name(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         accuracy_runs.parse_args(["--budget-s", "0"])
     assert "--budget-s 0.0 must be > 0" in capsys.readouterr().err
     settings = accuracy_runs.parse_args(["--quick", "--methods", "cppo"])
     assert settings.methods == ["grpo-paper", "grpo", "dapo-dynamic-sampling", "cppo"]
-    assert settings.seeds == [1] and settings.budget_s == 25.0
+    assert settings.seeds == [1] and settings.budget_s == 25.0 and settings.looks == ()
     full = accuracy_runs.parse_args([])
     assert full.methods == list(accuracy_runs.METHODS) and (full.budget_s, full.eval_interval) == (240.0, 10)
-    assert (full.seeds, full.max_seeds, full.secondary_seeds, full.eval_size) == ([1, 2, 3, 4, 5, 6], 12, 3, 512)
+    assert (full.seeds, full.looks, full.secondary_seeds, full.eval_size) == ([1, 2, 3, 4, 5, 6], (6, 9, 12), 3, 512)
+    assert accuracy_runs.parse_args(["--seeds", "1", "2", "3"]).looks == ()  # given seeds: no further looks
     assert accuracy_runs.pool_size() == 2048  # the embedded default's pool: the regime where RL learns
+    monkeypatch.setattr(accuracy_runs, "SCREENING", {})
+    with pytest.raises(SystemExit):
+        accuracy_runs.parse_args(["--screen"])
+    assert "SCREENING names no DPPO variant" in capsys.readouterr().err
+    monkeypatch.setattr(accuracy_runs, "SCREENING", {"dppo-x": ["--algorithm", "dppo"]})
+    assert accuracy_runs.parse_args(["--screen"]).seeds == [1, 2, 3]
 
 
-def test_bench_runs_the_worked_task_by_default_and_the_answer_task_by_flag():
-    worked, answer = accuracy_runs.parse_args([]), accuracy_runs.parse_args(["--synthetic-task", "answer"])
-    assert (worked.task, answer.task) == ("worked", "answer")
-    assert worked.warm_start_steps == accuracy_runs.TASK_SETTINGS["worked"]["warm_start_steps"]
-    assert worked.out_dir != answer.out_dir  # one warm start per output directory
-    assert accuracy_runs.page_block("worked", False) == "full"
-    assert accuracy_runs.page_block("answer", True) == "quick-answer"
-    for task in ("worked", "answer"):
-        flags = accuracy_runs.task_flags(task)
-        assert flags[flags.index("--synthetic-task") + 1] == task
-        limit = accuracy_runs.TASK_SETTINGS[task]["rollout_max_response_len"]
-        assert flags[flags.index("--rollout-max-response-len") + 1] == str(limit)
+def test_the_warm_start_lies_where_the_trainers_cache_key_puts_it_so_an_analysis_needs_no_build(tmp_path):
+    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--analyse-only"])
+    path = accuracy_runs.prepare_warm_start(settings)  # nothing is built
+    assert not (tmp_path / "warm_start").exists()
+    recorded = next(accuracy_runs.RECORDS_DIR.glob("warm_start_*/runs/grpo/seed_1/*/command.txt")).read_text()
+    assert f"--load $OUT/{path.relative_to(tmp_path)} " in recorded  # the warm start the records started from
 
 
-def test_supervised_control_trains_on_the_warm_starts_data_for_the_rl_budgets_steps(tmp_path, monkeypatch):
-    """The control's command differs from the warm start's only in its step count (and its cache): the same task,
-    warm-start data flags (problem pool, cells, batch, lr) and seed, so the same problems, then more epochs of them."""
-    launched = []
+def test_bench_runs_the_worked_task_and_its_quick_smoke_check_elsewhere():
+    full, quick = accuracy_runs.parse_args([]), accuracy_runs.parse_args(["--quick"])
+    assert full.out_dir != quick.out_dir  # one warm start per output directory
+    assert (accuracy_runs.page_block(False), accuracy_runs.page_block(True)) == ("full", "quick")
+    flags = accuracy_runs.task_flags()
+    assert flags[flags.index("--synthetic-task") + 1] == "worked"
+    assert flags[flags.index("--rollout-max-response-len") + 1] == "176"
 
-    def record(flags, run_dir, processes):
-        launched.append(flags)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "summary.json").write_text(json.dumps({"seconds": 100.0 if "build" in str(run_dir) else 40.0,
-                                                          "heldout_accuracy_before": 0.1}))
-        return run_dir
 
-    monkeypatch.setattr(accuracy_runs, "launch_unless_finished", record)
-    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--warm-start-steps", "120", "--budget-s", "50"])
-    (tmp_path / "cache" / "warm" / "embedded_x" / "warm_start").mkdir(parents=True)
-    _, steps_per_second = accuracy_runs.prepare_warm_start(settings)
-    assert steps_per_second == pytest.approx(120 / 60)
-    _, extra_steps = accuracy_runs.run_control(settings, steps_per_second)
-    assert extra_steps == 100  # 50 s of RL budget at 2 supervised steps/s
-    warm, control = launched[0], launched[-1]
 
-    def without(flags, *names):
-        kept, skip = [], False
-        for flag in flags:
-            if skip:
-                skip = False
-            elif flag in names:
-                skip = True
-            else:
-                kept.append(flag)
-        return kept
-
-    assert warm[warm.index("--warm-start-steps") + 1] == "120"
-    assert control[control.index("--warm-start-steps") + 1] == "220"
-    assert without(warm, "--warm-start-steps", "--cache-dir") == without(control, "--warm-start-steps", "--cache-dir")
-    for flag in ("--warm-start-problems", "--synthetic-task", "--seed"):
-        assert flag in control
 
 
 def write_outcomes(directory: Path, steps: int, per_step: int, pruned: int, zero_every: int) -> None:
@@ -233,25 +221,37 @@ def test_prompt_level_table_counts_epochs_pruned_share_and_prediction_quality(tm
     assert row.startswith("| dppo | 5.0 | 2.5 | 0.50 | 0.50 | 1.00 | 1.00 |")
 
 
-def test_grpo_tuning_changes_one_setting_at_a_time_from_the_common_flags():
-    settings = accuracy_runs.grpo_settings()
-    assert settings[0] == ("RL_FLAGS", [])
-    for label, extra in settings[1:]:
-        flag, value = extra
-        assert flag in accuracy_runs.GRPO_GRID and value != accuracy_runs.flag_value(accuracy_runs.RL_FLAGS, flag)
-        assert label == f"{flag} {value}"
-    assert len(settings) == 1 + sum(len(values) - 1 for values in accuracy_runs.GRPO_GRID.values())
+def test_grpo_tuning_reuses_the_grpo_runs_and_runs_batch_64_with_the_leads_exact_command(tmp_path, monkeypatch):
+    launched = []
+
+    def fake(flags, run_dir, processes):
+        launched.append((flags, run_dir))
+        return run_dir
+
+    monkeypatch.setattr(accuracy_runs, "launch_unless_finished", fake)
+    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--no-records", "--tune-grpo", "--seeds", "1",
+                                         "2"])
+    warm = tmp_path / "warm"
+    run_dirs = accuracy_runs.run_grpo_tuning(settings, warm)
+    assert list(run_dirs) == ["RL_FLAGS", "--rollout-batch-size 64"]
+    assert run_dirs["RL_FLAGS"] == [tmp_path / "runs" / "grpo" / f"seed_{seed}" for seed in (1, 2)]
+    for seed in (1, 2):  # the very command the batch-64 records were run with
+        expected = ([*accuracy_runs.rl_flags(settings, "grpo", seed, warm), "--rollout-batch-size", "64"],
+                    tmp_path / "tuning" / "rollout-batch-size_64" / f"seed_{seed}")
+        assert expected in launched
+    assert (accuracy_runs.rl_flags(settings, "grpo", 1, warm), tmp_path / "runs" / "grpo" / "seed_1") in launched
+    assert len(launched) == 4
 
 
 def test_the_benchs_own_task_settings_are_ones_the_trainer_takes():
     from megatron_dppo.launch.arguments import EMBEDDED_TASK_DEFAULTS, parse_args
 
-    for task, settings in accuracy_runs.TASK_SETTINGS.items():
-        assert set(settings) == set(EMBEDDED_TASK_DEFAULTS[task])
-        args = parse_args([*accuracy_runs.task_flags(task), *accuracy_runs.warm_start_flags(task),
-                           "--warm-start-steps", str(settings["warm_start_steps"])])
-        assert (args.rollout_max_response_len, args.warm_start_problems) == (settings["rollout_max_response_len"],
-                                                                              settings["warm_start_problems"])
+    settings = accuracy_runs.TASK_SETTINGS
+    assert set(settings) <= set(EMBEDDED_TASK_DEFAULTS["worked"])
+    args = parse_args([*accuracy_runs.task_flags(), *accuracy_runs.warm_start_flags(),
+                       "--warm-start-steps", str(settings["warm_start_steps"])])
+    assert (args.rollout_max_response_len, args.warm_start_problems) == (settings["rollout_max_response_len"],
+                                                                          settings["warm_start_problems"])
 
 
 def test_a_pause_file_holds_the_benchmark_before_its_next_run_until_it_is_removed(tmp_path, monkeypatch):
@@ -279,42 +279,41 @@ def test_step_cost_fit_recovers_a_per_iteration_cost_when_runs_log_decode_iterat
     fit = run_costs.fit_step_cost([Run("a", records)])
     assert fit["fixed"] == pytest.approx(0.05) and fit["per_iteration"] == pytest.approx(0.003)
     assert fit["per_generated"] == pytest.approx(0.0001) and fit["per_trained"] == pytest.approx(0.0002)
+    assert "a decode iteration 3 ± 0 ms" in run_costs.price_list(fit)
 
 
 def test_a_recorded_run_is_restored_on_a_fresh_checkout_and_refused_from_another_command_or_warm_start(
         tmp_path, monkeypatch):
     """The full benchmark's finished runs are kept in the repository, one folder per command: a later sitting
     elsewhere (other checkout path, other --out-dir) restores a run recorded with the same command from the same warm
-    start instead of running it; another command runs and is recorded beside the first; a record from another warm
-    start is a clear error; runs at other than the default settings are not recorded."""
+    start instead of running it; another command runs and is recorded beside the first; a sitting from another warm
+    start (another machine's kernels) runs and keeps its records apart; runs at other than the default settings are
+    not recorded."""
     launched = []
 
-    def fake_launch(flags, run_dir, processes):  # a training run: its command, metrics and summary
+    def fake_launch(flags, run_dir, processes):  # a training run from its sitting's warm start
         launched.append(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)  # as the real launch does
-        write_run(run_dir, [0.3, 0.4, 0.5], 1.0, before=0.25)
+        warm = json.loads((run_dir.parents[2] / "warm_start" / "build" / "summary.json").read_text())
+        write_run(run_dir, [0.3, 0.4, 0.5], 1.0, before=warm["heldout_accuracy_before"])
         (run_dir / "command.txt").write_text(" ".join(training_run.command_for(flags, run_dir, processes)[1:]) + "\n")
         return 1.0
 
     monkeypatch.setattr(training_run, "launch", fake_launch)
     records = tmp_path / "records"
 
-    def sitting(out_dir: Path, warm_accuracy: float, budget: str = "150", control: bool = False, save: bool = True):
+    def sitting(out_dir: Path, warm_accuracy: float, budget: str = "150", save: bool = True):
         settings = accuracy_runs.parse_args(["--out-dir", str(out_dir)])
         settings.records_dir, settings.save_records = records, save
         (out_dir / "warm_start" / "build").mkdir(parents=True, exist_ok=True)
         (out_dir / "warm_start" / "build" / "summary.json").write_text(
             json.dumps({"heldout_accuracy_before": warm_accuracy}))
-        if control:  # a warm start of its own: its accuracy at the start is its own, not the shared warm start's
-            return accuracy_runs.launch_recorded(settings, ["--warm-start-steps", budget],
-                                                 out_dir / "runs" / accuracy_runs.CONTROL / "seed_1",
-                                                 from_warm_start=False)
         warm_start = out_dir / "cache" / "warm" / "x"
         flags = [*accuracy_runs.rl_flags(settings, "grpo", 1, warm_start), "--budget-marker", budget]
         return accuracy_runs.launch_recorded(settings, flags, out_dir / "runs" / "grpo" / "seed_1")
 
     def recorded() -> list[Path]:
-        return sorted(records.glob("runs/grpo/seed_1/*/metrics.jsonl.gz"))
+        return sorted(records.glob("warm_start_0.2500/runs/grpo/seed_1/*/metrics.jsonl.gz"))
 
     first = sitting(tmp_path / "first", 0.25)
     assert launched == [first] and len(recorded()) == 1
@@ -332,13 +331,56 @@ def test_a_recorded_run_is_restored_on_a_fresh_checkout_and_refused_from_another
     assert launched == [first, third]
     unsaved = sitting(tmp_path / "sixth", 0.25, budget="7", save=False)  # not the default settings: not recorded
     assert launched == [first, third, unsaved] and len(recorded()) == 2
-    with pytest.raises(RuntimeError, match="another warm start"):
-        sitting(tmp_path / "fourth", 0.31)
-    control = sitting(tmp_path / "first", 0.25, control=True)
-    assert launched == [first, third, unsaved, control]
-    assert training_run.finished(sitting(tmp_path / "fifth", 0.31, control=True))  # restored from the records
-    assert launched == [first, third, unsaved, control]
+    other_machine = sitting(tmp_path / "fourth", 0.31)  # another warm start: run, and recorded apart
+    assert launched == [first, third, unsaved, other_machine] and len(recorded()) == 2
+    assert len(list(records.glob("warm_start_0.3100/runs/grpo/seed_1/*/metrics.jsonl.gz"))) == 1
+    assert training_run.finished(sitting(tmp_path / "fourth_again", 0.31))  # restored from its own folder
+    assert launched == [first, third, unsaved, other_machine]
+    for record in records.glob("warm_start_*/runs/*/seed_*/*"):  # every record's folder is named by its command's hash
+        assert record.name == accuracy_runs.command_hash((record / "command.txt").read_text().strip())
 
+
+def test_a_renamed_methods_records_are_read_by_the_command_they_ran_with_never_by_the_name_it_left(tmp_path,
+                                                                                                   monkeypatch):
+    """dppo's records of `--algorithm dppo` at an older revision sit under dppo-05487f4: that name restores them (its
+    command.txt says what ran), the new dppo finds none and runs, and without flags of today the old name refuses a
+    seed it has no record of."""
+    launched = []
+
+    def fake_launch(flags, run_dir, processes):
+        launched.append(run_dir)
+        write_run(run_dir, [0.3, 0.4, 0.5], 1.0, before=0.25)
+        (run_dir / "command.txt").write_text(" ".join(training_run.command_for(flags, run_dir, processes)[1:]) + "\n")
+        return 1.0
+
+    monkeypatch.setattr(training_run, "launch", fake_launch)
+    records = tmp_path / "records"
+    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path / "old")])
+    settings.records_dir, settings.save_records = records, True
+    (settings.out_dir / "warm_start" / "build").mkdir(parents=True)
+    (settings.out_dir / "warm_start" / "build" / "summary.json").write_text('{"heldout_accuracy_before": 0.25}')
+    warm = settings.out_dir / "cache" / "warm" / "x"
+    old_run = accuracy_runs.run_rl(settings, "dppo", 1, warm)  # dppo, as it ran then: recorded under runs/dppo
+    (records / "warm_start_0.2500" / "runs" / "dppo").rename(
+        records / "warm_start_0.2500" / "runs" / "dppo-05487f4")  # the rename, as in the repository
+    fresh = accuracy_runs.parse_args(["--out-dir", str(tmp_path / "new")])
+    fresh.records_dir, fresh.save_records = records, True
+    (fresh.out_dir / "warm_start" / "build").mkdir(parents=True)
+    (fresh.out_dir / "warm_start" / "build" / "summary.json").write_text('{"heldout_accuracy_before": 0.25}')
+    warm = fresh.out_dir / "cache" / "warm" / "x"
+    renamed = accuracy_runs.run_rl(fresh, "dppo-05487f4", 1, warm)
+    assert launched == [old_run] and renamed == fresh.out_dir / "runs" / "dppo-05487f4" / "seed_1"
+    assert "--log-dir $OUT/runs/dppo/seed_1" in accuracy_runs.portable_command(
+        (renamed / "command.txt").read_text(), fresh.out_dir)  # the command it ran with
+    assert (renamed / "metrics.jsonl").read_text() == (old_run / "metrics.jsonl").read_text()
+    new_run = accuracy_runs.run_rl(fresh, "dppo", 1, warm)  # today's dppo: not the old record
+    assert launched == [old_run, new_run]
+    with_flags = accuracy_runs.run_rl(fresh, "dppo-05487f4", 2, warm)  # a seed with no record: today's flags run it
+    assert launched == [old_run, new_run, with_flags]
+    assert " ".join(accuracy_runs.RENAMED_FLAGS["dppo-05487f4"]) in (with_flags / "command.txt").read_text()
+    monkeypatch.setitem(accuracy_runs.ALL_METHODS, "dppo-05487f4", None)  # and without them, refused
+    with pytest.raises(ValueError, match="no record of seed 3 and no flags of today"):
+        accuracy_runs.run_rl(fresh, "dppo-05487f4", 3, warm)
 
 
 
@@ -360,16 +402,38 @@ def test_a_pause_file_per_holder_holds_the_benchmark_until_the_last_is_removed(t
     assert not holding.is_alive()
 
 
-def test_the_machines_load_beside_a_run_counts_other_processes_not_the_runs_own():
+def test_the_load_monitor_reads_a_busy_process_of_known_cpu_time_beside_a_run_and_not_the_runs_own(tmp_path,
+                                                                                                    monkeypatch):
+    """A run (a process tree: a child burning CPU, as torchrun's ranks do) beside another process that burns 0.6 s of
+    CPU while the run runs: machine.json counts the other process's 0.6 s and none of the run's own processes."""
     import subprocess
     import sys
+    import time
 
-    busy, own = training_run.machine_busy_seconds(), training_run.children_cpu_seconds()
-    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)
-    child = training_run.children_cpu_seconds() - own
-    assert child > 0.05  # the child's CPU time is the bench's own
-    if busy is not None:  # Linux: the machine was busy at least as long as the child ran
-        assert training_run.machine_busy_seconds() - busy >= 0.5 * child
+    ready, gate, done, pids = (tmp_path / name for name in ("ready", "gate", "done", "pids"))
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}: pass\n"
+    other = subprocess.Popen([sys.executable, "-c", (
+        f"import pathlib, sys, time\npathlib.Path({str(ready)!r}).touch()\n"
+        f"while not pathlib.Path({str(gate)!r}).exists(): time.sleep(0.01)\n"
+        + burn.format(0.6) + f"pathlib.Path({str(done)!r}).touch()\nsys.stdin.read()\n")], stdin=subprocess.PIPE)
+    run = (f"import os, pathlib, subprocess, sys, time\npathlib.Path({str(gate)!r}).touch()\n"
+           f"child = subprocess.Popen([sys.executable, '-c', {burn.format(0.4)!r}])\n"
+           f"pathlib.Path({str(pids)!r}).write_text(f'{{os.getpid()}} {{child.pid}}')\nchild.wait()\n"
+           f"while not pathlib.Path({str(done)!r}).exists(): time.sleep(0.01)\n")
+    monkeypatch.setattr(training_run, "command_for", lambda flags, log_dir, processes: [sys.executable, "-c", run])
+    while not ready.exists():  # its start-up is done before the run's first reading
+        assert other.poll() is None
+        time.sleep(0.01)
+    try:
+        training_run.launch([], tmp_path / "run", 1)
+    finally:
+        other.communicate(b"", timeout=30)
+    machine = json.loads((tmp_path / "run" / training_run.MACHINE_FILE).read_text())
+    by_pid = {process["pid"]: process["cpu_seconds"] for process in machine["other_processes"]}
+    assert by_pid.get(other.pid) == pytest.approx(0.6, abs=0.1)  # the known extra load (time.process_time)
+    assert not set(map(int, pids.read_text().split())) & set(by_pid)  # the run's own processes are not others
+    assert machine["run_cpu_seconds"] >= 0.4 and machine["other_cpu_seconds"] >= 0.5
+    assert machine["other_cores_busy"] == pytest.approx(machine["other_cpu_seconds"] / machine["wall_seconds"])
 
 
 # ------------------------------------------------------------------------------------------------ the estimator
@@ -447,9 +511,12 @@ def test_the_paired_comparison_drops_a_seeds_two_runs_together_in_its_jackknife(
 
 
 def test_t_quantiles_and_the_jackknife_interval():
-    # Student's t at 0.975 (tables): 3.182 (3 degrees of freedom), 2.776 (4), 2.571 (5), 2.201 (11)
+    # Student's t at 0.975 (tables): 3.182 (3 degrees of freedom), 2.776 (4), 2.571 (5), 2.201 (11); at 0.99167
+    # (Holm's first level of three, two-sided): 3.534 (5); the distribution function at 0 and of t(1) = Cauchy at 1
     for dof, exact in ((3, 3.1824), (4, 2.7764), (5, 2.5706), (11, 2.2010)):
-        assert accuracy_curves.t_quantile(0.975, dof) == pytest.approx(exact, abs=5e-3)
+        assert accuracy_curves.t_quantile(0.975, dof) == pytest.approx(exact, abs=1e-3)
+    assert accuracy_curves.t_quantile(1 - 0.05 / 6, 5) == pytest.approx(3.534, abs=2e-3)
+    assert accuracy_curves.t_cdf(0.0, 5) == pytest.approx(0.5) and accuracy_curves.t_cdf(1.0, 1) == pytest.approx(0.75)
     low, high = accuracy_curves.jackknife_interval(2.0, [1.8, 2.0, 2.2, 2.0])
     logs = [math.log(v) for v in (1.8, 2.0, 2.2, 2.0)]
     mean = sum(logs) / 4
@@ -468,27 +535,49 @@ def test_the_estimator_reads_a_known_speedup_on_simulated_benches_and_its_interv
 
 
 def test_cost_model_time_prices_every_step_by_one_fit_of_its_logged_work():
-    records = [{"seconds_step": 0.1 + 0.05 * rounds + 0.002 * it + 0.0001 * gen + 0.0003 * tr, "dapo_rounds": rounds,
-                "decode_iterations": it, "tokens_generated": gen, "tokens_trained": tr}
-               for rounds, it, gen, tr in ((1, 170, 6000, 1400), (2, 80, 5000, 900), (1, 120, 7000, 2000),
-                                           (3, 60, 3000, 500), (1, 176, 6500, 300), (2, 90, 4000, 800))]
+    records = [{"seconds_step": 0.1 + 0.002 * it + 0.0001 * gen + 0.0003 * tr, "dapo_rounds": rounds,
+                "engine_batches": rounds, "decode_iterations": it, "tokens_generated": gen, "tokens_trained": tr}
+               for rounds, it, gen, tr in ((1, 170, 6000, 1400), (2, 280, 11000, 900), (1, 120, 7000, 2000),
+                                           (3, 400, 15000, 500), (1, 176, 6500, 300), (2, 300, 12000, 800))]
     fit = run_costs.fit_step_cost([Run("a", records)])
-    assert (fit["fixed"], fit["per_round"], fit["per_iteration"]) == pytest.approx((0.1, 0.05, 0.002))
+    assert (fit["fixed"], fit["per_iteration"], fit["per_generated"]) == pytest.approx((0.1, 0.002, 0.0001))
     slow = [{**r, "seconds_step": 2 * r["seconds_step"]} for r in records]  # the same work on a busy machine
     priced = run_costs.with_cost_model(Run("slow", slow), fit)
     assert [r["cost_model_seconds"] for r in priced.records] == pytest.approx(
         list(itertools.accumulate(r["seconds_step"] for r in records)))
 
 
+def test_engine_batches_are_derived_for_older_records_and_a_later_batchs_loop_is_estimated_not_fitted():
+    """Records from before the trainer logged engine batches: G rows per rolled-out group, 256 at a time per round;
+    where a round overflowed, the later batch's iterations are added from its groups' mean lengths over the run's
+    ratio of the longest group mean to the logged iterations on one-batch steps, and the step is left out of the
+    fit."""
+    one = {"step": 1, "groups_rolled_out": 32.0, "decode_iterations": 100.0, "seconds_step": 1.0}
+    two = {"step": 2, "groups_rolled_out": 36.0, "decode_iterations": 120.0, "seconds_step": 2.0}
+    rounds = {"step": 3, "groups_rolled_out": 96.0, "dapo_rounds": 3.0, "decode_iterations": 300.0,
+              "seconds_step": 3.0}
+    outcomes = ([{"step": 1, "response_length_mean": 80.0 if g == 0 else 10.0} for g in range(32)]
+                + [{"step": 2, "response_length_mean": 40.0 if g == 33 else 10.0} for g in range(36)])
+    run = run_costs.with_engine_work(Run("old", [one, two, rounds]), outcomes, samples_per_prompt=8)
+    assert [r["engine_batches"] for r in run.records] == [1.0, 2.0, 3.0]
+    # step 1: 80 / 100 = 0.8; step 2's later batch (groups 32-35) longest mean 40 -> 40 / 0.8 = 50 more iterations
+    assert run.records[1]["decode_iterations"] == pytest.approx(170.0) and run.records[1]["work_estimated"]
+    assert not run.records[0].get("work_estimated") and not run.records[2].get("work_estimated")
+    logged = [{**r, "engine_batches": 1.0} for r in (one, two)]
+    assert run_costs.with_engine_work(Run("new", logged), outcomes, 8).records == logged  # logged: kept as is
+
+
 def test_runs_are_interleaved_in_a_seeded_order_and_the_other_methods_run_with_the_first_seeds(tmp_path):
     settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path)])
-    orders = {seed: accuracy_runs.run_order(settings, seed) for seed in settings.seeds}
-    headline = set(accuracy_runs.BASELINES) | set(accuracy_runs.HEADLINE_METHODS)
-    for seed, order in orders.items():
-        assert set(order) == headline and len(order) == len(headline)
-        assert order == accuracy_runs.run_order(settings, seed)  # the same order when a sitting resumes
-        others = accuracy_runs.run_order(settings, seed, secondary=True)
-        assert set(others) == (set(accuracy_runs.SECONDARY_METHODS) if seed <= 3 else set())
+    every_seed = set(accuracy_runs.BASELINES) | set(accuracy_runs.HEADLINE_METHODS)
+    assert "dppo-no-refill" not in every_seed and "grpo-null" in every_seed
+    orders = {}
+    for seed in settings.seeds:
+        methods = accuracy_runs.seed_methods(settings, seed)
+        assert set(methods) == every_seed | (set(accuracy_runs.SECONDARY_METHODS) if seed <= 3 else set())
+        orders[seed] = accuracy_runs.run_order(settings, seed, methods)
+        assert sorted(orders[seed]) == sorted(methods)
+        assert orders[seed] == accuracy_runs.run_order(settings, seed, methods)  # the same when a sitting resumes
     assert len({tuple(order) for order in orders.values()}) > 1  # not one fixed order
 
 
@@ -508,28 +597,65 @@ def synthetic_groups(step_seconds: dict[str, float], seeds=(1, 2, 3)) -> dict[st
                 records.append(record)
             run = run_costs.with_costs(Run(method, records, {"heldout_accuracy_before": 0.2}),
                                        run_costs.ModelSize(1000, 2, 8), False)
-            groups[method][seed] = run_costs.with_cost_model(run, {"fixed": seconds, "per_round": 0.0,
-                                                                   "per_iteration": 0.0, "per_generated": 0.0,
-                                                                   "per_trained": 0.0})
+            groups[method][seed] = run_costs.with_cost_model(run, {"prices": {"fixed": seconds}})
     return groups
 
 
-def test_grpo_against_grpo_paper_reads_their_step_time_ratio_and_the_last_lines_name_every_baseline():
-    groups = synthetic_groups({"grpo-paper": 1.2, "grpo": 1.0, "dapo-dynamic-sampling": 1.5, "dppo": 0.5})
+def test_the_checks_read_their_known_ratios_and_the_last_lines_give_each_baselines_verdict():
+    groups = synthetic_groups({"grpo-paper": 1.2, "grpo": 1.0, "dapo-dynamic-sampling": 1.5, "dppo": 0.5,
+                               "grpo-null": 1.0})
     comparisons = results_page.compare_all(groups)
-    lines = results_page.last_lines(comparisons, groups)
-    assert lines[:6] == ["dppo_speedup_vs_grpo: 2.40 [2.40, 2.40]",
-                         "dppo_speedup_vs_grpo_cost_model: 2.40 [2.40, 2.40]",
-                         "dppo_speedup_vs_grpo_filtered: 2.00 [2.00, 2.00]",
-                         "dppo_speedup_vs_grpo_filtered_cost_model: 2.00 [2.00, 2.00]",
-                         "dppo_speedup_vs_grpo_dynamic_sampling: 3.00 [3.00, 3.00]",
-                         "dppo_speedup_vs_grpo_dynamic_sampling_cost_model: 3.00 [3.00, 3.00]"]
-    assert lines[-2:] == ["grpo_filter_check: 1.20 [1.20, 1.20], step-time ratio 1.20",
-                          "grpo_filter_check_cost_model: 1.20 [1.20, 1.20], step-time ratio 1.20"]
-    assert results_page.decided(comparisons)
+    rule = results_page.rule_verdicts(comparisons)
+    lines = results_page.last_lines(comparisons, groups, rule)
+    # every seed pair reads the same: zero-width intervals, a difference at any level
+    assert lines[:3] == ["dppo_verdict_vs_grpo: faster (cost-model time, 3 seeds)",
+                         "dppo_verdict_vs_grpo_filtered: faster (cost-model time, 3 seeds)",
+                         "dppo_verdict_vs_grpo_dynamic_sampling: faster (cost-model time, 3 seeds)"]
+    assert lines[3:9] == ["dppo_speedup_vs_grpo: 2.40 [2.40, 2.40]",
+                          "dppo_speedup_vs_grpo_cost_model: 2.40 [2.40, 2.40]",
+                          "dppo_speedup_vs_grpo_paper_definition: 2.40 [2.40, 2.40]",
+                          "dppo_speedup_vs_grpo_filtered: 2.00 [2.00, 2.00]",
+                          "dppo_speedup_vs_grpo_filtered_cost_model: 2.00 [2.00, 2.00]",
+                          "dppo_speedup_vs_grpo_filtered_paper_definition: 2.00 [2.00, 2.00]"]
+    assert lines[-4:] == ["grpo_filter_check: 1.20 [1.20, 1.20], step-time ratio 1.20",
+                          "grpo_filter_check_cost_model: 1.20 [1.20, 1.20], step-time ratio 1.20",
+                          "grpo_null_check: 1.00 [1.00, 1.00]", "grpo_null_check_cost_model: 1.00 [1.00, 1.00]"]
     del groups["dppo"][3]
     del groups["dppo"][2]
-    assert not results_page.decided(results_page.compare_all(groups))  # one seed: no interval, not decided
+    rule = results_page.rule_verdicts(results_page.compare_all(groups))
+    assert {decided["verdict"] for decided in rule.values()} == {"undecided"}  # one seed: no interval
+
+
+def test_the_verdicts_rule_holm_equivalence_and_its_stop():
+    def result(estimate, log_se, seeds=6):
+        return {"estimate": {"headline": estimate}, "log_se": log_se, "seeds": list(range(seeds))}
+
+    # t(5) at 0.975 is 2.571: a log speed-up of 0.30 with SE 0.1 (t = 3.0, p = 0.030) alone is a difference at 5%,
+    # but not at Holm's first level of three (0.0167) and so with it neither it nor the next is
+    alone = verdict.verdicts({"a": result(math.exp(0.30), 0.1)})
+    assert alone["a"]["verdict"] == "faster"
+    three = verdict.verdicts({"a": result(math.exp(0.30), 0.1), "b": result(1.0, 0.5), "c": result(1.0, 0.5)})
+    assert three["a"]["verdict"] == "undecided"
+    strong = verdict.verdicts({"a": result(math.exp(-0.6), 0.1), "b": result(math.exp(0.30), 0.1),
+                               "c": result(1.02, 0.03)})
+    # a: t = 6 (p < 0.0167): slower; then b at 0.025: t = 3.0, p = 0.030 > 0.025, not a difference; c: the 90% ...
+    assert strong["a"]["verdict"] == "slower" and strong["b"]["verdict"] == "undecided"
+    # ... interval of 1.02 at SE 0.03, at Holm's level for its rank, lies inside [0.8, 1.25]: equivalent
+    assert strong["c"]["verdict"] == "equivalent"
+    low, high = strong["c"]["equivalence_interval"]
+    assert 0.8 < low < 1.02 < high < 1.25
+    assert verdict.should_stop({"a": result(2.0, 0.22 / 2.571 - 1e-4)})
+    assert not verdict.should_stop({"a": result(2.0, 0.22 / 2.571 + 1e-4), "b": result(1.0, 0.01)})
+    assert not verdict.should_stop({"a": {"estimate": None, "log_se": None, "seeds": [1]}})
+
+
+def test_the_rule_on_simulated_benches_mostly_decides_a_large_speedup_and_never_calls_one_of_1_faster():
+    from bench import estimator_check
+
+    rows = estimator_check.rule_check([1.0, 2.37], benches=3)
+    assert rows[0]["faster"] == 0 and rows[0]["slower"] == 0
+    assert rows[1]["faster"] >= 0.75 and rows[1]["slower"] == 0 and rows[1]["seeds"] in verdict.LOOKS
+    assert f"| 2.37 | {100 * rows[1]['faster']:.1f}% |" in estimator_check.rule_table(rows)
 
 
 def test_the_report_reads_every_method_against_every_baseline_and_ends_with_the_last_lines(tmp_path, monkeypatch):
@@ -540,59 +666,147 @@ def test_the_report_reads_every_method_against_every_baseline_and_ends_with_the_
     save_file({"embed": torch.zeros(10, 8), "layer": torch.zeros(8, 8)}, str(model_dir / "model.safetensors"))
     (model_dir / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 8}))
     monkeypatch.setattr(results_page, "CALIBRATION_DATASETS", 10)
-    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--methods", "dppo", "--seeds", "1", "2", "3",
-                                         "--no-control"])
+    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--methods", "dppo", "grpo-null", "--seeds", "1",
+                                         "2", "3"])
     accuracies = [0.25, 0.3, 0.35, 0.4, 0.42, 0.42, 0.42, 0.42]
     for seed in (1, 2, 3):
         for method, seconds_step in (("grpo-paper", 1.2), ("grpo", 1.0), ("dapo-dynamic-sampling", 1.5),
-                                     ("dppo", 0.5)):
+                                     ("dppo", 0.5), ("grpo-null", 1.0)):
             run_dir = write_run(tmp_path / "runs" / method / f"seed_{seed}", [a + 0.01 * seed for a in accuracies],
-                                seconds_step)
+                                seconds_step, tokens=(round(1000 * seconds_step) + 10 * seed,
+                                                      round(500 * seconds_step)))
             write_outcomes(run_dir, steps=7, per_step=4, pruned=0, zero_every=2)
-            (run_dir / training_run.MACHINE_FILE).write_text(json.dumps({"other_cores_busy": 0.1 * seed}))
-    report, last_lines = results_page.results_report(settings, 4.0, None, None, time.perf_counter())
+            (run_dir / training_run.MACHINE_FILE).write_text(json.dumps({"other_cpu_seconds": 1.0 * seed,
+                                                                        "other_cores_busy": 0.1 * seed}))
+    report, last_lines = results_page.results_report(settings, time.perf_counter())
     for baseline in accuracy_runs.BASELINES:
         assert f"### Time to accuracy against {baseline} (" in report
+    assert report.startswith("### Status\n\nDPPO against each baseline by the rule fixed above")
+    assert "| dppo | grpo-paper | **faster** (3 seeds) |" in report
     assert "### The estimator where the answer is known" in report and "| 1.50 |" in report
     assert "0.20 (max 0.30)" in report  # the machine's load beside every method's runs
+    assert "generation 45% of a GRPO step" in report and "a decode iteration" in report
     lines = last_lines.splitlines()
-    assert lines[0].startswith("dppo_speedup_vs_grpo: 2.40 [") and lines[4].startswith(
-        "dppo_speedup_vs_grpo_dynamic_sampling: 3.00 [")
-    assert lines[-2] == "grpo_filter_check: 1.20 [1.20, 1.20], step-time ratio 1.20"
+    assert lines[0] == "dppo_verdict_vs_grpo: faster (cost-model time, 3 seeds)"
+    assert "dppo_speedup_vs_grpo: 2.40 [2.40, 2.40]" in lines
+    assert lines[-4] == "grpo_filter_check: 1.20 [1.20, 1.20], step-time ratio 1.20"
+    assert lines[-2] == "grpo_null_check: 1.00 [1.00, 1.00]"
     assert report.endswith("\n".join(f"    {line}" for line in lines))
+    assert "the null check (grpo-null against grpo) reads 1.00 [1.00, 1.00] in cost-model time against a true " \
+           "1.00: holds" in report
     (tmp_path / "runs" / "grpo-paper").rename(tmp_path / "elsewhere")
     with pytest.raises(ValueError, match=r"no finished run of the baseline\(s\) \['grpo-paper'\]"):
-        results_page.results_report(settings, 4.0, None, None, time.perf_counter())
+        results_page.results_report(settings, time.perf_counter())
 
 
-def test_main_runs_every_seed_then_adds_seeds_until_the_headline_decides(tmp_path, monkeypatch, capsys):
-    """Seed by seed, the methods of a seed in its own order; then one more seed at a time while the headline
-    intervals are wider than 0.5, up to --max-seeds; the report is made after every run."""
+def test_main_runs_six_seeds_then_looks_at_9_and_12_until_the_rule_stops(tmp_path, monkeypatch, capsys):
+    """Seed by seed, the methods of a seed in its own order; then three more seeds at a time while the rule does not
+    stop, up to 12; the report is made once, after every run."""
     from bench import time_to_accuracy
 
-    events, decisions = [], iter([False, True])
+    events, stops = [], iter([False, True])
 
-    def fake_launch(flags, run_dir, processes):  # a finished run: the warm start builds in 100 s, loads in 40 s
+    def fake_launch(flags, run_dir, processes):  # a finished run
         events.append(str(run_dir.relative_to(tmp_path)))
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "command.txt").write_text(" ".join(training_run.command_for(flags, run_dir, processes)[1:]) + "\n")
-        (run_dir / "summary.json").write_text(json.dumps({"seconds": 40.0 if run_dir.name == "cached" else 100.0}))
+        (run_dir / "summary.json").write_text(json.dumps({"seconds": 1.0}))
         return 1.0
 
-    def fake_report(settings, sft_steps_per_second, control, math_model, started):
+    def fake_report(settings, started):
         events.append("report")
-        return "the report", "dppo_speedup_vs_grpo: nan"
+        return "the report", "dppo_verdict_vs_grpo: undecided"
 
     monkeypatch.setattr(training_run, "launch", fake_launch)
     monkeypatch.setattr(time_to_accuracy, "results_report", fake_report)
-    monkeypatch.setattr(time_to_accuracy, "headline_decided", lambda settings: next(decisions))
-    (tmp_path / "cache" / "warm" / "embedded_x" / "warm_start").mkdir(parents=True)
-    time_to_accuracy.main(["--out-dir", str(tmp_path), "--methods", "dppo", "cppo", "--seeds", "1", "2", "--budget-s",
-                           "30", "--no-control"])
+    monkeypatch.setattr(time_to_accuracy, "rule_stops", lambda settings: next(stops))
+    accuracy_runs.warm_start_path(accuracy_runs.parse_args(["--out-dir", str(tmp_path)])).mkdir(parents=True)
+    time_to_accuracy.main(["--out-dir", str(tmp_path), "--methods", "dppo", "cppo", "--no-records"])
     settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--methods", "dppo", "cppo"])
-    expected = ["warm_start/build", "warm_start/cached"]
-    for seed in (1, 2, 3):  # seed 3 added once (not decided), then decided
-        expected += [f"runs/{method}/seed_{seed}" for method in accuracy_runs.run_order(settings, seed)]
-    expected += [f"runs/cppo/seed_{seed}" for seed in (1, 2, 3)]  # the other methods last, with the first 3 seeds
+    expected = ["warm_start/build"]
+    for seed in range(1, 10):  # 6, then 9 (not stopped at 6), then stopped at 9
+        methods = accuracy_runs.seed_methods(settings, seed)
+        expected += [f"runs/{method}/seed_{seed}" for method in accuracy_runs.run_order(settings, seed, methods)]
     assert events == [*expected, "report"]
-    assert "adding seed 3" in capsys.readouterr().out
+    assert "the rule goes on to its next look: seeds 7-9" in capsys.readouterr().out
+
+
+def test_a_step_logs_the_embedded_engines_batches_and_their_decode_loops_in_sequence():
+    """320 rows (40 prompts x 8): the embedded engine decodes rows 0-255, then 256-319, each batch's loop as long as
+    its own longest response, one after the other; an engine that batches continuously runs one loop."""
+    from megatron_dppo.algo.pruning import PromptDecision
+    from megatron_dppo.launch.arguments import parse_args
+    from megatron_dppo.pipeline.experience import ExperienceMaker
+    from megatron_dppo.pipeline.tasks import Prompt, Task
+    from megatron_dppo.rollout.client import Completion
+
+    lengths = {5: 50, 300: 30}  # row -> response length; every other row 3 tokens
+
+    class Client:
+        def generate(self, prompts, params, n=1):
+            return [Completion(index, sample, [7] * lengths.get(index * n + sample, 3), [-0.1] *
+                               lengths.get(index * n + sample, 3), "stop", None)
+                    for index in range(len(prompts)) for sample in range(n)]
+
+    class Tokenizer:
+        eos_token_id = 0
+
+        def decode(self, ids):
+            return "x"
+
+    prompts = [Prompt(i, [i + 1], "x", difficulty="cell") for i in range(40)]
+    task = Task(prompts, [], lambda responses, refs, fields: [1.0] * len(responses), seed=0)
+    for backend, batches, iterations in (("embedded", 2.0, 80.0), ("sglang", 1.0, 50.0)):
+        args = parse_args(["--n-samples-per-prompt", "8", "--rollout-batch-size", "40", "--algorithm", "grpo"])
+        args.rollout_backend = backend
+        rollouts = ExperienceMaker(args, task, Tokenizer(), Client()).roll_out(
+            prompts, PromptDecision.keep_all(40), 1, 40, 40)
+        assert (rollouts.stats["engine_batches"], rollouts.stats["decode_iterations"]) == (batches, iterations)
+
+
+def test_the_screening_reads_each_variant_against_grpo_in_cost_model_time_and_in_steps(tmp_path, monkeypatch):
+    """A variant that learns as fast per step as grpo at half the work per step: 2x in cost-model time, 1x in
+    steps; a variant without runs is listed as such."""
+    from bench import tuning_reports
+
+    monkeypatch.setattr(tuning_reports, "SCREENING", {"dppo-half": ["--algorithm", "dppo", "--x"], "dppo-none": []})
+    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--seeds", "1", "2", "3"])
+    accuracies = [0.25, 0.3, 0.35, 0.4, 0.42, 0.42, 0.42, 0.42]
+    for seed in (1, 2, 3):
+        for method, seconds_step in (("grpo", 1.0), ("dppo-half", 0.5)):
+            write_run(tmp_path / "runs" / method / f"seed_{seed}", [a + 0.01 * seed for a in accuracies],
+                      seconds_step, tokens=(round(1000 * seconds_step) + 10 * seed, round(500 * seconds_step)))
+    report, lines = tuning_reports.screening_report(settings)
+    assert "| dppo-half | 3 | **2.00x** [2.00, 2.00] | **1.00x** [1.00, 1.00] | **2.00x** [2.00, 2.00] | " \
+           "`--algorithm dppo --x` |" in report
+    assert "| dppo-none | 0 | no finished run |" in report
+    assert lines == "screening_dppo-half: 2.00 [2.00, 2.00] cost model, 1.00 [1.00, 1.00] steps"
+
+
+def test_screen_runs_the_variants_alone_seed_by_seed_after_restoring_grpo(tmp_path, monkeypatch):
+    from bench import time_to_accuracy
+
+    events = []
+
+    def fake_launch(flags, run_dir, processes):
+        events.append(str(run_dir.relative_to(tmp_path)))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "command.txt").write_text(" ".join(training_run.command_for(flags, run_dir, processes)[1:]) + "\n")
+        (run_dir / "summary.json").write_text("{}")
+        return 1.0
+
+    variants = {"dppo-a": ["--algorithm", "dppo"], "dppo-b": ["--algorithm", "dppo", "--no-dppo-refill"]}
+    monkeypatch.setattr(accuracy_runs, "SCREENING", variants)
+    monkeypatch.setattr(time_to_accuracy, "SCREENING", variants)
+    monkeypatch.setitem(accuracy_runs.ALL_METHODS, "dppo-a", variants["dppo-a"])
+    monkeypatch.setitem(accuracy_runs.ALL_METHODS, "dppo-b", variants["dppo-b"])
+    monkeypatch.setattr(training_run, "launch", fake_launch)
+    monkeypatch.setattr(time_to_accuracy, "screening_report", lambda settings: ("the screening", "screening_x: 1"))
+    settings = accuracy_runs.parse_args(["--out-dir", str(tmp_path), "--screen"])
+    accuracy_runs.warm_start_path(settings).mkdir(parents=True)
+    time_to_accuracy.main(["--out-dir", str(tmp_path), "--screen", "--no-records"])
+    expected = ["warm_start/build"]
+    for seed in (1, 2, 3):
+        order = ["grpo", *accuracy_runs.run_order(settings, seed, list(variants))]
+        expected += [f"runs/{method}/seed_{seed}" for method in order]
+    assert events == expected

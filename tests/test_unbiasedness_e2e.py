@@ -1,27 +1,29 @@
-"""DPPO is unbiased as users run it: bench/unbiasedness.py drives the trainer's own step (ExperienceMaker: prompt
-draw from a pool four steps' worth, prompt level, rewards, advantages, history, full-batch counts, DAPO filter,
-completion level) over a fixed world, 12,000 draws per shipped configuration, every loss aggregation, and Dense
-Prompt Packing at DP=2. Each draw is compared with its own drawn prompts' full batch.
+"""DPPO is unbiased as users run it: bench/unbiasedness.py drives the trainer's own step (ExperienceMaker: prompt draw
+from a pool four steps' worth, prompt level, rewards, advantages, history, full-batch counts, DAPO filter, completion
+level) over a fixed world, 12,000 draws per shipped configuration, every loss aggregation, and Dense Prompt Packing
+at DP=2. Each draw is compared with its own drawn prompts' full batch.
 
 Tolerances: an unbiased configuration's mean gradient is within 3 standard errors of the gradient it estimates (the
 drawn samples over the rule's count) along that gradient's direction (one z-score per configuration and aggregation),
-within 4 standard errors on every coordinate (16 coordinates x 3 aggregations x 17 pairs of an unbiased configuration
+within 4 standard errors on every coordinate (16 coordinates x 3 aggregations x 19 pairs of an unbiased configuration
 and a rollout correction: with fixed seeds the outcome is reproducible, and at 4 SE a true-zero bias exceeds it
 somewhere with probability about 5%), with a scale standard error under 2% (enough to show a 6% bias; the bench's
 default of 20,000 draws keeps it under 1.5%, the test runs 12,000 for the suite's time); the gradient through packing
-equals the linear form Σ w_i ∇f_i / Z to 1e-6 relative (the packed batch holds the sample weights in
-float32), and each draw's normaliser is the rule's, computed from the draw alone. Against the full batch's loss (the
-drawn candidates' real counts): with exact history lengths the scale is 1 within 3 SE; with stale ones (recorded when
-the answers were up to 40% shorter) the token-mean scale is the predicted real count / the rule's count within 3 SE,
+equals the linear form Σ w_i ∇f_i / Z to 1e-6 relative (the packed batch holds the sample weights in float32), and
+each draw's normaliser is the rule's, computed from the draw alone. Against the full batch's loss (the drawn
+candidates' real counts): with exact history lengths the scale is 1 within 3 SE; with stale ones (recorded when the
+answers were up to 40% shorter) the token-mean scale is the predicted real count / the rule's count within 3 SE,
 about 1.22, many SE from 1, so the check can tell them apart. Deterministic DPPO, DPPO without importance weights,
 DAPO's dynamic sampling, CPPO and D3S are shown biased: relative error above 20%, against their own full batch or the
 real one (dynamic sampling draws whole varied groups, so its bias is its normaliser, the kept batch's). The shipped
-configurations include the prompt level's refill (a fixed draw of M = B / (1 - rate) candidates), its prior for prompts
-never seen, and partial rollouts (each draw continued chunk by chunk over two steps, trained whole; the weights do not
-change here, so this covers their bookkeeping, the off-policy part aside). With an engine that disagrees with the
-trainer, the embedded default's draws are unbiased under each of the six rollout corrections for the full batch with the
-same correction (the same standards; a power of 4.5% scale SE there, its gradients being noisier), and each correction
-moves that gradient (so none is checked while doing nothing).
+configurations include the prompt level's refill (a fixed draw of M = B / (1 - rate) candidates of which the
+systematic design keeps exactly B, or the previous Bernoulli coins), its prior for prompts never seen, the in-step
+probe (two of a group's samples first, then exactly B groups continued, weighted 1 / P(continue)), and partial
+rollouts (each draw continued chunk by chunk over two steps, trained whole; the weights do not change here, so this
+covers their bookkeeping, the off-policy part aside). With an engine that disagrees with the trainer, the embedded
+default's draws are unbiased under each of the six rollout corrections for the full batch with the same correction
+(the same standards; a power of 4.5% scale SE there, its gradients being noisier), and each correction moves that
+gradient (so none is checked while doing nothing).
 """
 
 import json
@@ -35,7 +37,7 @@ from tests.launch import REPO_ROOT, kill_group
 
 BENCH = REPO_ROOT / "bench" / "unbiasedness.py"
 DRAWS = 12_000
-NUM_CONFIGURATIONS = 17
+NUM_CONFIGURATIONS = 19
 CORRECTED = "embedded default, engine disagrees, every correction"
 
 
@@ -155,7 +157,7 @@ def test_proportional_keep_probabilities_lower_the_gradient_variance_when_the_hi
     proportional, uniform = (
         {row.aggregation: row.mean_squared_error for row in bench.check_configuration(
             name, bench.CONFIGURATIONS[name], 3000, packed_draws=0, mispredicted=False)}
-        for name in ("embedded default (dppo: predicted zero-variance, auto rate, refill, DAPO)",
+        for name in ("embedded default (dppo: success-rate score, systematic sampler, auto rate, refill, DAPO)",
                      "dppo uniform keep, refill, DAPO"))
     for aggregation, error in proportional.items():
         assert error < 0.95 * uniform[aggregation], (aggregation, error, uniform[aggregation])

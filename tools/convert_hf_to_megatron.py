@@ -14,11 +14,12 @@ import argparse
 import sys
 
 from megatron_dppo.actor.conversion import DTYPES, hf_to_megatron, run_tool
+from megatron_dppo.flags import ToolHelpFormatter
 from megatron_dppo.hub import resolve_model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     parser.add_argument("--hf-dir", required=True, metavar="DIR_OR_ORG/NAME",
                         help="HF model directory (safetensors), or a Hub model name")
     parser.add_argument("--out", required=True, help="new Megatron save directory (must not exist)")

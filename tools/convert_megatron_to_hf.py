@@ -13,11 +13,12 @@ import argparse
 import sys
 
 from megatron_dppo.actor.conversion import DTYPES, megatron_to_hf, run_tool
+from megatron_dppo.flags import ToolHelpFormatter
 from megatron_dppo.hub import resolve_model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     parser.add_argument("--megatron-dir", required=True, help="Megatron save directory or iter_* directory")
     parser.add_argument("--out", required=True, help="new HF directory (must not exist)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,

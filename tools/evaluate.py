@@ -23,6 +23,7 @@ from pathlib import Path
 from megatron_dppo.data.checks import hf_model_folder
 from megatron_dppo.data.datasets import BENCHMARKS, PromptDataError
 from megatron_dppo.errors import UserInputError
+from megatron_dppo.flags import ToolHelpFormatter
 from megatron_dppo.hub import HubError, resolve_model
 from megatron_dppo.pipeline.evaluation import EVALUATION_REWARDS, evaluate, load_benchmarks, markdown_table
 from megatron_dppo.rewards.math import VerifierPool
@@ -31,10 +32,11 @@ from megatron_dppo.rollout.launcher import launch_embedded_engine
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     parser.add_argument("--benchmarks", nargs="+", default=list(BENCHMARKS), metavar="SOURCE",
                         help=f"built-in names ({', '.join(BENCHMARKS)}, ...), files, directories or hub data sets")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N problems of each")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="evaluate only the first N problems of each (default: all)")
     parser.add_argument("--k", type=int, default=1, help="samples per problem")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -56,7 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-bad-rows", action="store_true", help="leave out rows without a usable prompt or label")
     parser.add_argument("--data-dir", default=None,
                         help="folder of the built-in sets (default: DPPO_DATA_DIR or ../shared/data)")
-    parser.add_argument("--reward-workers", type=int, default=None, help="math-verify worker processes")
+    parser.add_argument("--reward-workers", type=int, default=None,
+                        help="math-verify worker processes (default: min(4, CPU cores))")
     parser.add_argument("--reward-timeout-s", type=float, default=5.0, help="deadline for one math-verify check")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)

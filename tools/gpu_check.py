@@ -14,8 +14,11 @@ with the project's Python dependencies on its path (megatron-core and math-verif
                                            gives a gradient where a random model earns no reward), trainer and engine
                                            log-probs agree within RL_LOGPROB_GAP. The resumed step-5 checkpoint,
                                            loaded into the actor, restores what the uninterrupted one restores
-                                           (weights, fp32 main parameters, Adam's moments and step counts) within
-                                           RESUME_STATE_TOL: a resume that dropped the optimizer's state fails
+                                           (weights, fp32 main parameters, Adam's moments; step counts exactly,
+                                           torch Adam's per parameter and TE's or Apex's FusedAdam's per group)
+                                           within RESUME_STATE_TOL: a resume that dropped the optimizer's state or
+                                           lost a step count fails. On a GPU the uninterrupted run and the stopped
+                                           one with its resume launch side by side
     fused_logprobs  a GPU                  actor/logprobs.py (fused output layer + log-softmax) against the
                                            full-vocabulary path at Qwen3-4B's output layer (V 151936, H 2560, bf16):
                                            the log-probs, and the gradients of the hidden states and the weight
@@ -23,13 +26,18 @@ with the project's Python dependencies on its path (megatron-core and math-verif
                                            chunk sizes; time (best of 3) and peak memory
     actor_step      a GPU                  the actor's bf16 training step at the Qwen3-0.6B shape, about 30k tokens in
                                            packed micro-batches of at most 8192: tokens/s, model FLOP/s and their
-                                           share of the GPU's dense bf16 peak, and the peak memory against the memory
-                                           plan (launch/memory_plan.py): a peak above the plan's total fails
-    decode_cost     a GPU                  the embedded engine's decoder on the GPU: one decode step for 1 row and
-                                           for 64 rows (a GPU's costs about the same; the CPU engine's does not)
+                                           share of the GPU's dense bf16 peak, and the allocator's peak against the
+                                           memory plan without its reserve (launch/memory_plan.py): a peak above it
+                                           fails, and so does a plan more than PLAN_OVERESTIMATE_FACTOR above it
+    decode_cost     a GPU                  the embedded engine's decoder on the GPU: one decode step and output
+                                           layer for 1 row and for 64, medians of interleaved rounds after a
+                                           warm-up; 64 rows may cost at most DECODE_COST_BOUND times 1 row (2x on a
+                                           GPU; 20x on the CPU, where one row at a time costs about 64x); the whole
+                                           iteration, with the logits' copy to the host, beside it
     step_cost       a GPU                  bench/step_cost.py --headline-only --engine-device cuda: GRPO's steps per
                                            second with synchronous and with partial rollouts, the engine decoding
-                                           on the GPU, and partial_rollout_step_speedup
+                                           on the GPU; partial_rollout_step_speedup must exceed
+                                           PARTIAL_SPEEDUP_BOUND (1.1 on a GPU; 0.5 on the CPU)
     nccl_sync       two GPUs, SGLang       examples/pretrain_dppo.py --rollout-backend sglang, not colocated: the
                                            trainer on GPU 0, an SGLang server on GPU 1, the weights synced over NCCL
                                            after each of 3 steps; versions and log-prob gaps as rl_run
@@ -40,11 +48,15 @@ needs ...` naming what this machine lacks; a failing part does not stop the othe
 are met: it can only end ok or FAIL (an exception is a FAIL), never skip itself. The exit status counts the parts
 that failed, and the skipped ones whose need is named by `--require` (the Docker image has TE and SGLang:
 `--require te,sglang` there); the last line sums them up. Launch timeouts are the tests' own (tests/gpu and, for the
-training launches, tests/test_mixed_precision_resume.py's).
+training launches, tests/test_mixed_precision_resume.py's; step_cost's, STEP_COST_TIMEOUT_S, its own), and a launch
+that times out is killed with every process it started.
 
 `--rehearse-on-cpu` runs the parts that need only a GPU on the CPU at tiny sizes (tests/test_gpu_check.py does, so
-that the script cannot rot between GPU sessions); its figures mean nothing, and the parts that need two GPUs, TE or
-SGLang are skipped there.
+that the script cannot rot between GPU sessions); its figures mean nothing, its bounds are the CPU's own (each
+line says which), and the parts that need two GPUs, TE or SGLang are skipped there. `--plant-regression NAME`,
+taken with `--rehearse-on-cpu` only, breaks what a check measures (PLANTABLE) to show that the check fails; the
+other checks' bounds are shown to fail on broken input through their functions (decode_cost_problems,
+partial_speedup_problems, memory_plan_problems, state_differences).
 """
 
 import argparse
@@ -53,12 +65,14 @@ import json
 import math
 import os
 import random
-import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -67,6 +81,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.gpu.limits import LAUNCH_TIMEOUT_S as SMOKE_LAUNCH_TIMEOUT_S  # noqa: E402
 from tests.gpu.limits import TEST_TIMEOUT_S  # noqa: E402
+from tests.launch import kill_group, kill_marked  # noqa: E402
 
 RL_LOGPROB_GAP = 0.05  # mean |trainer - engine| log-prob per token; bf16 trainer, fp32 engine (tests/gpu explains)
 FUSED_LOGPROB_TOL = 0.05  # largest |fused - full| log-prob: two bf16 GEMM orders, logits of order 10 (2^-8 relative)
@@ -81,6 +96,31 @@ RESUME_STATE_TOL = 0.05
 LAUNCH_TIMEOUT_S = 300  # a training launch, as tests/test_mixed_precision_resume.py allows one
 TESTS_GPU_TIMEOUT_S = TEST_TIMEOUT_S + 120  # pytest tests/gpu: the test's own limit, and pytest's start
 DECODE_ROWS = (1, 64)
+# (untimed warm-up rounds, timed rounds) of decode_cost by device: the rehearsal's fewer keep a planted one-row-at-a-
+# time decoder (64 one-row steps a round) within seconds on an idle CPU
+DECODE_ROUNDS = {"cuda": (3, 16), "cpu": (1, 5)}
+# Largest (64-row decode step) / (1-row decode step), each the step and the output layer on the device, medians,
+# by device. A GPU's at the Qwen3-0.6B shape is a fixed number of kernel launches and one read of the weights,
+# whatever the rows: about 1.0-1.3x expected, and a decode that runs its rows one at a time costs about 64x. The
+# copy of the logits to the host (39 MB in fp32 for 64 rows, several ms where pages fault slowly) is reported
+# beside it, not bounded: it grows with the rows by design, as the engine samples on the host. The CPU's step grows
+# with the rows (about 6x for the tiny rehearsal shape on 2 busy cores, 2026-11-27), while one row at a time costs
+# about 64x there too (40x and more measured): the rehearsal's own bound lies between
+DECODE_COST_BOUND = {"cuda": 2.0, "cpu": 20.0}
+# partial_rollout_step_speedup (steps per second with partial rollouts over synchronous ones) must exceed this, by
+# device. On a GPU a step's fixed part is mostly decode iterations, which partial rollouts halve (128 to 64 a step
+# on the worked task): 10% more steps per second is the least that shows it above run-to-run noise (repeated modes
+# of bench/step_cost.py differ by up to 5%). The CPU engine's iterations cost what their rows cost, so partial
+# rollouts buy nothing there (0.96x, docs/trainer.md); the rehearsal's short runs only bound the damage: a partial
+# step that costs twice a synchronous one fails
+PARTIAL_SPEEDUP_BOUND = {"cuda": 1.10, "cpu": 0.5}
+# The memory plan's estimate without its reserve may exceed the allocator's peak of the step it plans by at most
+# this factor (it was within 2% at actor_step's shape, docs/actor.md): a plan 25% too big refuses layouts that fit
+PLAN_OVERESTIMATE_FACTOR = 1.25
+STEP_COST_BUDGET_S = 30  # RL seconds of each of the two GPU runs (the check's whole run stays near 6 minutes)
+# bench/step_cost.py's whole run (the warm start, then the two runs with their starts and evaluations): on a GPU about
+# 3 minutes are expected, and a hang must leave most of a GPU session's time; the rehearsal's 2 busy cores take longer
+STEP_COST_TIMEOUT_S = {"cuda": 420, "cpu": 2 * LAUNCH_TIMEOUT_S + 120}
 # dense bf16 peak FLOP/s by GPU name (datasheets; no sparsity)
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
 
@@ -91,22 +131,23 @@ def say(name: str, ok: bool, message: str) -> bool:
 
 
 def run(command: list, what: str, timeout_s: float = LAUNCH_TIMEOUT_S, env: dict | None = None) -> str:
-    """Run `command` in its own process group, killed whole at `timeout_s`; its output, or an error with its tail."""
+    """Run `command` in its own process group, killed at `timeout_s` with every process it started (torchrun starts
+    its workers in sessions of their own: they carry a marker in their environment); its output, or an error with
+    its tail."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    marker = f"GPU_CHECK_LAUNCH={uuid.uuid4().hex}"
     process = subprocess.Popen([str(part) for part in command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": path, **(env or {})},
-                               start_new_session=True)
+                               text=True, cwd=REPO, start_new_session=True,
+                               env={**os.environ, "PYTHONPATH": path, **(env or {}), **dict([marker.split("=")])})
     try:
         output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_group(process)
         output, _ = process.communicate()
         raise RuntimeError(f"{what} timed out after {timeout_s:g} s: ...{output[-1500:]}") from None
     finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(process)
+        kill_marked(marker)
     if process.returncode != 0:
         raise RuntimeError(f"{what} exited {process.returncode}: ...{output[-1500:]}")
     return output
@@ -178,8 +219,9 @@ def read_metrics(log_dir: Path) -> list[dict]:
 
 def state_differences(expected: dict, found: dict, tolerance: float) -> tuple[list[str], float]:
     """(the tensors of two restored states (Actor.restorable_state) that differ beyond `tolerance` of the expected
-    tensor's largest magnitude, or are missing; step counts and loss-scaler values must be exact), and the largest
-    relative difference seen."""
+    tensor's largest magnitude, or are missing; step counts, torch Adam's per parameter (`<group>.param<j>.step`) and
+    FusedAdam's per group (`<group>.step`), and loss-scaler values must be exact), and the largest relative
+    difference seen."""
     problems, largest = sorted(f"{name} missing" for name in set(expected) ^ set(found)), 0.0
     for name in sorted(set(expected) & set(found)):
         want, got = expected[name].double(), found[name].double()
@@ -196,6 +238,8 @@ def state_differences(expected: dict, found: dict, tolerance: float) -> tuple[li
                             f"{name} {got.flatten()[:1].tolist()} != {want.flatten()[:1].tolist()}")
     if not any(".exp_avg" in name and expected[name].abs().max() > 0 for name in expected):
         problems.append("no Adam moment is non-zero: the runs took no optimizer step")
+    if not any(name.endswith(".step") and expected[name].max() > 0 for name in expected):
+        problems.append("no Adam step count above 0 is restored (per parameter or per group)")
     return problems, largest
 
 
@@ -223,13 +267,23 @@ def check_rl_run(options) -> bool:
               transformer_impl(), "--algorithm", "dppo", "--lr", "1e-4", "--entropy-coef", "0.01", "--rollout-backend",
               "embedded", "--rollout-batch-size", 8, "--n-samples-per-prompt", 4, "--rollout-max-response-len", 8,
               "--data-train-size", 64, "--eval-size", 8]
-    launches = [("never_stepped", root / "converted", 0), ("straight", root / "never_stepped", 5),
-                ("stopped", root / "never_stepped", 3), ("stopped", root / "stopped", 5)]
-    for save, load, steps in launches:  # each launch saves at its end
+
+    def launch(save: str, load: Path, steps: int) -> None:  # each launch saves at its end
         run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", 1, "--master-addr", "127.0.0.1",
              "--master-port", free_port(), REPO / "examples" / "pretrain_dppo.py", *common, "--load", load,
              "--train-iters", steps, "--save", root / save, "--log-dir", root / f"log_{save}"],
             f"the run to step {steps} ({save})")
+
+    launch("never_stepped", root / "converted", 0)
+    # on a GPU machine the uninterrupted run goes beside the stopped one and its resume (two tiny runs share the GPU,
+    # the machine has the cores): one launch less long; a rehearsal's 2 cores run them one after the other, as each
+    # launch has LAUNCH_TIMEOUT_S
+    with ThreadPoolExecutor(2 if options.device.type == "cuda" else 1) as pool:
+        chains = [pool.submit(launch, "straight", root / "never_stepped", 5),
+                  pool.submit(lambda: (launch("stopped", root / "never_stepped", 3),
+                                       launch("stopped", root / "stopped", 5)))]
+        for chain in chains:
+            chain.result()
     straight, resumed = read_metrics(root / "log_straight"), read_metrics(root / "log_stopped")
     problems = []
     if [step["step"] for step in straight] != [1, 2, 3, 4, 5] or [step["step"] for step in resumed] != [1, 2, 3, 4, 5]:
@@ -351,6 +405,22 @@ def qwen3_shape(options) -> tuple:
                           max_position_embeddings=40960), 30000, 256, 4096, 8192
 
 
+def memory_plan_problems(peak: float, plan) -> list[str]:
+    """What is wrong with the memory plan (a launch/memory_plan.py StageMemory) against the allocator's peak bytes of
+    the step it plans. Its estimate without the reserve (the CUDA context and the allocator's fragmentation, which
+    max_memory_allocated does not count) must bound the peak, or the plan admits layouts that run out of memory; and
+    must not exceed it by more than PLAN_OVERESTIMATE_FACTOR, or the plan refuses layouts that fit."""
+    from megatron_dppo.launch.memory_plan import GIB
+
+    if peak > plan.estimate:
+        return [f"allocator peak {peak / GIB:.2f} GiB above the memory plan's {plan.estimate / GIB:.2f} GiB without "
+                f"its reserve (the plan underestimates by {100 * (peak / plan.estimate - 1):.1f}%)"]
+    if plan.estimate > PLAN_OVERESTIMATE_FACTOR * peak:
+        return [f"the memory plan's {plan.estimate / GIB:.2f} GiB without its reserve is {plan.estimate / peak:.2f}x "
+                f"the allocator peak {peak / GIB:.2f} GiB (at most {PLAN_OVERESTIMATE_FACTOR:g}x)"]
+    return []
+
+
 def check_actor_step(options) -> bool:
     import torch
 
@@ -391,21 +461,74 @@ def check_actor_step(options) -> bool:
     share = f", {100 * flops / seconds / peak:.1f}% of {name}'s dense bf16 peak" if peak else ""
     (plan,) = plan_memory(TrainerLayout(shape, dtype="bf16", tokens=max(batch.tokens.shape[1] for batch in batches),
                                         transformer_impl=transformer_impl()))
-    ok, memory = grad_norm is not None and math.isfinite(grad_norm), ""
-    if options.device.type == "cuda":  # the plan must not admit a step that cannot fit: its total bounds the peak
-        measured = torch.cuda.max_memory_allocated()
-        ok = ok and measured <= plan.total
-        memory = (f", peak {measured / GIB:.1f} GiB against the memory plan's estimate {plan.estimate / GIB:.1f} GiB "
-                  f"({100 * (plan.estimate / measured - 1):+.0f}%) and total {plan.total / GIB:.1f} GiB")
-    return say("actor_step", ok, f"{'Qwen3-0.6B' if not options.rehearse_on_cpu else 'tiny'} shape "
+    problems = [] if grad_norm is not None and math.isfinite(grad_norm) else [f"grad norm {grad_norm}"]
+    if options.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+        problems += memory_plan_problems(peak, plan)
+        memory = (f", allocator peak {peak / GIB:.2f} GiB against the plan's {plan.estimate / GIB:.2f} GiB without its "
+                  f"reserve (plan {plan.estimate / peak:.3f}x the peak, within [1, {PLAN_OVERESTIMATE_FACTOR:g}]; "
+                  f"reserved peak {torch.cuda.max_memory_reserved() / GIB:.2f} GiB, plan total with reserve "
+                  f"{plan.total / GIB:.2f} GiB)")
+    else:
+        memory = ", memory not compared (the allocator's peak is CUDA's)"
+    return say("actor_step", not problems, "; ".join(problems) + ("; " if problems else "") +
+               f"{'Qwen3-0.6B' if not options.rehearse_on_cpu else 'tiny'} shape "
                f"({parameters / 1e6:.0f}M parameters), bf16, {transformer_impl()} spec, {tokens} tokens in "
                f"{len(batches)} packed micro-batches ({len(lengths)} sequences of {shortest}-{longest}): "
                f"{seconds * 1e3:.0f} ms a step (median of 3), {tokens / seconds:,.0f} tokens/s, "
                f"{flops / seconds / 1e12:.0f} TFLOP/s{share}{memory}; grad norm {grad_norm}")
 
 
+def synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_step_seconds(decoder, device, one_row_at_a_time: bool) -> dict[str, dict[int, list[float]]]:
+    """Seconds of one engine decode iteration (every row advances one token) per count in DECODE_ROWS, in
+    DECODE_ROUNDS[device] rounds (the first untimed): "device", the step and the output layer where the model is,
+    synchronized; "iteration", that and the fp32 logits' copy to the host, where the engine samples. The counts
+    alternate within each round, so that a busy spell on the host slows both alike. `one_row_at_a_time` (a planted
+    regression, rehearsals only) decodes the rows as separate one-row batches, one after the other."""
+    import torch
+
+    states = {}
+    for rows in DECODE_ROWS:
+        contexts = [[1 + row % 7] * 64 for row in range(rows)]
+        batches = [[context] for context in contexts] if one_row_at_a_time else [contexts]
+        states[rows] = [decoder.prefill(batch)[0] for batch in batches]
+    seconds = {part: {rows: [] for rows in DECODE_ROWS} for part in ("device", "iteration")}
+    warmup, repeats = DECODE_ROUNDS[device.type]
+    for round_index in range(warmup + repeats):
+        for rows in DECODE_ROWS:
+            synchronize(device)
+            start = time.perf_counter()
+            logits = [decoder.device_logits(decoder.step(state, torch.ones(state.batch_size, dtype=torch.long)))
+                      for state in states[rows]]
+            synchronize(device)
+            stepped = time.perf_counter()
+            for part in logits:
+                part.cpu()
+            if round_index >= warmup:
+                seconds["device"][rows].append(stepped - start)
+                seconds["iteration"][rows].append(time.perf_counter() - start)
+    return seconds
+
+
+def decode_cost_problems(seconds: dict[int, list[float]], bound: float) -> tuple[list[str], float]:
+    """(what is wrong, the ratio): the median decode step of the most rows over that of one row must stay at or
+    under `bound`."""
+    few, many = DECODE_ROWS[0], DECODE_ROWS[-1]
+    ratio = statistics.median(seconds[many]) / statistics.median(seconds[few])
+    if math.isfinite(ratio) and ratio <= bound:
+        return [], ratio
+    return [f"a decode step for {many} rows costs {ratio:.2f}x the step for {few} row (bound {bound:g}x)"], ratio
+
+
 def check_decode_cost(options) -> bool:
-    """The embedded engine's decoder on the device: the time of one decode step for 1 row and for 64."""
+    """The embedded engine's decoder on the device: a decode step for 64 rows against one for 1 row."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -413,22 +536,36 @@ def check_decode_cost(options) -> bool:
 
     config, *_ = qwen3_shape(options)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(options.device).eval()
-    decoder, costs = KVCacheDecoder(model), {}
     with torch.no_grad():
-        for rows in DECODE_ROWS:
-            state, hidden = decoder.prefill([[1 + row % 7] * 64 for row in range(rows)])
-            tokens = torch.ones(rows, dtype=torch.long)
-            for _ in range(3):  # warm-up
-                decoder.logits(decoder.step(state, tokens))
-            start, steps = time.perf_counter(), 16
-            for _ in range(steps):
-                decoder.logits(decoder.step(state, tokens))  # the logits come to the host, as the engine samples
-            costs[rows] = (time.perf_counter() - start) / steps
-    ratio = costs[DECODE_ROWS[-1]] / costs[DECODE_ROWS[0]]
-    return say("decode_cost", math.isfinite(ratio),
-               f"{'Qwen3-0.6B' if not options.rehearse_on_cpu else 'tiny'} shape, bf16, on {options.device}: one "
-               f"decode step {costs[DECODE_ROWS[0]] * 1e3:.1f} ms for {DECODE_ROWS[0]} row, "
-               f"{costs[DECODE_ROWS[-1]] * 1e3:.1f} ms for {DECODE_ROWS[-1]} rows ({ratio:.2f}x)")
+        seconds = decode_step_seconds(KVCacheDecoder(model), options.device, "decode_per_row" in options.planted)
+    bound = DECODE_COST_BOUND[options.device.type]
+    problems, ratio = decode_cost_problems(seconds["device"], bound)
+    few, many = (statistics.median(seconds["device"][rows]) for rows in (DECODE_ROWS[0], DECODE_ROWS[-1]))
+    whole = {rows: statistics.median(seconds["iteration"][rows]) for rows in DECODE_ROWS}
+    why = ("the GPU bound: its cost is kernel launches and weight reads, the same for 1 row as for 64"
+           if options.device.type == "cuda" else
+           "the CPU rehearsal's bound: the CPU's cost grows with the rows, but one row at a time costs about 64x")
+    return say("decode_cost", not problems, "; ".join(problems) + ("; " if problems else "") +
+               f"{'Qwen3-0.6B' if not options.rehearse_on_cpu else 'tiny'} shape, bf16, on {options.device}"
+               f"{', PLANTED one row at a time' if 'decode_per_row' in options.planted else ''}: one decode step "
+               f"and output layer (median of {len(seconds['device'][DECODE_ROWS[0]])}, interleaved) "
+               f"{few * 1e3:.2f} ms for {DECODE_ROWS[0]} row, {many * 1e3:.2f} ms for {DECODE_ROWS[-1]} rows: "
+               f"{ratio:.2f}x (<= {bound:g}x, {why}); with the fp32 logits' copy to the host, where the engine "
+               f"samples (not bounded: it grows with the rows), {whole[DECODE_ROWS[0]] * 1e3:.2f} and "
+               f"{whole[DECODE_ROWS[-1]] * 1e3:.2f} ms ({whole[DECODE_ROWS[-1]] / whole[DECODE_ROWS[0]]:.2f}x)")
+
+
+def partial_speedup_problems(output: str, bound: float) -> tuple[list[str], float]:
+    """(what is wrong, the speedup) of bench/step_cost.py --headline-only's output: its partial_rollout_step_speedup
+    line must be there and its value above `bound`."""
+    named = dict(line.split(": ", 1) for line in output.splitlines() if line.startswith("partial_rollout_"))
+    if "partial_rollout_step_speedup" not in named:
+        return ["bench/step_cost.py printed no partial_rollout_step_speedup line"], math.nan
+    speedup = float(named["partial_rollout_step_speedup"])
+    if math.isfinite(speedup) and speedup > bound:
+        return [], speedup
+    return [f"partial rollouts give {speedup:.3f}x the synchronous steps per second (must exceed {bound:g}x)"], \
+        speedup
 
 
 def check_step_cost(options) -> bool:
@@ -436,17 +573,22 @@ def check_step_cost(options) -> bool:
     out = Path(tempfile.mkdtemp(prefix="gpu_check_step_cost_"))
     rehearsal = ["--modes-budget-s", "8", "--skip-steps", "1", "--trainer-flags",
                  "--warm-start-steps 20 --rollout-batch-size 4"] if options.rehearse_on_cpu else \
-        ["--modes-budget-s", "45", "--skip-steps", "3"]
+        ["--modes-budget-s", str(STEP_COST_BUDGET_S), "--skip-steps", "3"]
     output = run([sys.executable, REPO / "bench" / "step_cost.py", "--headline-only", "--out-dir", out,
                   "--processes", 1, "--engine-device", options.device.type, *rehearsal],
-                 "bench/step_cost.py --headline-only", timeout_s=2 * LAUNCH_TIMEOUT_S + 120)
-    named = dict(line.split(": ", 1) for line in output.splitlines() if line.startswith("partial_rollout_"))
-    speedup = float(named.get("partial_rollout_step_speedup", "nan"))
+                 "bench/step_cost.py --headline-only",
+                 timeout_s=STEP_COST_TIMEOUT_S[options.device.type])
+    bound = PARTIAL_SPEEDUP_BOUND[options.device.type]
+    problems, speedup = partial_speedup_problems(output, bound)
     table = " / ".join(line.strip() for line in output.splitlines() if line.startswith("| synchronous") or
                        line.startswith("| partial"))
-    return say("step_cost", math.isfinite(speedup) and speedup > 0,
-               f"GRPO on the worked task, the embedded engine decoding on {options.device.type}: "
-               f"{table}; partial_rollout_step_speedup {speedup:.3f}")
+    why = ("the GPU bound: partial rollouts halve the decode iterations a step waits for, and a GPU's iteration "
+           "costs the same however few rows it carries" if options.device.type == "cuda" else
+           "the CPU rehearsal's bound: the CPU engine's iterations cost what their rows cost, so partial rollouts "
+           "buy nothing there (0.96x measured), but a partial step must not cost twice a synchronous one")
+    return say("step_cost", not problems, "; ".join(problems) + ("; " if problems else "") +
+               f"GRPO on the worked task, the embedded engine decoding on {options.device.type}: {table}; "
+               f"partial_rollout_step_speedup {speedup:.3f} (> {bound:g}, {why})")
 
 
 def check_nccl_sync(options) -> bool:
@@ -491,6 +633,8 @@ PARTS = {  # name: (check, what it needs beyond a CUDA GPU's Python environment)
     "nccl_sync": (check_nccl_sync, ("two_gpus", "sglang")),
     "tests_gpu": (check_tests_gpu, ("gpu", "te", "sglang")),
 }
+# Regressions a rehearsal can plant (--plant-regression), each in the measurement of the check it names
+PLANTABLE = {"decode_per_row": "decode_cost's decoder runs the rows one at a time, as separate one-row batches"}
 IN_PROCESS = ("rl_run", "actor_step")  # parts that build an actor here, in one process group
 
 
@@ -525,7 +669,9 @@ def run_parts(names: list[str], options, met: dict[str, bool], required: set[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from megatron_dppo.flags import ToolHelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     parser.add_argument("--checks", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--require", default="",
                         help=f"needs that must be met (comma-separated, of {', '.join(NEEDS)}): a part skipped for "
@@ -533,7 +679,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rehearse-on-cpu", action="store_true",
                         help="run the one-GPU parts on the CPU at tiny sizes (the script's own test; figures mean "
                              "nothing)")
+    parser.add_argument("--plant-regression", action="append", default=[], choices=sorted(PLANTABLE),
+                        help="with --rehearse-on-cpu only: break what the named check measures, to show that it "
+                             "fails (tests/test_gpu_check.py); " + "; ".join(f"{name}: {what}" for name, what in
+                                                                           PLANTABLE.items()))
     options = parser.parse_args(argv)
+    if options.plant_regression and not options.rehearse_on_cpu:
+        parser.error("--plant-regression breaks a rehearsal on purpose: it is taken with --rehearse-on-cpu only")
+    options.planted = set(options.plant_regression)
     import torch
 
     if not torch.cuda.is_available() and not options.rehearse_on_cpu:

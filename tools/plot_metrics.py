@@ -16,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron_dppo.flags import ToolHelpFormatter
 from megatron_dppo.metrics import DEFAULT_METRICS, DEFAULT_X_AXES, load_run, plot_runs
 
 
@@ -26,13 +27,14 @@ def parse_run_argument(text: str) -> tuple[str, str | None]:
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=ToolHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directory or metrics.jsonl, optionally =LABEL")
     parser.add_argument("--output-dir", required=True, help="where the PNG files go")
-    parser.add_argument("--metrics", nargs="+", default=None, help=f"default: {' '.join(DEFAULT_METRICS)}")
+    parser.add_argument("--metrics", nargs="+", default=None,
+                        help=f"metrics to draw (default: {' '.join(DEFAULT_METRICS)})")
     parser.add_argument("--x", nargs="+", default=list(DEFAULT_X_AXES), help="x axes (any metric key)")
     parser.add_argument("--smooth", type=int, default=1, help="trailing-mean window for per-step metrics")
-    parser.add_argument("--title", default="")
+    parser.add_argument("--title", default="", help="the figures' title")
     args = parser.parse_args(argv)
     try:
         runs = [load_run(*parse_run_argument(text)) for text in args.runs]

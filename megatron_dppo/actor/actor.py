@@ -201,6 +201,10 @@ class Actor:
     def restorable_state(self) -> dict[str, torch.Tensor]:
         """Copies of every tensor a resume restores and the next step trains on, by name: the model's weights and,
         per parameter, the optimizer's fp32 main copy, Adam's moments and step count, and the loss scaler's state.
+        Adam's step count is where the optimizer keeps it: torch Adam's per parameter (`state[p]['step']`,
+        `<group>.param<j>.step`), TE's and Apex's FusedAdam's per parameter group (`param_groups[i]['step']`,
+        `<group>.step`, read where the group's parameters keep no count of their own: megatron-core's loader also
+        writes the saved count into torch Adam's groups, where torch Adam never reads or advances it).
         What two runs' checkpoints restore is compared through it (tests/workers/optimizer_state_checks.py,
         tools/gpu_check.py); a checkpoint also stores what is never restored (the distributed optimizer's flat
         buffers keep uninitialised bytes in the alignment gaps between parameters)."""
@@ -208,6 +212,10 @@ class Actor:
         for index, optimizer in enumerate(self._megatron_optimizers() if self.optimizer is not None else []):
             torch_optimizer = optimizer.optimizer
             for group_index, group in enumerate(torch_optimizer.param_groups):
+                counted_per_param = any("step" in torch_optimizer.state.get(param, {}) for param in group["params"])
+                if "step" in group and not counted_per_param:
+                    state[f"optimizer{index}.group{group_index}.step"] = torch.as_tensor(
+                        group["step"], dtype=torch.float64).clone()
                 for param_index, param in enumerate(group["params"]):
                     where = f"optimizer{index}.group{group_index}.param{param_index}"
                     state[f"{where}.main_param"] = param.detach().clone()

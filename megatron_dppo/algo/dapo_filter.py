@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_dppo.algo.advantages import check_rewards
-from megatron_dppo.algo.pruning import DAPO_LEVEL, step_generator
+from megatron_dppo.algo.pruner_interface import DAPO_LEVEL, step_generator
 
 
 @dataclass

@@ -2,18 +2,25 @@
 
     SOURCE ──► resolve_source ──► built-in name (math, gsm8k, math500, ...) ──► <data dir>/<its file>.jsonl
                               ──► a local .jsonl / .json / .parquet file, or a directory of them
-                              ──► anything else: a Hugging Face hub data set name (needs the network)
+                              ──► anything else: a Hugging Face hub data set name (needs the network), in
+                                  its configuration where it has several (--prompt-data-config: openai/gsm8k main),
+                                  or with --prompt-data-config a folder holding such a data set, downloaded whole
            ──► datasets.load_dataset, one table per file (or per hub split)
            ──► row parser: the built-in set's own fields, or --input-key / --label-key checked for --reward-type
-           ──► Example(prompt, answer, source, row) ──► encode_examples (templates) ──► PromptSampler (seeded epochs)
+           ──► parse_tables: ParsedRows(examples, skipped) ──► Example(prompt, answer, source, row)
+           ──► encode_examples (templates) ──► PromptSampler (seeded epochs)
 
 Invariants
 - Every Example has a non-empty prompt (text, or chat messages [{"role", "content"}]) and a non-empty answer string
   that its reward can read (a number for gsm8k, an integer for synthetic).
 - A bad row raises DataFormatError naming the file, the row and the fix; with skip_bad_rows it is counted, reported
-  in one warning per file, and left out. A source that cannot be read at all raises PromptDataError naming it.
+  in one warning per source (how many of how many, and the first), and left out. More than MAX_BAD_ROW_FRACTION of
+  a source's rows bad, or no usable row at all, is refused in one line naming the source, the count and the fix:
+  rows that bad mean the source's layout is not the one read (a changed field type would otherwise be skipped into
+  an empty or thinned set). A source that cannot be read at all raises PromptDataError naming it.
 - A built-in prompt is its problem followed by BOXED_INSTRUCTION, and tools/prepare_data.py writes exactly these
-  rows, so `--prompt-data math` and `--prompt-data <prepared>/math_train.parquet` train on the same prompts.
+  rows (and MATH's difficulty), so `--prompt-data math` and `--prompt-data <prepared>/math_train.parquet
+  --difficulty-key difficulty` train on the same prompts.
 - Nothing here imports torch or, until a table is read, the `datasets` library: argument checks use it.
 """
 
@@ -40,6 +47,9 @@ REWARD_TYPES = ("math", "gsm8k", "synthetic")
 _MATH_DELIMITER = re.compile(r"(?<!\\)\$")  # an unescaped $ (\$ is a dollar sign)
 _HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
 _SKIP_FIX = "fix the row, or leave bad rows out with --skip-bad-rows"
+# --skip-bad-rows leaves out at most this share of a source's rows: MATH train's 2 of 7,500 pass, a source whose
+# field changed type (every row bad) does not
+MAX_BAD_ROW_FRACTION = 0.01
 
 
 class PromptDataError(UserInputError):
@@ -215,12 +225,16 @@ class Source:
     kind: str  # "builtin" (name is a key of DATASETS), "files" (files, sorted) or "hub" (name is a hub data set)
     name: str
     files: tuple[Path, ...] = ()
+    config: str | None = None  # a hub data set's configuration (openai/gsm8k: main); None: its only (or default) one
 
 
 def resolve_source(source: str, flag: str = "--prompt-data", directory: str | Path | None = None,
-                   training: bool = False) -> Source:
+                   training: bool = False, config: str | None = None) -> Source:
     """What `source` names, checked without reading it: a built-in set whose file exists, local files with a
-    supported suffix, or (anything else) a hub data set name. `training` maps math/gsm8k to their training splits."""
+    supported suffix, or (anything else) a hub data set name. With `config` (`flag`-config) a hub data set is read in
+    that configuration, and so is a folder holding one (a data set downloaded whole: `hf download REPO --repo-type
+    dataset --local-dir DIR`); other sources take none (config_error). `training` maps math/gsm8k to their training
+    splits."""
     name = TRAINING_SETS.get(source, source) if training else source
     if name in DATASETS:
         root = Path(directory) if directory else data_dir()
@@ -235,6 +249,8 @@ def resolve_source(source: str, flag: str = "--prompt-data", directory: str | Pa
                 "in it, downloaded from their public sources)")
         return Source("builtin", name, (path,))
     path = Path(source).expanduser()
+    if path.is_dir() and config is not None:  # a Hugging Face data set saved whole (hf download --local-dir)
+        return Source("hub", source, config=config)
     if path.is_dir():
         files = tuple(sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SUFFIXES))
         if not files:
@@ -248,7 +264,16 @@ def resolve_source(source: str, flag: str = "--prompt-data", directory: str | Pa
     if source.startswith((".", "/", "~")) or source.endswith(SUFFIXES) or not _HUB_NAME.fullmatch(source):
         raise PromptDataError(f"{flag} {source}: no such file or directory; pass a .jsonl, .json or .parquet file, a "
                               f"directory of them, a Hugging Face data set name, or a built-in set: {sorted(DATASETS)}")
-    return Source("hub", source)
+    return Source("hub", source, config=config)
+
+
+def config_error(source: Source, flag: str, config: str | None) -> str | None:
+    """`flag`-config names a Hugging Face data set's configuration: one line when it is given for a source of
+    another kind, which has none."""
+    if config is None or source.kind == "hub":
+        return None
+    return (f"{flag}-config {config} names a configuration of a Hugging Face data set; {source.name} is a "
+            f"{'built-in set' if source.kind == 'builtin' else 'local source'} read whole: drop it")
 
 
 # ------------------------------------------------------------------------------------------------ reading tables
@@ -287,11 +312,11 @@ def _raise_on_bad_json(path: Path) -> None:
                                   "(--skip-bad-rows skips rows that parse, not text that is not JSON)") from error
 
 
-def _read_hub(name: str, split: str, flag: str):
+def _read_hub(name: str, split: str, flag: str, config: str | None = None):
     import datasets as hf_datasets
 
     try:
-        return _quietly(lambda: hf_datasets.load_dataset(name, split=split))
+        return _quietly(lambda: hf_datasets.load_dataset(name, config, split=split))
     except ConnectionError as error:
         offline = [variable for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
                    if os.environ.get(variable, "").lower() in ("1", "true", "yes", "on")]
@@ -302,8 +327,11 @@ def _read_hub(name: str, split: str, flag: str):
             "directory of them instead (tools/prepare_data.py shows the layout), or run where the hub is reachable"
         ) from error
     except Exception as error:  # an unknown data set, split or config: datasets raises several types
-        raise PromptDataError(f"{flag} {name} (split {split!r}): the Hugging Face data set could not be loaded: "
-                              f"{type(error).__name__}: {error}") from error
+        chosen = f"split {split!r}" + (f", configuration {config!r}" if config else "")
+        hint = "" if config or "config" not in str(error).lower() else (
+            f"; a data set with several configurations needs {flag}-config NAME")
+        raise PromptDataError(f"{flag} {name} ({chosen}): the Hugging Face data set could not be loaded: "
+                              f"{type(error).__name__}: {error}{hint}") from error
 
 
 def _quietly(load):
@@ -322,16 +350,29 @@ def _quietly(load):
 def _tables(source: Source, split: str, flag: str) -> Iterator[tuple[str, object]]:
     """(name for messages, datasets.Dataset) per file, or the one hub split."""
     if source.kind == "hub":
-        yield f"{source.name} [{split}]", _read_hub(source.name, split, flag)
+        yield f"{source.name} [{source.config + ', ' if source.config else ''}{split}]", _read_hub(
+            source.name, split, flag, source.config)
         return
     for path in source.files:
         yield str(path), read_table(path)
 
 
+@dataclass(frozen=True)
+class ParsedRows:
+    examples: list[Example]
+    skipped: int  # bad rows left out (--skip-bad-rows)
+    read: int  # rows read, good and bad
+
+
 def parse_tables(tables: Iterator[tuple[str, object]], parse_row: Callable[[dict, str, int], Example],
-                 required_fields: Sequence[tuple[str, str]], skip_bad_rows: bool, limit: int | None) -> list[Example]:
-    """Parse rows of each table in order; a bad row raises (file, row, fix) or, when skipped, is counted."""
+                 required_fields: Sequence[tuple[str, str]], skip_bad_rows: bool, limit: int | None,
+                 what: str, fix: str) -> ParsedRows:
+    """Parse rows of each table in order; a bad row raises (file, row, fix) or, when skipped, is counted. `what`
+    names the source (a set, a flag's value) and `fix` says what to do when its rows are too bad to use: more than
+    MAX_BAD_ROW_FRACTION of them, or none usable."""
     examples: list[Example] = []
+    skipped: list[str] = []
+    read = 0
     for name, table in tables:
         if limit is not None and len(examples) >= limit:
             break
@@ -339,10 +380,10 @@ def parse_tables(tables: Iterator[tuple[str, object]], parse_row: Callable[[dict
             if field not in table.column_names:
                 raise PromptDataError(f"{name}: has no field {field!r} (its fields: {table.column_names}): pass "
                                       f"{flag} with the name of the field that holds it")
-        skipped: list[str] = []
         for number, row in enumerate(table, start=1):
             if limit is not None and len(examples) >= limit:
                 break
+            read += 1
             try:
                 examples.append(dataclasses.replace(parse_row(row, name, number), fields=row))
             except DataFormatError as error:
@@ -350,26 +391,44 @@ def parse_tables(tables: Iterator[tuple[str, object]], parse_row: Callable[[dict
                 if not skip_bad_rows:
                     raise DataFormatError(f"{message} ({_SKIP_FIX})") from error
                 skipped.append(message)
-        if skipped:
-            logger.warning("skipped %d malformed rows of %s (--skip-bad-rows); first: %s", len(skipped), name,
-                           skipped[0])
-    return examples
+    if not examples:
+        raise PromptDataError(f"{what}: no usable rows" + (f" (all {read} bad and skipped; first: {skipped[0]})"
+                                                            if skipped else " (it holds none)") + f": {fix}")
+    if len(skipped) > MAX_BAD_ROW_FRACTION * read:
+        raise PromptDataError(
+            f"{what}: {len(skipped)} of {read} rows are bad ({len(skipped) / read:.1%}; --skip-bad-rows leaves out at "
+            f"most {MAX_BAD_ROW_FRACTION:.0%}), so its rows are not laid out as read here (first: {skipped[0]}): {fix}")
+    if skipped:
+        logger.warning("%s: skipped %d of %d rows, malformed (--skip-bad-rows); first: %s", what, len(skipped), read,
+                       skipped[0])
+    return ParsedRows(examples, len(skipped), read)
 
 
 # ------------------------------------------------------------------------------------------------ loading
 def load_dataset(name: str, data_dir: str | Path | None = None, skip_bad_rows: bool = False,
                  limit: int | None = None) -> list[Example]:
     """One of DATASETS, read from the data directory (DPPO_DATA_DIR or ../shared/data, or `data_dir`)."""
+    return load_local_builtin(name, data_dir, skip_bad_rows, limit).examples
+
+
+def load_local_builtin(name: str, data_dir: str | Path | None = None, skip_bad_rows: bool = False,
+                       limit: int | None = None) -> ParsedRows:
+    """load_dataset's rows and how many bad ones --skip-bad-rows left out."""
     if name not in DATASETS:
         raise ValueError(f"unknown data set {name!r}; choose one of {sorted(DATASETS)}")
-    return load_prompt_data(name, skip_bad_rows=skip_bad_rows, limit=limit, flag="data set", data_dir=data_dir)
+    resolved = resolve_source(name, "data set", data_dir)
+    return parse_tables(_tables(resolved, "train", "data set"), DATASETS[name].parse_row, (), skip_bad_rows, limit,
+                        f"{name} ({resolved.files[0]})", "the local copy is not the set's file: replace it (without "
+                        "it, tools/prepare_data.py fetches the set's public source)")
 
 
 def load_prompt_data(source: str, input_key: str = "prompt", label_key: str = "label", reward_type: str = "math",
                      split: str = "train", skip_bad_rows: bool = False, limit: int | None = None,
                      flag: str = "--prompt-data", data_dir: str | Path | None = None,
-                     training: bool = False, difficulty_key: str | None = None) -> list[Example]:
-    """Prompts and reference answers from a built-in set, a local file or directory, or a hub data set.
+                     training: bool = False, difficulty_key: str | None = None,
+                     config: str | None = None) -> list[Example]:
+    """Prompts and reference answers from a built-in set, a local file or directory, or a hub data set (in its
+    configuration `config`).
 
     Built-in sets have their own fields; other sources take the prompt from `input_key` and the answer from
     `label_key`, which must be readable by `reward_type`, and their difficulty (optional, any value) from
@@ -377,10 +436,11 @@ def load_prompt_data(source: str, input_key: str = "prompt", label_key: str = "l
     """
     if reward_type not in REWARD_TYPES:
         raise ValueError(f"unknown reward type {reward_type!r}; choose one of {REWARD_TYPES}")
-    resolved = resolve_source(source, flag, data_dir, training)
+    resolved = resolve_source(source, flag, data_dir, training, config)
+    if problem := config_error(resolved, flag, config):
+        raise PromptDataError(problem)
     if resolved.kind == "builtin":
-        return parse_tables(_tables(resolved, split, flag), DATASETS[resolved.name].parse_row, (), skip_bad_rows,
-                             limit)
+        return load_local_builtin(resolved.name, data_dir, skip_bad_rows, limit).examples
 
     def parse_row(row: dict, name: str, number: int) -> Example:
         difficulty = "" if difficulty_key is None or row.get(difficulty_key) is None else str(row[difficulty_key])
@@ -388,11 +448,10 @@ def load_prompt_data(source: str, input_key: str = "prompt", label_key: str = "l
                        number, difficulty=difficulty)
 
     required = ((input_key, "--input-key"), (label_key, "--label-key"))
-    examples = parse_tables(_tables(resolved, split, flag), parse_row, required, skip_bad_rows, limit)
-    if not examples:
-        raise PromptDataError(f"{flag} {source}: no usable rows" + (" (every row was bad and skipped)"
-                                                                     if skip_bad_rows else ""))
-    return examples
+    fix = (f"check {input_key!r} (--input-key) and {label_key!r} (--label-key) against the rows, and that "
+           f"--reward-type {reward_type} can read the labels; or fix the rows")
+    return parse_tables(_tables(resolved, split, flag), parse_row, required, skip_bad_rows, limit,
+                        f"{flag} {source}", fix).examples
 
 
 def encode_examples(examples: Sequence[Example], apply_chat_template: bool, tokenizer) -> list[list[int]]:

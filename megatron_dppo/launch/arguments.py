@@ -22,27 +22,28 @@ from megatron_dppo.data.checks import (
     PROMPT_FLAGS,
     default_eval_prompt_data,
     default_reward_type,
+    eval_sets,
     hf_model_folder,
     prompt_data_errors,
 )
 from megatron_dppo.data.synthetic import TASKS as SYNTHETIC_TASKS
 from megatron_dppo.flags import (
-    ABOVE_ONE,
-    AT_LEAST_ONE,
     COUNT,
     COUNT_OR_NONE,
     FRACTION,
     NON_NEGATIVE,
     POSITIVE,
     RATE,
-    RATE_OR_AUTO,
     SEED,
     TOP_K,
     FlagParser,
+    changed_flags,
     require_domains,
 )
+from megatron_dppo.launch import algorithm_flags as algorithm
 from megatron_dppo.launch import cluster_flags
 from megatron_dppo.launch import rollout_correction_flags as correction
+from megatron_dppo.launch.algorithm_flags import SEQUENCE_CLIP, TOKEN_CLIP
 from megatron_dppo.launch.memory_plan import memory_flags, recompute_errors
 from megatron_dppo.launch.rollout_servers import SGLANG_TP_FLAGS, rollout_server_gpus
 from megatron_dppo.metrics import wandb_project_flag
@@ -55,10 +56,6 @@ from megatron_dppo.rollout.launcher import (
     sglang_flag_value,
 )
 
-ALGORITHMS = ("grpo", "dppo", "cppo", "d3s")
-# Clip ranges (eps_low, eps_high): DAPO's clip-higher for token-level ratios; a sequence-level (GSPO) ratio is the
-# geometric mean of the token ratios, so it moves far less and GSPO's paper clips it at (3e-4, 4e-4).
-TOKEN_CLIP, SEQUENCE_CLIP = (0.2, 0.28), (3e-4, 4e-4)
 REWARD_TYPES = ("math", "gsm8k", "synthetic")  # megatron_dppo.rewards.REWARD_FUNCTIONS, named without importing it
 RENAMED_FLAGS = {"--data-prompts": "--prompt-data", "--reward-fn": "--reward-type",
                  "--data-skip-bad-rows": "--skip-bad-rows"}
@@ -95,8 +92,8 @@ def build_parser() -> FlagParser:
         description="GRPO-family RL with DPPO on Megatron-Core. With no arguments on a CPU machine: the embedded "
         "default (tiny model, synthetic arithmetic, embedded rollout engine).",
     )
-    for add_flags in (megatron_flags, memory_flags, rollout_flags, algorithm_flags, correction.add_flags, reward_flags,
-                      data_flags, embedded_flags, operation_flags, cluster_flags.add_flags):
+    for add_flags in (megatron_flags, memory_flags, rollout_flags, algorithm.add_flags, correction.add_flags,
+                      reward_flags, data_flags, embedded_flags, operation_flags, cluster_flags.add_flags):
         add_flags(parser)
     require_domains(parser)
     parser.note_replaced_defaults("the embedded default", EMBEDDED_DEFAULTS, EMBEDDED_TASK_DEFAULTS,
@@ -113,10 +110,10 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron.add_argument("--bf16", action="store_true")
     megatron.add_argument("--fp16", action="store_true")
     megatron.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default=None,
-                          help="the layer implementation: transformer_engine (Transformer Engine's layers; the "
-                               "default on every GPU, and a GPU without TE installed stops at start-up saying so: "
-                               "pass local there) or local (megatron-core's own layers with SDPA attention over "
-                               "packed sequences; the default and only choice on the CPU)")
+                          help="the layer implementation: transformer_engine (Transformer Engine's layers; a GPU "
+                               "without TE installed stops at start-up saying so: pass local there) or local "
+                               "(megatron-core's own layers with SDPA attention over packed sequences; the only "
+                               "choice on the CPU); default: transformer_engine on every GPU, local on the CPU")
     megatron.add_argument("--initial-loss-scale", type=POSITIVE, default=2.0**16,
                           help="--fp16: the dynamic loss scale at the start (Megatron-LM starts at 2^32 and halves "
                                "it after overflowing steps, which are skipped: here each skipped step throws a "
@@ -162,6 +159,12 @@ def megatron_flags(parser: argparse.ArgumentParser) -> None:
     megatron.add_argument("--time-budget-s", type=POSITIVE, default=None,
                           help="stop RL once this many seconds of it have passed (after the current step); held-out "
                                "evaluations (--eval-interval) are not counted")
+    megatron.add_argument("--time-budget-prices", type=NON_NEGATIVE, nargs=4, default=None,
+                          metavar=("STEP", "ITERATION", "GENERATED", "TRAINED"),
+                          help="count --time-budget-s in the seconds the steps' logged work would take at these "
+                               "prices (per step, per decode iteration, per generated token, per trained token) "
+                               "instead of wall time: a run then does the same work whatever else the machine runs "
+                               "(benchmarks on shared machines); default: wall time")
 
 
 def rollout_flags(parser: argparse.ArgumentParser) -> None:
@@ -224,83 +227,6 @@ def rollout_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument_group("sglang (forwarded)", SGLANG_PASSTHROUGH_HELP)
 
 
-def algorithm_flags(parser: argparse.ArgumentParser) -> None:
-    algo = parser.add_argument_group("algorithm (--dppo-* and the other pruners)")
-    algo.add_argument("--algorithm", choices=ALGORITHMS, default="dppo")
-    # Defaults here equal the config dataclasses of algo/pruning.py and algo/dapo_filter.py and docs/algorithms.md's
-    # table (a test holds them equal); they are written out so that parsing (and --dry-run) does not import torch.
-    algo.add_argument("--dppo-prompt-prune-rate", type=RATE_OR_AUTO, default="auto",
-                      help="expected fraction of the drawn prompts pruned before rollout; auto: the pool's recent "
-                           "zero-variance share (about as many prompts are rolled out as are expected to teach)")
-    algo.add_argument("--dppo-completion-prune-rate", type=RATE, default=0.5,
-                      help="expected fraction of the completion candidates pruned after rewards")
-    algo.add_argument("--dppo-mode", choices=("stochastic", "deterministic"), default="stochastic",
-                      help="stochastic: unbiased (keep with probability p, weight 1/p); deterministic: the paper's "
-                           "Algorithm 1 (biased)")
-    algo.add_argument("--dppo-keep-policy", choices=("uniform", "proportional"), default="proportional",
-                      help="keep probability 1 - rate for every candidate, or proportional to its score")
-    algo.add_argument("--dppo-prompt-p-min", type=FRACTION, default=0.2,
-                      help="floor of a prompt's keep probability (its importance weight is at most 1 / floor)")
-    algo.add_argument("--dppo-completion-p-min", type=FRACTION, default=0.05)
-    algo.add_argument("--dppo-candidates", choices=("all", "below_mean"), default="below_mean",
-                      help="which items may be pruned: all, or those scoring <= the mean (of the batch for prompts, "
-                           "of the group for completions)")
-    # the names of algo.history.PROMPT_SCORES, written out so that parsing (and --dry-run) does not import torch
-    algo.add_argument("--dppo-prompt-score",
-                      choices=("zero_variance", "mean_abs_advantage", "reward_std", "unsolved_rate"),
-                      default="zero_variance",
-                      help="how the prompt level ranks prompts before rollout: zero_variance, the history's predicted "
-                           "probability that the group's rewards are all equal (a stratum prior for unseen prompts); "
-                           "or an EMA of mean |A| or reward std (0 for all-correct and all-wrong groups), or of "
-                           "unsolved_rate = 1 - mean reward (0 only for solved prompts; rewards in [0, 1])")
-    algo.add_argument("--dppo-refill", action=argparse.BooleanOptionalAction, default=True,
-                      help="draw B / (1 - prompt prune rate) prompts so that about B are rolled out (the freed rollout "
-                           "slots go to other prompts; the normaliser is the drawn batch's, so it stays unbiased)")
-    algo.add_argument("--dppo-refill-max", type=AT_LEAST_ONE, default=4.0,
-                      help="the refill draws at most this many times --rollout-batch-size prompts")
-    algo.add_argument("--dppo-importance-weights", action=argparse.BooleanOptionalAction, default=True,
-                      help="weight kept prompts by 1 / keep probability and normalise by the drawn batch (unbiased); "
-                           "--no-dppo-importance-weights trains the kept prompts as if they were the batch (biased)")
-    algo.add_argument("--cppo-prune-rate", type=RATE, default=0.5)
-    algo.add_argument("--cppo-scope", choices=("per_group", "batch"), default="per_group")
-    algo.add_argument("--cppo-refill", action="store_true", help="draw batch / (1 - P) prompts (CPPO's allocation)")
-    algo.add_argument("--d3s-sample-fraction", type=FRACTION, nargs=2, default=(0.25, 0.75),
-                      metavar=("INIT", "FINAL"),
-                      help="fraction of samples D3S keeps at the run's start and end (linear over its progress)")
-    algo.add_argument("--d3s-token-fraction", type=FRACTION, nargs=2, default=(0.5, 1.0), metavar=("INIT", "FINAL"),
-                      help="fraction of the kept samples' tokens D3S keeps at the run's start and end")
-    algo.add_argument("--dapo-filter", action=argparse.BooleanOptionalAction, default=False,
-                      help="drop groups whose rewards are all equal (the normaliser still counts them)")
-    algo.add_argument("--dapo-oversample", type=AT_LEAST_ONE, default=1.0,
-                      help="draw this many times the batch; when more groups are varied than the batch holds, a "
-                           "random batch-size subset trains, each weighted by varied / batch size (with "
-                           "--dapo-dynamic-sampling: the size of each round, in batches)")
-    algo.add_argument("--dapo-dynamic-sampling", action="store_true",
-                      help="DAPO's dynamic sampling (--algorithm grpo): generate rounds of prompts until the batch "
-                           "holds --rollout-batch-size groups with varied rewards, and train those as the batch "
-                           "(biased; DPPO's --dppo-refill is the unbiased way to fill the batch)")
-    algo.add_argument("--dapo-max-rounds", type=COUNT, default=10,
-                      help="--dapo-dynamic-sampling: at most this many rounds per step (a shorter batch trains then)")
-    algo.add_argument("--advantage-estimator", choices=("grpo", "dr_grpo", "rloo"), default="grpo")
-    algo.add_argument("--loss-agg-mode", default="token-mean",
-                      choices=("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"))
-    algo.add_argument("--eps-clip", type=RATE, default=None,
-                      help=f"lower clip range (default {TOKEN_CLIP[0]} for token-level ratios, {SEQUENCE_CLIP[0]} for "
-                           "--importance-level sequence, as GSPO's paper)")
-    algo.add_argument("--eps-clip-high", type=NON_NEGATIVE, default=None,
-                      help=f"upper clip range (default {TOKEN_CLIP[1]} token level, {SEQUENCE_CLIP[1]} sequence level)")
-    algo.add_argument("--eps-clip-c", type=ABOVE_ONE, default=None, help="dual-clip constant (e.g. 3)")
-    algo.add_argument("--kl-coef", type=NON_NEGATIVE, default=0.0, help="> 0 loads a frozen reference model")
-    algo.add_argument("--kl-type", choices=("k1", "k2", "k3", "low_var_kl"), default="low_var_kl")
-    algo.add_argument("--entropy-coef", type=NON_NEGATIVE, default=0.0)
-    algo.add_argument("--importance-level", choices=("token", "sequence"), default="token", help="sequence: GSPO")
-    algo.add_argument("--ppo-epochs", type=COUNT, default=1, help="update passes over each rollout batch")
-    algo.add_argument("--history-ema-decay", type=RATE, default=0.5,
-                      help="per-visit decay of a prompt's history (0: its latest visit alone)")
-    algo.add_argument("--history-prior-strength", type=POSITIVE, default=2.0,
-                      help="weight, in visits, of a prompt's difficulty-stratum prior in its zero-variance prediction")
-
-
 def reward_flags(parser: argparse.ArgumentParser) -> None:
     reward = parser.add_argument_group("reward")
     reward.add_argument("--reward-type", choices=REWARD_TYPES, default=None,
@@ -323,10 +249,15 @@ def data_flags(parser: argparse.ArgumentParser) -> None:
                            "DPPO_DATA_DIR or ../shared/data); a .jsonl/.json/.parquet file or a directory of them; or "
                            "a Hugging Face data set name (needs network access)")
     data.add_argument("--prompt-data-split", default="train", help="split of a Hugging Face data set")
-    data.add_argument("--eval-prompt-data", default=None, metavar="SOURCE",
-                      help="held-out prompts, in the same forms (a built-in name: math500, gsm8k_test, aime24, ...); "
-                           "default: math500 for --reward-type math, gsm8k_test for gsm8k")
+    data.add_argument("--prompt-data-config", default=None, help="configuration of a Hugging Face data set with "
+                      "several (openai/gsm8k: main), or of a folder holding one (hf download --local-dir)")
+    data.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="NAME SOURCE",
+                      help="held-out prompts: one SOURCE in the same forms (a built-in name: math500, gsm8k_test, "
+                           "aime24, ...), or NAME SOURCE pairs (slime's form), each evaluated and logged as "
+                           "heldout_accuracy/NAME (the first also as heldout_accuracy); default: math500 for "
+                           "--reward-type math, gsm8k_test for gsm8k")
     data.add_argument("--eval-prompt-data-split", default="test", help="split of a Hugging Face data set")
+    data.add_argument("--eval-prompt-data-config", default=None, help="--prompt-data-config of the held-out sets")
     data.add_argument("--input-key", default="prompt",
                       help="field of your rows holding the prompt: text, or chat messages [{role, content}]")
     data.add_argument("--label-key", default="label", help="field of your rows holding the reference answer")
@@ -400,18 +331,12 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     order of --help; where a check asks whether a flag was given, the parser's default answers it."""
     server_gpus, server_errors = rollout_server_gpus(args)
     errors = [*megatron_errors(args), *recompute_errors(args), *rollout_errors(args), *server_errors,
-              *vllm_errors(args), *algorithm_errors(args, parser), *correction.errors(args, parser),
+              *vllm_errors(args), *algorithm.errors(args, parser), *correction.errors(args, parser),
               *batch_filling_errors(args, parser), *cluster_flags.errors(args),
               *range_combination_errors(args), *model_and_data_errors(args, parser), *embedded_errors(args)]
     if errors:
         parser.error(errors[0] if len(errors) == 1 else "\n  ".join(["invalid arguments:", *errors]))
     fill_dependent_defaults(args, server_gpus)
-
-
-def changed_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, *flags: str) -> list[str]:
-    """Those of `flags` whose value is not the parser's default, in the order given (--no-X: X turned off)."""
-    dests = {flag: parser._option_string_actions[flag].dest for flag in flags}
-    return [flag for flag, dest in dests.items() if getattr(args, dest) != parser.get_default(dest)]
 
 
 def megatron_errors(args: argparse.Namespace) -> list[str]:
@@ -464,20 +389,6 @@ def vllm_errors(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def algorithm_errors(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
-    """DPPO's options given to another --algorithm, and D3S without a run length to schedule over."""
-    errors = []
-    dppo_flags = changed_flags(args, parser, "--dppo-prompt-prune-rate", "--dppo-completion-prune-rate", "--dppo-mode",
-                               "--dppo-prompt-score", "--no-dppo-refill", "--no-dppo-importance-weights")
-    if dppo_flags and args.algorithm != "dppo":
-        errors.append(f"{dppo_flags[0]} only applies to --algorithm dppo, but --algorithm is {args.algorithm}: "
-                      f"drop {dppo_flags[0]} or use --algorithm dppo")
-    if args.algorithm == "d3s" and args.train_iters is None and args.time_budget_s is None:
-        errors.append("--algorithm d3s relaxes its sample and token fractions over the run: give its length with "
-                      "--train-iters or --time-budget-s")
-    return errors
-
-
 def batch_filling_errors(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
     """The ways a step fills its batch, each with the flags it needs: the DAPO filter's over-sampling, partial
     rollouts (draws carried across steps) and DAPO's dynamic sampling (rounds until the batch is full, for GRPO)."""
@@ -506,15 +417,11 @@ def range_combination_errors(args: argparse.Namespace) -> list[str]:
         errors.append(f"--max-tokens-per-gpu {args.max_tokens_per_gpu} cannot hold one response of "
                       f"--rollout-max-response-len {args.rollout_max_response_len} and its prompt in a micro-batch: "
                       "raise --max-tokens-per-gpu or lower --rollout-max-response-len")
+    if args.time_budget_prices is not None and args.time_budget_s is None:
+        errors.append("--time-budget-prices prices the steps for --time-budget-s, which is not given: add "
+                      "--time-budget-s or drop --time-budget-prices")
     if args.save_interval and not args.save:
         errors.append(f"--save-interval {args.save_interval} saves to --save DIR, which is not given: add --save")
-    if args.algorithm == "dppo" and args.dppo_keep_policy == "proportional":
-        for level in ("prompt", "completion"):
-            p_min, rate = getattr(args, f"dppo_{level}_p_min"), getattr(args, f"dppo_{level}_prune_rate")
-            if rate != "auto" and rate > 0 and p_min > 1 - rate:
-                errors.append(f"--dppo-{level}-p-min {p_min} exceeds the keep fraction 1 - --dppo-{level}-prune-rate "
-                              f"{rate}: the floor alone would keep more than asked; lower --dppo-{level}-p-min or "
-                              f"--dppo-{level}-prune-rate (or use --dppo-keep-policy uniform)")
     if args.n_samples_per_prompt < 2 and args.advantage_estimator != "dr_grpo":
         errors.append(f"--n-samples-per-prompt {args.n_samples_per_prompt} gives every sample a zero "
                       f"--advantage-estimator {args.advantage_estimator} advantage: use G >= 2")
@@ -575,4 +482,4 @@ def fill_dependent_defaults(args: argparse.Namespace, server_gpus: int) -> None:
     args.eps_clip = clip[0] if args.eps_clip is None else args.eps_clip
     args.eps_clip_high = clip[1] if args.eps_clip_high is None else args.eps_clip_high
     args.reward_type = args.reward_type or default_reward_type(args.prompt_data)
-    args.eval_prompt_data = args.eval_prompt_data or default_eval_prompt_data(args.prompt_data, args.reward_type)
+    args.eval_sets = eval_sets(args.eval_prompt_data, default_eval_prompt_data(args.prompt_data, args.reward_type))

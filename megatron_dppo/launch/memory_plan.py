@@ -1,9 +1,9 @@
 """The memory plan of a trainer GPU: what each pipeline stage's GPUs hold at the peak of a training step, estimated
-from the model's config.json and the flags, against the GPU's memory (--gpu-memory-gib). --dry-run prints it and a
-start on a GPU checks it; a plan that cannot fit is refused before anything is built, in one line naming the flags
-that would make it fit.
+from the model's config.json and the flags, against the GPU's memory (--gpu-memory-gib). --dry-run prints and checks
+it (on a machine without GPUs too: a login node plans for the GPUs the run will have) and a start on a GPU checks it;
+a plan that cannot fit is refused before anything is built, in one line naming the flags that would make it fit.
 
-    config.json ─► ModelShape ─┐
+    config.json (a folder's, or a Hub name's: cached, or downloaded alone) ─► ModelShape ─┐
     flags: precision, TP/PP/DP, sequence parallel, distributed optimizer, recompute, --max-tokens-per-gpu,
            --kl-coef (a frozen reference), the layer spec ─┴─► plan_memory ─► StageMemory per pipeline stage:
         weights + gradients + optimizer state + activations + working set + reserve  ─► memory_plan_lines
@@ -45,12 +45,17 @@ import argparse
 import json
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from megatron_dppo.convert.mapping import ModelShape, model_shape, padded_vocab_size
 from megatron_dppo.flags import COUNT, POSITIVE
+from megatron_dppo.hub import HubError, model_config_file
 
 GIB = 2**30
+# An 80 GB H100 (H100 80GB HBM3) as CUDA reports it: 85,017,493,504 bytes, 79.18 GiB (cuDeviceTotalMem and torch's
+# total_memory; nvidia-smi: 81,559 MiB, 480 MiB of them reserved by the driver), measured on one on 2026-11-27
+# (driver 580.159.04; docs/actor.md). The plan's total holds the CUDA context in its reserve, so it is compared with
+# this, rounded down to 0.01 GiB: a plan --dry-run passes, a start on the card passes too.
+H100_80GB_GIB = 79.17
 RESERVE_BYTES = GIB  # the CUDA context and NCCL's buffers, which the allocator's peak does not count
 RESERVE_FRACTION = 0.10  # the caching allocator's fragmentation over micro-batches of varying shapes
 LOGPROB_CHUNK_ELEMENTS = 2**25  # actor/logprobs.CHUNK_ELEMENTS (its temporaries), written out: no torch here
@@ -74,11 +79,11 @@ def memory_flags(parser: argparse.ArgumentParser) -> None:
     memory.add_argument("--recompute-num-layers", type=COUNT, default=None,
                         help="--recompute-granularity full: layers per recomputed unit (uniform) or recomputed "
                              "layers per pipeline stage (block)")
-    memory.add_argument("--gpu-memory-gib", type=POSITIVE, default=80.0,
-                        help="memory of one trainer GPU, which the memory plan (--dry-run, and every start on a GPU) "
-                             "checks the run against: weights, gradients, optimizer state and activations at "
-                             "--max-tokens-per-gpu (default: an 80 GB H100's; a start also takes the GPU's own if "
-                             "smaller)")
+    memory.add_argument("--gpu-memory-gib", type=POSITIVE, default=H100_80GB_GIB,
+                        help="memory of one trainer GPU, which the memory plan (--dry-run, also on a machine without "
+                             "GPUs, and every start on a GPU) checks the run against: weights, gradients, optimizer "
+                             "state and activations at --max-tokens-per-gpu (default: what an 80 GB H100 offers, "
+                             f"{H100_80GB_GIB} GiB; a start also takes the GPU's own if smaller)")
 
 
 def recompute_errors(args: argparse.Namespace) -> list[str]:
@@ -352,7 +357,7 @@ def memory_plan_error(layout: TrainerLayout, gpu_gib: float) -> str | None:
             wider = replace(layout, tp=tp, dp=layout.dp * layout.tp // tp)
             fixes.append((f"--tensor-model-parallel-size {tp}", wider))
             break
-    options = [f"{flags} ({max(plan.total for plan in plan_memory(fixed)) / GIB:.1f} GiB)"
+    options = [f"{flags} ({max(plan.total for plan in plan_memory(fixed)) / GIB:.2f} GiB)"
                for flags, fixed in fixes if _fits(fixed, gpu_gib)]
     advice = ("; fits with " + ", or ".join(options)) if options else \
         "; no single change fits: combine --recompute-granularity full, a lower --max-tokens-per-gpu and more TP/PP"
@@ -379,11 +384,15 @@ def layout_error(layout: TrainerLayout) -> str | None:
 
 
 def plan_config(args) -> tuple[dict | None, str]:
-    """(config.json of --hf-checkpoint, where it was read), or (None, why not): the plan may be printed where the
-    model is not (--dry-run on a login node)."""
+    """(config.json of --hf-checkpoint, where it was read), or (None, why not): a folder's, or a Hub name's from the
+    Hugging Face cache or a config-only download (megatron_dppo.hub); the plan may be printed where the model is not
+    (--dry-run on a login node)."""
     if not args.hf_checkpoint:
         return None, "no --hf-checkpoint"
-    path = Path(args.hf_checkpoint) / "config.json"
+    try:
+        path = model_config_file(args.hf_checkpoint, "--hf-checkpoint")
+    except HubError as error:
+        return None, str(error)
     try:
         return json.loads(path.read_text()), str(path)
     except (OSError, ValueError) as error:
@@ -391,8 +400,8 @@ def plan_config(args) -> tuple[dict | None, str]:
 
 
 def dry_run_memory_plan(args, dp: int, on_gpus: bool) -> tuple[list[str], str | None]:
-    """(lines --dry-run prints, one-line error or None): the plan for --hf-checkpoint's model, checked when the
-    trainer runs on GPUs."""
+    """(lines --dry-run prints, one-line error or None): the plan for --hf-checkpoint's model, checked against
+    --gpu-memory-gib also where this machine has no GPU (a login node plans for the GPUs the run will have)."""
     config, source = plan_config(args)
     if config is None:
         return [f"memory plan: not made ({source}; a start on a GPU makes it from the model it loads)"], None
@@ -405,7 +414,8 @@ def dry_run_memory_plan(args, dp: int, on_gpus: bool) -> tuple[list[str], str | 
         return [], problem
     lines = memory_plan_lines(layout, args.gpu_memory_gib)
     if not on_gpus:
-        return [*lines, "  (no GPU: the CPU mode trains in host memory; the plan is not checked)"], None
+        lines.append(f"  (no GPU here: checked against --gpu-memory-gib {args.gpu_memory_gib:g}, the GPUs the run "
+                     "will have; a run on CPUs alone trains in host memory, which no plan checks)")
     return lines, memory_plan_error(layout, args.gpu_memory_gib)
 
 

@@ -29,6 +29,7 @@ from megatron_dppo.actor.model import Recompute
 from megatron_dppo.actor.parallel import destroy_parallel, init_parallel
 from megatron_dppo.convert.hf_checkpoint import HFCheckpoint, read_config
 from megatron_dppo.convert.mapping import model_shape
+from megatron_dppo.data.checks import HELDOUT_METRIC, eval_metric
 from megatron_dppo.errors import UserInputError
 from megatron_dppo.launch.arguments import is_embedded_default
 from megatron_dppo.launch.cluster_flags import watchdog_config
@@ -66,9 +67,11 @@ def build_task(args, tokenizer) -> Task:
 
     fields = dict(input_key=args.input_key, label_key=args.label_key, reward_type=args.reward_type,
                   skip_bad_rows=args.skip_bad_rows, difficulty_key=args.difficulty_key)
-    train = load_prompt_data(args.prompt_data, split=args.prompt_data_split, training=True, **fields)
-    heldout = load_prompt_data(args.eval_prompt_data, split=args.eval_prompt_data_split, limit=args.eval_size,
-                               flag="--eval-prompt-data", **fields)
+    train = load_prompt_data(args.prompt_data, split=args.prompt_data_split, training=True,
+                             config=args.prompt_data_config, **fields)
+    heldout = {name: load_prompt_data(source, split=args.eval_prompt_data_split, limit=args.eval_size,
+                                      flag="--eval-prompt-data", config=args.eval_prompt_data_config, **fields)
+               for name, source in args.eval_sets}  # one unnamed set, or several by name (eval_sets)
     return dataset_task(train, heldout, tokenizer, args.rl_seed, args.reward_type, args.apply_chat_template,
                         args.reward_timeout_s, scorer)
 
@@ -191,6 +194,46 @@ def wandb_run(args) -> WandbRun | None:
                     Path(args.wandb_save_dir or Path(args.log_dir) / "wandb"), config)
 
 
+class RLClock:
+    """The RL time that --time-budget-s counts: wall time without the held-out evaluations, or, with
+    --time-budget-prices, the steps' logged work at those prices (a step, its decode iterations, generated and
+    trained tokens), so that a benchmark's run does the same work on a busy machine as on an idle one. Both are
+    logged per step (seconds_wall, seconds_priced); a resumed run goes on from the clock its checkpoint saved."""
+
+    WORK = ("decode_iterations", "tokens_generated", "tokens_trained")
+
+    def __init__(self, prices, resumed: dict | None = None):
+        resumed = resumed or {}
+        self.prices = None if prices is None else tuple(float(price) for price in prices)
+        self.before = resumed.get("seconds_wall", resumed.get("seconds_rl", 0.0))
+        self.start, self.evaluating = time.perf_counter(), 0.0
+        self.priced = resumed.get("seconds_rl", 0.0) if self.prices is not None else 0.0
+
+    def wall(self) -> float:
+        return self.before + time.perf_counter() - self.start - self.evaluating
+
+    def seconds(self) -> float:
+        return self.wall() if self.prices is None else self.priced
+
+    def add_step(self, step_metrics: dict) -> None:
+        """Price one step's work (its metrics) and log both clocks into them."""
+        if self.prices is not None:
+            self.priced += self.prices[0] + sum(price * float(step_metrics.get(key, 0.0))
+                                                for price, key in zip(self.prices[1:], self.WORK))
+            step_metrics["seconds_priced"] = self.priced
+        step_metrics["seconds_wall"] = self.wall()
+
+    def add_evaluation(self, seconds: float) -> None:
+        self.evaluating += seconds
+
+
+def heldout_metrics(evaluation: dict) -> dict:
+    """An evaluation's metrics: heldout_accuracy (the first held-out set), and heldout_accuracy/NAME for each named
+    set (--eval-prompt-data NAME SOURCE ...)."""
+    named = {eval_metric(name): result["accuracy"] for name, result in evaluation.get("sets", {}).items() if name}
+    return {HELDOUT_METRIC: evaluation["accuracy"], **named}
+
+
 def budget_spent(budget_s: float | None, elapsed_s: float) -> bool:
     """Rank 0's clock decides for every rank: ranks that stopped at different steps would deadlock."""
     if budget_s is None:
@@ -262,32 +305,30 @@ def run(args) -> dict:
         resumed = trainer.load(args.load) if args.load else {}
         trainer.sync_weights()
         before = resumed.get("eval_before") or trainer.evaluate(args.eval_size)
-        elapsed_before = resumed.get("seconds_rl", 0.0)
         prompts = resumed.get("prompt_totals") or {"prompts_drawn": 0.0, "prompts_pruned": 0.0}
         metrics = MetricsLogger(args.log_dir, rank0, args.train_iters, trainer.step, prompts, wandb_run(args))
-        rl_start, eval_seconds = time.perf_counter(), 0.0
-
-        def rl_seconds() -> float:  # RL time so far: the periodic evaluations do not count against the budget
-            return elapsed_before + time.perf_counter() - rl_start - eval_seconds
+        clock = RLClock(args.time_budget_prices, resumed)  # the periodic evaluations do not count
 
         while trainer.step < trainer.total_steps():
-            if budget_spent(args.time_budget_s, rl_seconds()):
+            if budget_spent(args.time_budget_s, clock.seconds()):
                 break
-            step_metrics = trainer.train_one_step(rl_seconds())
-            step_metrics["seconds_wall"] = rl_seconds()
+            step_metrics = trainer.train_one_step(clock.seconds())
+            clock.add_step(step_metrics)
             for key in prompts:
                 prompts[key] += step_metrics.get(key, 0.0)
             if args.eval_interval and trainer.step % args.eval_interval == 0:
                 eval_start = time.perf_counter()
-                step_metrics["heldout_accuracy"] = trainer.evaluate(args.eval_size)["accuracy"]
-                eval_seconds += time.perf_counter() - eval_start
+                step_metrics.update(heldout_metrics(trainer.evaluate(args.eval_size)))
+                clock.add_evaluation(time.perf_counter() - eval_start)
             metrics.log(trainer.step, step_metrics)
             if args.save and args.save_interval and trainer.step % args.save_interval == 0:
-                trainer.save({"eval_before": before, "prompt_totals": dict(prompts), "seconds_rl": rl_seconds()})
-        seconds_rl = rl_seconds()
+                trainer.save({"eval_before": before, "prompt_totals": dict(prompts), "seconds_rl": clock.seconds(),
+                              "seconds_wall": clock.wall()})
+        seconds_rl = clock.seconds()
         after = trainer.evaluate(args.eval_size)
         if args.save and not (args.save_interval and trainer.step % args.save_interval == 0):
-            trainer.save({"eval_before": before, "seconds_rl": seconds_rl, "prompt_totals": dict(prompts)})
+            trainer.save({"eval_before": before, "seconds_rl": seconds_rl, "seconds_wall": clock.wall(),
+                          "prompt_totals": dict(prompts)})
         metrics.close()
     # the prompt level's work over the run: the share of drawn prompts it pruned, and the samples it never generated
     pruned_fraction = prompts["prompts_pruned"] / prompts["prompts_drawn"] if prompts["prompts_drawn"] else 0.0
@@ -296,6 +337,10 @@ def run(args) -> dict:
                "prompts_pruned_fraction": round(pruned_fraction, 4),
                "rollouts_saved": int(prompts["prompts_pruned"]) * args.n_samples_per_prompt,
                "seconds": round(time.perf_counter() - start, 1)}
+    named = {name: {"before": round(before["sets"][name]["accuracy"], 4), "after": round(result["accuracy"], 4)}
+             for name, result in after.get("sets", {}).items() if name and name in before.get("sets", {})}
+    if named:  # --eval-prompt-data NAME SOURCE ...: each set's before and after (the first is the headline above)
+        summary["heldout_sets"] = named
     if rank0 and trainer.maker.partial is not None:  # every started sample trained once, or counted here
         summary["partial_rollout_samples"] = {**trainer.maker.partial.counts,
                                               "samples_open_at_end": trainer.maker.partial.samples_in_flight()}

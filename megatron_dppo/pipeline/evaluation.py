@@ -128,7 +128,7 @@ def load_benchmarks(sources: Sequence[str], reward_type: str = "math", input_key
     benchmarks = {}
     for source in sources:
         if source in DATASETS:
-            examples, _ = load_builtin(source, data_dir, skip_bad_rows, limit)
+            examples = load_builtin(source, data_dir, skip_bad_rows, limit).rows.examples
             benchmarks[source] = Benchmark(examples, DATASETS[source].reward_type)
         else:
             benchmarks[source] = Benchmark(load_prompt_data(source, input_key, label_key, reward_type, split,

@@ -34,7 +34,8 @@ from megatron_dppo.algo.pruning import (
 from megatron_dppo.algo.rollout_correction import RolloutCorrection
 from megatron_dppo.pipeline.packing import TrainingSample
 from megatron_dppo.pipeline.partial_rollouts import PartialConfig, PartialRollouts
-from megatron_dppo.rollout.client import SamplingParams
+from megatron_dppo.rollout.client import SamplingParams, SequenceRequest
+from megatron_dppo.servers.embedded.scheduler import MAX_BATCH_SIZE
 
 
 def pruner_options(args) -> tuple[str, dict]:
@@ -44,7 +45,10 @@ def pruner_options(args) -> tuple[str, dict]:
             prompt_prune_rate=args.dppo_prompt_prune_rate, completion_prune_rate=args.dppo_completion_prune_rate,
             mode=args.dppo_mode, keep_policy=args.dppo_keep_policy, prompt_p_min=args.dppo_prompt_p_min,
             completion_p_min=args.dppo_completion_p_min, candidates=args.dppo_candidates,
-            prompt_score=args.dppo_prompt_score, refill=args.dppo_refill, refill_max=args.dppo_refill_max,
+            prompt_score=args.dppo_prompt_score, prompt_sampling=args.dppo_prompt_sampling,
+            group_size=args.n_samples_per_prompt, advantage_estimator=args.advantage_estimator,
+            probe_samples=args.dppo_probe_samples, probe_prompts=args.dppo_probe_prompts,
+            probe_p_min=args.dppo_probe_p_min, refill=args.dppo_refill, refill_max=args.dppo_refill_max,
             importance_weights=args.dppo_importance_weights, seed=args.rl_seed)
     if args.algorithm == "cppo":
         return "cppo", dict(prune_rate=args.cppo_prune_rate, scope=args.cppo_scope, refill=args.cppo_refill)
@@ -90,6 +94,8 @@ class Rollouts:
     stats: dict = field(default_factory=dict)
     # [num_prompts * G] per token: the weight version that sampled it (partial rollouts carry tokens across versions)
     output_versions: list[list[int]] = field(default_factory=list)
+    # the in-step probe: (prompt id, passes) of each probed group that was not continued (the history counts them)
+    stopped_probes: list[tuple[int, float]] = field(default_factory=list)
 
     def subset(self, rows: list[int]) -> "Rollouts":
         """The groups `rows`, each with all its samples; every one stands for the batch (DAPO's dynamic sampling)."""
@@ -184,7 +190,45 @@ def step_statistics(rollouts: Rollouts, rewards, lengths, selection: Selection, 
         "seconds_reward": reward_seconds,
         "response_length_mean": float(lengths.double().mean()) if lengths.numel() else 0.0,
         "sequences_trained": samples_trained,
+        **weight_statistics(selection, lengths),
     }
+
+
+def weight_statistics(selection: Selection, lengths: torch.Tensor) -> dict:
+    """How much the step's importance weights cost in noise. weight_ess_fraction: Kish's effective sample size of
+    the kept samples' weights over their count, (Σw)² / (n Σw²), 1 when all weigh alike. gradient_noise_proxy:
+    Σ w² A² L / N² over the kept samples (L the response length, N the full batch's response tokens), the variance
+    of the token-mean gradient estimate if every token's gradient were an independent unit vector: it grows with the
+    weights the pruning puts on informative samples and shrinks with the full batch."""
+    weights = selection.weights.to(torch.float64)
+    if not len(weights):
+        return {"weight_ess_fraction": 0.0, "gradient_noise_proxy": 0.0}
+    advantages = selection.advantages[selection.rows, selection.columns].to(torch.float64)
+    tokens = lengths[selection.rows, selection.columns].to(torch.float64)
+    full_tokens = max(selection.full_batch.num_response_tokens, 1.0)
+    return {"weight_ess_fraction": float(weights.sum() ** 2 / (len(weights) * (weights ** 2).sum())),
+            "gradient_noise_proxy": float((weights ** 2 * advantages ** 2 * tokens).sum()) / full_tokens ** 2}
+
+
+def decode_work(output_ids: list[list[int]], backend: str) -> dict:
+    """The decode loops one rollout request cost. The embedded engine decodes the request's rows in order, at most
+    MAX_BATCH_SIZE at once: a batch's loop runs one iteration per position of its longest response, and the next
+    batch waits for it (one batch at a time holds the model lock). Other engines batch continuously: one loop, as
+    long as the longest response."""
+    rows = MAX_BATCH_SIZE if backend == "embedded" else max(len(output_ids), 1)
+    batches = [output_ids[first:first + rows] for first in range(0, len(output_ids), rows)]
+    return {"decode_iterations": float(sum(max(len(ids) for ids in batch) for batch in batches)),
+            "engine_batches": float(len(batches))}
+
+
+def sample_requests(prompts: list, prompt_indices, sample_indices, params: SamplingParams,
+                    group_size: int) -> list[SequenceRequest]:
+    """Samples `sample_indices` of each prompt, each with the seed it has in a round of all `group_size` samples of
+    the prompt at its index in that round (SamplingParams.sample_seed): a group rolled out in two parts draws its
+    samples with the seeds of one round."""
+    return [SequenceRequest(list(prompt.input_ids), params.sample_seed(index, sample, group_size),
+                            params.max_new_tokens)
+            for prompt, index in zip(prompts, prompt_indices) for sample in sample_indices]
 
 
 def staleness(output_versions: list[list[int]], version: int) -> dict:
@@ -215,8 +259,8 @@ class ExperienceMaker:
 
     def __init__(self, args, task, tokenizer, client, history: PromptHistory | None = None):
         self.args, self.task, self.tokenizer, self.client = args, task, tokenizer, client
-        self.history = history if history is not None else PromptHistory(args.history_ema_decay,
-                                                                         args.history_prior_strength)
+        self.history = history if history is not None else PromptHistory(
+            args.history_ema_decay, args.history_prior_strength, args.history_sample_weight)
         name, options = pruner_options(args)
         self.pruner = build_pruner(name, **options)
         self.dapo = DAPOFilter(DAPOConfig(args.dapo_oversample, args.rl_seed)) if args.dapo_filter else None
@@ -238,16 +282,18 @@ class ExperienceMaker:
         if self.partial is not None:
             return self.generate_partial(step)
         prompts, decision, num_drawn, capacity = self.draw(step)
+        if self.pruner.probing(self.history):
+            return self.probe_and_continue(prompts, decision, step, num_drawn, capacity)
         return self.roll_out(prompts, decision, step, num_drawn, capacity)
 
     def draw(self, step: int) -> tuple[list, PromptDecision, int, int]:
         """(the prompts the prompt level kept, its decision, prompts drawn, the step's capacity)."""
+        target = self.pruner.prompt_target(self.args.rollout_batch_size, self.history)  # or the probe's prompts
         # the refill never draws a prompt twice in one step: at most the pool
-        capacity = min(self.pruner.prompts_to_sample(self.args.rollout_batch_size, self.history),
-                       max(len(self.task.prompts), self.args.rollout_batch_size))
+        capacity = min(self.pruner.prompts_to_sample(target, self.history), max(len(self.task.prompts), target))
         drawn = self.task.next_prompts(self.dapo.prompts_to_sample(capacity) if self.dapo else capacity)
         decision = self.pruner.select_prompts([p.prompt_id for p in drawn], self.history, step,
-                                              [p.difficulty for p in drawn])
+                                              [p.difficulty for p in drawn], batch_size=target)
         return [drawn[i] for i in decision.kept.tolist()], decision, len(drawn), capacity
 
     def generate_partial(self, step: int) -> Rollouts:
@@ -298,23 +344,77 @@ class ExperienceMaker:
             raise RuntimeError(f"the rollout servers returned {len(completions)} samples for {len(prompts)} prompts "
                                f"x {group}: a server dropped requests")
         output_ids = [c.output_ids for c in completions]
-        # the engine decodes a request's samples together, one iteration per position of the longest
-        iterations = max((len(ids) for ids in output_ids), default=0)
         return self.scored(prompts, decision, output_ids, [c.output_logprobs for c in completions],
                            [[self.weight_version] * len(ids) for ids in output_ids], time.perf_counter() - start,
                            num_drawn, capacity, sum(len(ids) for ids in output_ids),
-                           {"decode_iterations": float(iterations)})
+                           decode_work(output_ids, self.args.rollout_backend))
+
+    def probe_and_continue(self, prompts: list, decision: PromptDecision, step: int, num_drawn: int,
+                           capacity: int) -> Rollouts:
+        """DPPO's in-step probe: k samples of each of the P prompts the prompt level kept, their rewards, then exactly
+        B groups continued (the pruner's select_continuations) with their other G - k samples. Each sample keeps the
+        seed it has in a one-round step (sample_requests). A continued group weighs 1 / (π · π'), a stopped one
+        leaves only its probe's passes to the history."""
+        start = time.perf_counter()
+        group, probe = self.args.n_samples_per_prompt, self.pruner.probe_samples
+        params = self.sampling_for_step(step)
+        probed = self.client.generate_requests(sample_requests(prompts, range(len(prompts)), range(probe), params,
+                                                               group), params)
+        reward_start = time.perf_counter()
+        probe_rewards = self.rewards_of(prompts, [c.output_ids for c in probed], probe)  # [P, k]
+        reward_seconds = time.perf_counter() - reward_start
+        ids, difficulties = [p.prompt_id for p in prompts], [p.difficulty for p in prompts]
+        continued, inclusion, informative = self.pruner.select_continuations(
+            ids, self.history, difficulties, probe_rewards.sum(dim=1), self.args.rollout_batch_size, step)
+        rest = self.client.generate_requests(sample_requests([prompts[i] for i in continued.tolist()],
+                                                             continued.tolist(), range(probe, group), params, group),
+                                             params)
+        samples = []
+        for position, row in enumerate(continued.tolist()):
+            samples += probed[row * probe:(row + 1) * probe] + rest[position * (group - probe):
+                                                                    (position + 1) * (group - probe)]
+        seconds = time.perf_counter() - start - reward_seconds
+        reward_start = time.perf_counter()
+        rest_rewards = self.rewards_of([prompts[i] for i in continued.tolist()],
+                                       [c.output_ids for c in rest], group - probe)
+        rewards = torch.cat([probe_rewards[continued], rest_rewards], dim=1)  # [B, G]: probe first, as samples
+        reward_seconds += time.perf_counter() - reward_start
+        continued_decision = decision.continued(continued, inclusion)
+        stopped = sorted(set(range(len(prompts))) - set(continued.tolist()))
+        stats = {"probe_groups": float(len(prompts)),
+                 "probe_varied_fraction": float(((probe_rewards.sum(dim=1) > 0) &
+                                                 (probe_rewards.sum(dim=1) < probe)).double().mean())
+                 if len(prompts) else 0.0,
+                 "probe_continue_prob_mean": float(inclusion.mean()) if len(prompts) else 0.0,
+                 "probe_informative_predicted_mean": float(informative.mean()) if len(prompts) else 0.0,
+                 **decode_work([c.output_ids for c in probed], self.args.rollout_backend),
+                 "rollout_rounds": 2.0}
+        continuation = decode_work([c.output_ids for c in rest], self.args.rollout_backend)
+        stats = {**stats, **{key: stats[key] + value for key, value in continuation.items()}}
+        rollouts = self.scored([prompts[i] for i in continued.tolist()], continued_decision,
+                               [c.output_ids for c in samples], [c.output_logprobs for c in samples],
+                               [[self.weight_version] * len(c.output_ids) for c in samples], seconds, num_drawn,
+                               capacity, sum(len(c.output_ids) for c in probed + rest), stats, rewards=rewards)
+        rollouts.reward_seconds += reward_seconds
+        rollouts.stopped_probes = [(ids[i], float(probe_rewards[i].sum())) for i in stopped]
+        return rollouts
+
+    def rewards_of(self, prompts: list, output_ids: list[list[int]], per_prompt: int) -> torch.Tensor:
+        """[len(prompts), per_prompt] float64: the task's rewards of `per_prompt` samples of each prompt, in order."""
+        responses = [self.tokenizer.decode(ids) for ids in output_ids]
+        references = [p.reference for p in prompts for _ in range(per_prompt)]
+        fields = [p.fields for p in prompts for _ in range(per_prompt)]
+        return torch.tensor(self.task.score(responses, references, fields), dtype=torch.float64).view(-1, per_prompt)
 
     def scored(self, prompts: list, decision: PromptDecision, output_ids, output_logprobs, output_versions,
                seconds: float, num_drawn: int, capacity: int, tokens_generated: int,
-               stats: dict | None = None) -> Rollouts:
-        """The rollouts of `prompts` (G samples each, in (prompt, sample) order) with their rewards."""
+               stats: dict | None = None, rewards: torch.Tensor | None = None) -> Rollouts:
+        """The rollouts of `prompts` (G samples each, in (prompt, sample) order) with their rewards (scored here
+        unless given)."""
         start = time.perf_counter()
         group = self.args.n_samples_per_prompt
-        responses = [self.tokenizer.decode(ids) for ids in output_ids]
-        references = [p.reference for p in prompts for _ in range(group)]
-        fields = [p.fields for p in prompts for _ in range(group)]
-        rewards = torch.tensor(self.task.score(responses, references, fields), dtype=torch.float64).view(-1, group)
+        if rewards is None:
+            rewards = self.rewards_of(prompts, output_ids, group)
         stats = {"groups_rolled_out": float(len(prompts)),
                  "zero_variance_groups_rolled_out": float(zero_variance_groups(rewards).sum()), **(stats or {})}
         return Rollouts(prompts=prompts, prompt_decision=decision, output_ids=output_ids,
@@ -342,6 +442,9 @@ class ExperienceMaker:
                                 lengths.double().mean(dim=1), rewards=rewards,
                                 difficulties=[p.difficulty for p in rollouts.prompts],
                                 weights=1.0 / decision.keep_probs[decision.kept])
+        if rollouts.stopped_probes:
+            ids, passes = zip(*rollouts.stopped_probes)
+            self.history.update_probe(ids, passes, self.pruner.probe_samples)
         samples = self.training_samples(rollouts, selection)
         stats = step_statistics(rollouts, rewards, lengths, selection, len(samples), rollouts.reward_seconds)
         stats.update(staleness(rollouts.output_versions, self.weight_version))

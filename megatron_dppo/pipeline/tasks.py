@@ -3,10 +3,13 @@
     task.next_prompts(n) → [Prompt(prompt_id, input_ids, reference)]   resumable (state_dict)
     task.score(responses, references, fields) → [float]                the reward of each decoded response (fields:
                                                                        each prompt's row, for a custom reward)
-    task.heldout(n) → [Prompt]                                         never trained on
+    task.heldout(n[, name]) → [Prompt]                                 never trained on: the first held-out set,
+                                                                       or the set named (--eval-prompt-data NAME
+                                                                       SOURCE ...; task.heldout_sets, in order)
 
 Prompt ids are stable integers (the row index in the data set, or the index in the synthetic training pool), so
-DPPO's prompt history recognises a prompt when it comes back in a later epoch.
+DPPO's prompt history recognises a prompt when it comes back in a later epoch; held-out ids are negative, distinct
+across the held-out sets.
 """
 
 from collections.abc import Sequence
@@ -28,17 +31,19 @@ class Prompt:
 
 
 class Task:
-    def __init__(self, prompts: list[Prompt], heldout: list[Prompt], scorer, seed: int):
+    def __init__(self, prompts: list[Prompt], heldout: list[Prompt] | dict[str, list[Prompt]], scorer, seed: int):
+        """`heldout`: one held-out set, or several by name (the first is the run's headline)."""
         self.prompts = prompts
-        self.heldout_prompts = heldout
+        self.heldout_sets = heldout if isinstance(heldout, dict) else {"": heldout}
         self.scorer = scorer
         self.sampler = PromptSampler(len(prompts), seed)
 
     def next_prompts(self, count: int) -> list[Prompt]:
         return [self.prompts[index] for index in self.sampler.next_indices(count)]
 
-    def heldout(self, count: int) -> list[Prompt]:
-        return self.heldout_prompts[:count]
+    def heldout(self, count: int, name: str | None = None) -> list[Prompt]:
+        """The first `count` prompts of the held-out set `name` (default: the first set)."""
+        return self.heldout_sets[next(iter(self.heldout_sets)) if name is None else name][:count]
 
     def score(self, responses: list[str], references: list, fields: list[dict] | None = None) -> list[float]:
         return self.scorer(responses, references, fields if fields is not None else [{}] * len(responses))
@@ -70,11 +75,13 @@ def synthetic_task(tokenizer, seed: int, train_size: int, heldout_size: int, cel
     return Task(train, heldout, scorer or reward_scorer(SYNTHETIC_REWARDS[task]), seed)
 
 
-def dataset_task(train: Sequence[Example], heldout: Sequence[Example], tokenizer, seed: int, reward_type: str,
-                 apply_chat_template: bool = False, timeout_s: float = 5.0, scorer=None) -> Task:
+def dataset_task(train: Sequence[Example], heldout: Sequence[Example] | dict[str, Sequence[Example]], tokenizer,
+                 seed: int, reward_type: str, apply_chat_template: bool = False, timeout_s: float = 5.0,
+                 scorer=None) -> Task:
     """Training and held-out prompts from loaded examples (megatron_dppo.data.datasets.load_prompt_data), encoded
     with or without the tokenizer's chat template and scored by `reward_type` (or `scorer`, a custom reward).
-    Training ids are the row order (0, 1, ...), held-out ids are negative (-1, -2, ...)."""
+    `heldout`: one set, or several by name. Training ids are the row order (0, 1, ...), held-out ids negative (-1,
+    -2, ..., running on from one set to the next)."""
     from megatron_dppo.data.datasets import encode_examples
 
     def as_prompts(examples, ids):
@@ -83,7 +90,12 @@ def dataset_task(train: Sequence[Example], heldout: Sequence[Example], tokenizer
                        example.fields)
                 for prompt_id, input_ids, example in zip(ids, encoded, examples)]
 
-    return Task(as_prompts(train, range(len(train))), as_prompts(heldout, range(-1, -1 - len(heldout), -1)),
+    named = heldout if isinstance(heldout, dict) else {"": heldout}
+    heldout_sets, next_id = {}, -1
+    for name, examples in named.items():
+        heldout_sets[name] = as_prompts(examples, range(next_id, next_id - len(examples), -1))
+        next_id -= len(examples)
+    return Task(as_prompts(train, range(len(train))), heldout_sets if isinstance(heldout, dict) else heldout_sets[""],
                 scorer or reward_scorer(reward_type, timeout_s), seed)
 
 

@@ -174,16 +174,22 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- evaluation
     @phase("evaluate")
     def evaluate(self, count: int) -> dict:
-        """rank 0: greedy accuracy on `count` held-out prompts through the rollout servers."""
+        """rank 0: greedy accuracy on the first `count` prompts of each held-out set, generated in one batch through
+        the rollout servers: {"accuracy", "count"} of the first set, and "sets": {name: {"accuracy", "count"}}."""
         result = [None]
         if self.rank0:
-            prompts = self.task.heldout(count)
+            sets = {name: self.task.heldout(count, name) for name in self.task.heldout_sets}
+            prompts = [prompt for chosen in sets.values() for prompt in chosen]
             greedy = SamplingParams(temperature=0.0, max_new_tokens=self.args.rollout_max_response_len,
                                     stop_token_ids=[self.tokenizer.eos_token_id])
             completions = self.client.generate([p.input_ids for p in prompts], greedy, n=1)
-            scores = self.task.score([self.tokenizer.decode(c.output_ids) for c in completions],
-                                     [p.reference for p in prompts], [p.fields for p in prompts])
-            result = [{"accuracy": float(np.mean(scores)) if scores else 0.0, "count": len(scores)}]
+            scores = iter(self.task.score([self.tokenizer.decode(c.output_ids) for c in completions],
+                                          [p.reference for p in prompts], [p.fields for p in prompts]))
+            accuracies = {}
+            for name, chosen in sets.items():
+                mine = [next(scores) for _ in chosen]
+                accuracies[name] = {"accuracy": float(np.mean(mine)) if mine else 0.0, "count": len(mine)}
+            result = [{**next(iter(accuracies.values())), "sets": accuracies}]
         dist.broadcast_object_list(result, src=0)
         return result[0]
 

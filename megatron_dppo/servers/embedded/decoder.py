@@ -164,7 +164,11 @@ class KVCacheDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer on final hidden states [..., hidden] → fp32 logits [..., vocab], on the host."""
-        return F.linear(hidden, self.model.lm_head.weight).float().cpu()
+        return self.device_logits(hidden).cpu()
+
+    def device_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The fp32 logits [..., vocab] where the model is (tools/gpu_check.py times them apart from their copy)."""
+        return F.linear(hidden, self.model.lm_head.weight).float()
 
     def prefill(self, contexts: list[list[int]], pad_token_id: int = 0,
                 prefixes: list[CachedPrefix | None] | None = None) -> tuple[DecodeState, torch.Tensor]:

@@ -67,7 +67,12 @@ from megatron_dppo.servers.embedded.decoder import KVCacheDecoder
 from megatron_dppo.servers.embedded.prefix_cache import PrefixCache
 from megatron_dppo.servers.embedded.request_parser import DEFAULT_MAX_N, RequestParser, response
 from megatron_dppo.servers.embedded.routes import build_app
-from megatron_dppo.servers.embedded.scheduler import MIN_ROWS_PER_WORKER, BatchGenerator, BatchScheduler
+from megatron_dppo.servers.embedded.scheduler import (
+    MAX_BATCH_SIZE,
+    MIN_ROWS_PER_WORKER,
+    BatchGenerator,
+    BatchScheduler,
+)
 from megatron_dppo.servers.embedded.weights import WeightNoise, WeightUpdates
 
 DEFAULT_KV_CACHE_BYTES = 2**30  # the KV budget's default size: see --max-total-tokens
@@ -76,7 +81,7 @@ DEFAULT_KV_CACHE_BYTES = 2**30  # the KV budget's default size: see --max-total-
 class EmbeddedEngine:
     """One embedded rollout server: the model, and the parts that parse, schedule, generate and load weights."""
 
-    def __init__(self, model_dir: str, dtype: str = "float32", max_batch_size: int = 256,
+    def __init__(self, model_dir: str, dtype: str = "float32", max_batch_size: int = MAX_BATCH_SIZE,
                  batch_window_s: float = 0.005, seed: int = 0, model_name: str | None = None,
                  deterministic_inference: bool = False, workers: int = 1, max_total_tokens: int | None = None,
                  max_n: int = DEFAULT_MAX_N, prefix_cache: bool = True, weight_noise: float = 0.0,
@@ -144,17 +149,21 @@ class EmbeddedEngine:
 
 def main(argv: list[str] | None = None) -> None:
     from megatron_dppo.flags import COUNT, NON_NEGATIVE, SEED, Domain, FlagParser, require_domains
+    from megatron_dppo.hub import HubError, resolve_model
 
     parser = FlagParser(prog="megatron_dppo.servers.embedded", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", "--model-path", required=True,
-                        help="saved HF model directory (config.json + weights); --model-path as SGLang names it")
+                        help="saved HF model directory (config.json + weights) or, as SGLang takes it, a Hub name "
+                             "(read from the Hugging Face cache, downloaded there first); --model-path as SGLang "
+                             "names it")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=Domain("a TCP port in [1, 65535]", int, 1, 65535), default=30000)
     parser.add_argument("--api-key", default=os.environ.get("MEGATRON_DPPO_ENGINE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route except /health*")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-batch-size", type=COUNT, default=256, help="sequences decoded together at most")
+    parser.add_argument("--max-batch-size", type=COUNT, default=MAX_BATCH_SIZE,
+                        help="sequences decoded together at most")
     parser.add_argument("--max-total-tokens", type=COUNT, default=None,
                         help="the KV budget: cache slots one batch may take, rows x (longest context + largest "
                              "max_new_tokens), and one request may ask for, the sum of prompt + max_new_tokens over "
@@ -181,6 +190,10 @@ def main(argv: list[str] | None = None) -> None:
                              "again)")
     require_domains(parser)
     args = parser.parse_args(argv)
+    try:  # a Hub name stands for its snapshot, as in every tool (megatron_dppo.hub)
+        args.model_dir = str(resolve_model(args.model_dir, "--model-dir"))
+    except HubError as error:
+        parser.error(str(error))
 
     from aiohttp import web
 

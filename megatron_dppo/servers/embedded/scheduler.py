@@ -34,6 +34,8 @@ from megatron_dppo.servers.embedded.sampling import sample_next_tokens, sample_u
 # Below this many sequences per worker, splitting a batch costs more (smaller matmuls, a second prefill of shared
 # prompts) than a second core gives back.
 MIN_ROWS_PER_WORKER = 16
+# The rows one batch decodes at most (--max-batch-size's default): rows beyond wait, in order, for the next batch.
+MAX_BATCH_SIZE = 256
 
 
 class BatchGenerator:
