@@ -60,7 +60,7 @@ def init_weight_update_group(backend: str, master_address: str, master_port: int
     import torch.distributed
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
-    from megatron_dppo.platform.network import gloo_bound_to, gloo_interface
+    from megatron_dppo.platform.network import gloo_bound_to, sync_interface
 
     timeout = datetime.timedelta(seconds=timeout_s)
     # An explicit TCPStore (rank 0 hosts it), not `rendezvous("tcp://...")`: under torchrun, rendezvous would
@@ -68,8 +68,8 @@ def init_weight_update_group(backend: str, master_address: str, master_port: int
     store = torch.distributed.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
                                        timeout=timeout)
     # gloo binds the interface that routes to the master (on rank 0: the master address's own), not the address the
-    # host's name resolves to, which may be loopback (platform/network.py)
-    with gloo_bound_to(gloo_interface(master_address) if backend == "gloo" else None):
+    # host's name resolves to, which may be loopback or on another network (platform/network.py)
+    with gloo_bound_to(sync_interface(master_address) if backend == "gloo" else None):
         group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                              group_name=group_name, backend_options=None, timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}

@@ -24,6 +24,7 @@ TEXT_FLAGS = {
     "--custom-reward-function", "--wandb-project", "--apply-chat-template-kwargs",
     # free text: W&B's run name, entity and group, folders
     "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity", "--wandb-group", "--save-debug-rollout-data",
+    "--heartbeat-port", "--weight-sync-port",  # PORT or FIRST-LAST, checked by their argparse type (PortRange.parse)
 }
 
 

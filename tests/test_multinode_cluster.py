@@ -15,9 +15,11 @@ What this proves and what it cannot (NCCL, InfiniBand, GPUs): docs/multinode.md.
 the launch path users run, so it is never skipped.
 """
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +33,9 @@ from tests.launch import REPO_ROOT
 from tests.test_slurm import running_slurm
 from tests.test_trainer import ENTRY, SHORT, read_metrics
 
+# a warm start and two trainer launches per test module, each bounded by LAUNCH_TIMEOUT_S
+pytestmark = pytest.mark.timeout(3600)
+
 CLUSTER_SCRIPT = REPO_ROOT / "tests" / "cluster" / "cluster.sh"
 ROLLOUT_NODE = REPO_ROOT / "examples" / "slurm" / "rollout_node.sh"
 WAIT_HEALTHY = REPO_ROOT / "examples" / "slurm" / "wait_healthy.py"
@@ -39,7 +44,10 @@ ROLLOUT_PORT, RDZV_PORT = 30000, 29500  # fixed: each host's network namespace i
 URLS = [f"http://rollout-0:{ROLLOUT_PORT + i}" for i in range(2)]
 # Rollouts are the synced policy's: the engines' log-probs equal the trainer's (fp32; both CPU, observed ~1e-6)
 LOGPROB_GAP_TOL = 1e-4
-LAUNCH_TIMEOUT_S = 300
+LAUNCH_TIMEOUT_S = 900  # a hang guard: one launch took 54-67 s on an idle 2-core machine, over 8 min on a loaded one
+# A folder to keep the warm start in across test sessions (the embedded cache is keyed by its configuration): unset,
+# each session makes its own
+WARM_START_CACHE_VARIABLE = "DPPO_CLUSTER_WARM_START_CACHE"
 
 
 class Cluster:
@@ -59,8 +67,37 @@ class Cluster:
                                     env={**launch_env(), **(env or {})}, start_new_session=True)
 
     def run(self, host: str, command: list, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(self.command(host, *command), capture_output=True, text=True, cwd=REPO_ROOT,
-                              env={**launch_env(), **(env or {})}, timeout=timeout)
+        """`command` on `host`, to its end; past `timeout`, the command and everything it started (on the host, in
+        any session) is killed, then TimeoutExpired is raised."""
+        process = subprocess.Popen(self.command(host, *command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, cwd=REPO_ROOT, env={**launch_env(), **(env or {})},
+                                   start_new_session=True)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(process.pid)
+            process.communicate()
+            raise
+        return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+    def link(self, host: str, state: str) -> None:
+        """Pull `host`'s cable ("down") or plug it back ("up"): see cluster.sh link."""
+        subprocess.run(["bash", str(CLUSTER_SCRIPT), "link", str(self.directory), host, state], check=True,
+                       timeout=30)
+
+    def pids(self, host: str) -> list[int]:
+        """Every process on `host` but the one holding its namespaces."""
+        namespace = next(line.split()[0] for line in subprocess.run(
+            ["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.splitlines()
+            if line.split()[0].endswith(f"-{host}") and line.startswith(self.tag))
+        holder = int((self.directory / f"{host}.pid").read_text())
+        listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=True)
+        return [int(pid) for pid in listed.stdout.split() if int(pid) != holder]
+
+    @property
+    def tag(self) -> str:
+        return next(line.split("=", 1)[1] for line in (self.directory / "cluster.env").read_text().splitlines()
+                    if line.startswith("TAG="))
 
     def kill(self, host: str) -> None:
         """SIGKILL every process on `host`, as if it crashed."""
@@ -78,12 +115,56 @@ def launch_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, theirs, ...), read from /proc, whatever their session."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it. Each is stopped first, so none forks or is reparented (to init,
+    out of reach) while the tree is read."""
+    stopped: set[int] = set()
+    while True:
+        fresh = [p for p in [pid, *descendants(pid)] if p not in stopped]
+        if not fresh:
+            break
+        for each in fresh:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(each, signal.SIGSTOP)
+            stopped.add(each)
+    for each in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)
+
+
+def sweep_stale_clusters() -> None:
+    """Remove the clusters (and namespaces) of test processes that are gone, so that hosts left by a killed test
+    never collide with new ones (cluster.sh sweep)."""
+    swept = subprocess.run(["bash", str(CLUSTER_SCRIPT), "sweep"], capture_output=True, text=True, timeout=120)
+    assert swept.returncode == 0, swept.stderr
+
+
+@contextlib.contextmanager
+def running_cluster():
+    """Three namespace hosts (cluster.sh start), stale clusters swept first, stopped at the end of the block."""
+    sweep_stale_clusters()
     directory = Path(tempfile.mkdtemp(prefix="dppo-cluster-"))
     try:
         started = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start", str(directory)], capture_output=True,
-                                 text=True, timeout=300)
+                                 text=True, timeout=300, env={**os.environ, "CLUSTER_OWNER_PID": str(os.getpid())})
         if started.returncode != 0:
             pytest.fail(f"could not make the three namespace hosts with {CLUSTER_SCRIPT}:\n{started.stderr}",
                         pytrace=False)
@@ -94,17 +175,23 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
+def cluster():
+    with running_cluster() as hosts:
+        yield hosts
+
+
+@pytest.fixture(scope="module")
 def warm_start(cluster, tmp_path_factory) -> tuple[Path, Path]:
     """(HF model dir, model-only warm-start checkpoint) of the embedded default's tiny model, from one process on
     trainer-0 (its own network: no port another test takes meanwhile): the model the rollout nodes serve (the
     trainer's first sync replaces its weights) and the trainer starts from."""
-    cache = tmp_path_factory.mktemp("warm_start")
+    cache = Path(os.environ.get(WARM_START_CACHE_VARIABLE) or tmp_path_factory.mktemp("warm_start"))
     result = cluster.run("trainer-0", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", 1,
                                        "--master-addr", "127.0.0.1", "--master-port", RDZV_PORT, ENTRY, *SHORT,
                                        "--train-iters", 0, "--cache-dir", cache, "--log-dir", cache / "log"],
-                         timeout=LAUNCH_TIMEOUT_S)
+                         timeout=2 * LAUNCH_TIMEOUT_S)
     assert result.returncode == 0, f"the warm start failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    (root,) = cache.glob("embedded_*")
+    (root,) = [path for path in cache.glob("embedded_*") if (path / "init").is_dir()]
     return root / "init", root / "warm_start"
 
 
@@ -141,11 +228,12 @@ def tail(log: Path, lines: int = 60) -> str:
 
 ADDRESS_CHECK = """
 import json, socket
-from megatron_dppo.platform.network import address_reaching, gloo_interface, interface_addresses
-print(json.dumps({"name": socket.gethostbyname(socket.gethostname()), "interfaces": interface_addresses(),
+from megatron_dppo.platform.network import address_reaching, gloo_interface, host_interfaces, sync_interface
+print(json.dumps({"name": socket.gethostbyname(socket.gethostname()),
+                  "interfaces": {i.name: [a for a in i.addresses if ":" not in a] for i in host_interfaces()},
                   "to_rollout": address_reaching(["rollout-0"]), "to_trainer_0": address_reaching(["trainer-0"]),
                   "gloo_master_here": gloo_interface("trainer-0", members_elsewhere=True),
-                  "gloo_single_host": gloo_interface("127.0.0.1")}))
+                  "gloo_single_host": gloo_interface("127.0.0.1"), "sync_to_rollout": sync_interface("rollout-0")}))
 """
 
 
@@ -158,10 +246,11 @@ def test_each_host_is_reached_at_the_address_its_routes_leave_from_not_its_names
         assert result.returncode == 0, result.stderr
         seen = json.loads(result.stdout)
         assert seen["name"] == "127.0.1.1"
-        assert seen["interfaces"] == {"lo": "127.0.0.1", "eth0": addresses[host]}
+        assert seen["interfaces"] == {"lo": ["127.0.0.1"], "eth0": [addresses[host]]}
         assert seen["to_rollout"] == addresses[host]
         assert seen["to_trainer_0"] == ("127.0.0.1" if host == "trainer-0" else addresses[host])
         assert seen["gloo_master_here"] == "eth0" and seen["gloo_single_host"] is None
+        assert seen["sync_to_rollout"] == "eth0"
 
 
 def test_the_cluster_script_fails_with_the_reason_where_namespaces_cannot_be_made():
@@ -171,6 +260,36 @@ def test_the_cluster_script_fails_with_the_reason_where_namespaces_cannot_be_mad
         result = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash",
                                  str(CLUSTER_SCRIPT), "start", directory], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "network namespaces need root" in result.stderr, result.stderr
+
+
+def test_a_timeout_on_a_host_kills_the_command_inside_it_not_only_the_wrapper(cluster):
+    """What a timed-out command started on a host, in its session or a new one, is gone with it."""
+    marker = "dppo-timeout-marker"
+    with pytest.raises(subprocess.TimeoutExpired):
+        cluster.run("rollout-0", ["bash", "-c", f"setsid sleep 1000 {marker} & exec sleep 1000 {marker}"], timeout=5)
+    left = [pid for pid in cluster.pids("rollout-0") if marker in Path(f"/proc/{pid}/cmdline").read_text(
+        errors="replace").replace("\0", " ")]
+    assert left == [], f"left running on rollout-0: {left}"
+
+
+def test_a_cluster_whose_owner_is_gone_is_swept_and_a_live_ones_is_kept(cluster, tmp_path):
+    owner = subprocess.Popen(["sleep", "1000"])
+    stale_dir = tmp_path / "stale"
+    try:
+        started = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start", str(stale_dir)], capture_output=True,
+                                 text=True, timeout=300, env={**os.environ, "CLUSTER_OWNER_PID": str(owner.pid),
+                                                              "CLUSTER_HOSTS": "solo", "CLUSTER_SUBNET": "10.244.0"})
+        assert started.returncode == 0, started.stderr
+        holder = int((stale_dir / "solo.pid").read_text())
+        stale_tag = Cluster(stale_dir).tag
+    finally:
+        owner.kill()
+        owner.wait()
+    sweep_stale_clusters()
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert stale_tag not in namespaces, namespaces
+    assert not Path(f"/proc/{holder}").exists() or "Z" in Path(f"/proc/{holder}/stat").read_text().split()[2]
+    assert all(f"{cluster.tag}-{host}" in namespaces for host in ("bridge", "trainer-0", "trainer-1", "rollout-0"))
 
 
 def test_torchrun_across_two_hosts_syncs_to_a_third_survives_a_killed_host_and_resumes_to_equal_versions(

@@ -138,3 +138,46 @@ def test_killed_engine_without_supervision_raises_an_error_naming_the_server(tmp
         assert time.monotonic() - start < 30  # bounded: retries with backoff, no hang
         with pytest.raises(RolloutServerError, match="cannot be restarted from here"):
             ServerPool([ServerHandle(engine.url)]).ensure_alive(engine.url)
+
+
+def start_fault_proxy(mode_file, listen_port: int, target_url: str):
+    """tests/cluster/fault_proxy.py on this host before the engine at `target_url`."""
+    import subprocess
+    import sys
+    from urllib.parse import urlsplit
+
+    from tests.launch import REPO_ROOT
+
+    proxy = subprocess.Popen([sys.executable, str(REPO_ROOT / "tests" / "cluster" / "fault_proxy.py"), str(mode_file),
+                              f"{listen_port}:{urlsplit(target_url).port}"], stdout=subprocess.PIPE, text=True)
+    assert proxy.stdout.readline().startswith("fault proxy:")
+    return proxy
+
+
+def test_error_and_malformed_answers_are_retried_to_the_same_samples_and_named_when_they_persist(tmp_path):
+    """An HTTP 500, a truncated body and a body without meta_info are each a failed attempt, retried (the retry gives
+    the samples a sound answer would have); answers that stay malformed end in RolloutServerError naming the URL."""
+    from megatron_dppo.platform.network import free_port
+
+    model_dir = save_tiny_model(tmp_path / "model")
+    seeded = SamplingParams(max_new_tokens=16, seed=7)
+    mode = tmp_path / "mode"
+    # deterministic, as the trainer starts its engines: the same seeded batch gives the same samples
+    with launch_embedded_engine(model_dir, startup_timeout_s=600, enable_deterministic_inference=True) as engine:
+        direct = RolloutClient([engine.url]).generate(PROMPTS[:4], seeded, n=2)
+        port = free_port()
+        proxy = start_fault_proxy(mode, port, engine.url)
+        try:
+            mode.write_text("faults 500,truncated,layout\n")
+            client = RolloutClient([f"http://127.0.0.1:{port}"], max_retries=3, retry_backoff_s=0.05)
+            assert client.generate(PROMPTS[:4], seeded, n=2) == direct
+            mode.write_text("malformed\n")
+            start = time.monotonic()
+            with pytest.raises(RolloutServerError, match=f"failed after 4 attempts.*127.0.0.1:{port}.*not JSON"):
+                client.generate(PROMPTS[:4], seeded, n=2)
+            assert time.monotonic() - start < 30  # bounded: retries with backoff, no hang
+        finally:
+            proxy.kill()
+            proxy.wait()
+        served = proxy.stdout.read().splitlines()
+    assert served[:3] == ["fault 500 on /generate", "fault truncated on /generate", "fault layout on /generate"]

@@ -23,6 +23,7 @@ from megatron_dppo.platform.network import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_SLURM = REPO / "tests" / "slurm" / "local_slurm.sh"
+MUNGE_KEY = Path("/etc/munge/munge.key")
 SBATCH = REPO / "examples" / "slurm" / "dppo.sbatch"
 
 
@@ -30,8 +31,10 @@ SBATCH = REPO / "examples" / "slurm" / "dppo.sbatch"
 def running_slurm(env: dict, what: str):
     """The cluster local_slurm.sh starts with `env` (its settings: NODES, ON_NODE, CPUS, ports), running in the
     block, which gets its directory; the daemons stop afterwards, also on failure. A cluster that cannot start fails
-    the test with local_slurm.sh's reason (`what`: the cluster, for that message)."""
+    the test with local_slurm.sh's reason (`what`: the cluster, for that message). A munge key the start created is
+    gone after the stop; one that was there before is kept."""
     directory = Path(tempfile.mkdtemp(prefix="dppo-slurm-"))  # short: Slurm keeps sockets under it
+    key_before = MUNGE_KEY.exists()
     try:
         started = subprocess.run(["bash", str(LOCAL_SLURM), "start", str(directory)], env=env, capture_output=True,
                                  text=True, timeout=600)
@@ -42,6 +45,7 @@ def running_slurm(env: dict, what: str):
     finally:
         subprocess.run(["bash", str(LOCAL_SLURM), "stop", str(directory)], env=env, timeout=60)
         shutil.rmtree(directory, ignore_errors=True)
+    assert MUNGE_KEY.exists() == key_before, f"{MUNGE_KEY} {'left behind' if not key_before else 'removed'}"
 
 
 @pytest.fixture(scope="module")

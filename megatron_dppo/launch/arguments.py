@@ -42,7 +42,7 @@ from megatron_dppo.flags import (
     require_domains,
 )
 from megatron_dppo.launch import algorithm_flags as algorithm
-from megatron_dppo.launch import logging_flags
+from megatron_dppo.launch import cluster_flags, logging_flags
 from megatron_dppo.launch import rollout_correction_flags as correction
 from megatron_dppo.launch.algorithm_flags import SEQUENCE_CLIP, TOKEN_CLIP
 from megatron_dppo.launch.memory_plan import memory_flags, recompute_errors
@@ -95,7 +95,7 @@ def build_parser() -> FlagParser:
     )
     for add_flags in (megatron_flags, resume_flags, memory_flags, rollout_flags, algorithm.add_flags,
                       correction.add_flags, reward_flags, data_flags, embedded_flags, logging_flags.add_flags,
-                      operation_flags):
+                      operation_flags, cluster_flags.add_flags):
         add_flags(parser)
     require_domains(parser)
     parser.note_replaced_defaults("the embedded default", EMBEDDED_DEFAULTS, EMBEDDED_TASK_DEFAULTS,
@@ -341,7 +341,7 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     server_gpus, server_errors = rollout_server_gpus(args)
     errors = [*megatron_errors(args), *resume_errors(args), *recompute_errors(args), *rollout_errors(args),
               *server_errors, *vllm_errors(args), *algorithm.errors(args, parser), *correction.errors(args, parser),
-              *batch_filling_errors(args, parser),
+              *batch_filling_errors(args, parser), *cluster_flags.errors(args),
               *range_combination_errors(args), *model_and_data_errors(args, parser), *embedded_errors(args),
               *logging_flags.errors(args, changed_flags(args, parser, *logging_flags.WANDB_ONLY))]
     if errors:

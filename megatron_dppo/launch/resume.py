@@ -50,6 +50,8 @@ RUN_INDEPENDENT_FLAGS = frozenset({
     "train_iters", "time_budget_s", "time_budget_prices",
     # checkpoints and logs
     "load", "save", "save_interval", "keep_last_checkpoints", "no_load_optim", "fresh_start", "log_dir",
+    # the watchdog and the ports (launch/cluster_flags.py)
+    "heartbeat_timeout_s", "heartbeat_interval_s", "heartbeat_port", "weight_sync_port",
     "wandb_project", "wandb_entity", "wandb_group", "wandb_exp_name", "wandb_save_dir", "wandb_rollout_table_rows",
     "wandb_rollout_table_interval", "save_debug_rollout_data",
     # evaluation

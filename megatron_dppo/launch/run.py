@@ -9,7 +9,8 @@
     ─► the memory plan of a trainer GPU (launch/memory_plan.py), with --rollout-colocate the SGLang server's share
        of it and the --mem-fraction-static it gets (launch/colocated_sglang.py): refused here if it cannot fit
     ─► actor (+ frozen reference when --kl-coef > 0)
-    ─► rank 0: rollout servers (embedded engine | SGLang | vLLM | external URLs), client, weight syncer, server pool
+    ─► rank 0: rollout servers (embedded engine | SGLang | vLLM | external URLs), client, weight syncer, server pool;
+       the watchdog probes the servers
     ─► resume (the checkpoint decided above) ─► initial weight sync ─► evaluate ─► RL steps ─► evaluate ─► save
 The last line on rank 0 is a JSON summary.
 """
@@ -34,6 +35,7 @@ from megatron_dppo.convert.mapping import model_shape
 from megatron_dppo.data.checks import HELDOUT_METRIC, eval_metric
 from megatron_dppo.errors import UserInputError
 from megatron_dppo.launch.arguments import build_parser, is_embedded_default
+from megatron_dppo.launch.cluster_flags import watchdog_config
 from megatron_dppo.launch.colocated_sglang import start_colocated_share, with_server_flags
 from megatron_dppo.launch.launch_plan import weight_sync_backend
 from megatron_dppo.launch.memory_plan import start_memory_error
@@ -42,7 +44,8 @@ from megatron_dppo.metrics import MetricsLogger, RolloutRecords, WandbRun
 from megatron_dppo.pipeline.tasks import Task, dataset_task, synthetic_task
 from megatron_dppo.pipeline.trainer import Trainer
 from megatron_dppo.platform import device_memory_bytes, is_cpu
-from megatron_dppo.platform.network import address_reaching
+from megatron_dppo.platform import watchdog as run_watchdog
+from megatron_dppo.platform.network import address_reaching, sync_socket_environment
 from megatron_dppo.platform.process import is_rank0
 from megatron_dppo.rollout.launcher import local_servers
 
@@ -138,14 +141,10 @@ def start_rollout(args, model_dir: Path, synced_weights: Callable[[], Iterable[t
     else:
         handles = external_servers(args.rollout_urls)
     urls = [handle.url for handle in handles]
-    # Servers started here dial loopback; external ones the address this host's routes to them leave from (not
-    # the one its name resolves to: 127.0.1.1 on Debian-style hosts, where each server would dial itself)
-    master_address = args.weight_sync_master_address or (
-        "127.0.0.1" if args.rollout_backend != "external"
-        else address_reaching([urlsplit(url).hostname for url in urls]))
     # The embedded engine takes large tensors in SGLang's per-tensor format: over gloo in host memory, packing them
     # would copy every byte once more (docs/rollout.md); SGLang over NCCL and vLLM take flattened buckets.
-    syncer = WeightSyncer(urls, master_address=master_address, backend=weight_sync_backend(args, is_cpu()),
+    syncer = WeightSyncer(urls, master_address=weight_sync_address(args), master_ports=args.weight_sync_port,
+                          backend=weight_sync_backend(args, is_cpu()),
                           bucket_bytes=args.rollout_weight_bucket_mb * 2**20, timeout_s=args.rollout_timeout_s,
                           engine_ranks=[args.rollout_server_gpus] * len(urls),
                           keep_host_copy=keeps_host_copy(args), control=control,
@@ -155,6 +154,41 @@ def start_rollout(args, model_dir: Path, synced_weights: Callable[[], Iterable[t
     client = RolloutClient(urls, max_concurrency=args.rollout_max_concurrency, request_timeout_s=args.rollout_timeout_s,
                            supervisor=pool, api=api)
     return pool, client, syncer
+
+
+def weight_sync_address(args) -> str:
+    """The address of rank 0 that the rollout servers dial for the weight-sync group: --weight-sync-master-address;
+    else loopback for servers started here, and for external ones the address this host's routes to them leave
+    from (not the one its name resolves to: 127.0.1.1 on Debian-style hosts, where each server would dial itself)."""
+    if args.weight_sync_master_address:
+        return args.weight_sync_master_address
+    if args.rollout_backend != "external":
+        return "127.0.0.1"
+    return address_reaching([urlsplit(url).hostname for url in args.rollout_urls])
+
+
+def bind_nccl_to_the_sync_interface(args) -> None:
+    """rank 0, before its first NCCL communicator (NCCL reads its socket interface once per process): where the
+    weight sync runs over NCCL to servers on other hosts and NCCL_SOCKET_IFNAME is unset, NCCL's bootstrap listens
+    on the interface of the weight-sync address, the one the servers reach (platform/network.py)."""
+    if not is_rank0():
+        return
+    chosen = sync_socket_environment(weight_sync_address(args), weight_sync_backend(args, is_cpu()))
+    for variable, interface in chosen.items():
+        os.environ[variable] = interface
+        print(f"{os.uname().nodename}: {variable}={interface}, the interface of the weight-sync address (set "
+              f"{variable} to choose another)", flush=True)
+
+
+def start_watchdog(args) -> run_watchdog.Watchdog:
+    """Every rank, once the process group exists: the watchdog of --heartbeat-* (rank 0 hosts it at MASTER_ADDR)."""
+    def from_rank0(value):
+        shared = [value]
+        dist.broadcast_object_list(shared, src=0)
+        return shared[0]
+
+    return run_watchdog.start(watchdog_config(args), dist.get_rank(), dist.get_world_size(),
+                              os.environ.get("MASTER_ADDR", "127.0.0.1"), from_rank0)
 
 
 def wandb_run(args, run_id: str | None = None) -> WandbRun | None:
@@ -258,8 +292,10 @@ def run(args) -> dict:
         model_dir = Path(args.hf_checkpoint)  # stops the run at once with its own error
         tokenizer = load_tokenizer(model_dir)
         task = build_task(args, tokenizer)
+    bind_nccl_to_the_sync_interface(args)
     init_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed,
                   timeout_s=args.distributed_timeout_minutes * 60)
+    watchdog = start_watchdog(args)  # stopped on success only: a rank that fails ends the others at once
     rank0 = dist.get_rank() == 0
     warm_start = None
     if embedded_default:
@@ -303,6 +339,7 @@ def run(args) -> dict:
         if rank0:
             pool, client, syncer = start_rollout(server_args, model_dir, actor.hf_tensors)
             stack.callback(pool.stop)
+            watchdog.watch_servers(syncer.urls)
         trainer = Trainer(args, actor, task, tokenizer, client, syncer, hf_config, reference, record)
         resumed = trainer.load(load) if load else {}
         loaded_step = trainer.step
@@ -352,5 +389,6 @@ def run(args) -> dict:
     if rank0:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.log_dir) / "summary.json").write_text(json.dumps({**summary, "seconds_rl": seconds_rl}))
+    watchdog.stop()
     destroy_parallel()
     return summary

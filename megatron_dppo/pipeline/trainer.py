@@ -19,6 +19,11 @@ On-policy with one update epoch, the old log-probs equal the current ones: the u
 log-probs (detached) as old log-probs and skips a forward pass; otherwise a forward-only pass computes them first.
 Every log-prob the trainer computes (old, new, reference) is of logits / --rollout-temperature, the distribution the
 engine samples from and reports (actor/logprobs.py).
+
+Each phase method is marked `@phase(name)` (platform/watchdog.py): the watchdog reports it when a peer goes silent,
+bounds the ones with deadlines (save), and an exception leaving it is said in one line naming rank, host and phase.
+Phases: step ⊃ experience ⊃ rollouts (rank 0; the other ranks wait in experience), logprobs, update, sync; evaluate,
+save, load.
 """
 
 import random
@@ -46,6 +51,7 @@ from megatron_dppo.errors import UserInputError
 from megatron_dppo.pipeline.experience import Experience, ExperienceMaker, Rollouts, run_progress
 from megatron_dppo.pipeline.packing import pack_micro_batches, padding_token_id, sequence_pad_multiple
 from megatron_dppo.platform import collectives
+from megatron_dppo.platform.watchdog import phase
 from megatron_dppo.rollout.client import SamplingParams
 
 T = TypeVar("T")
@@ -70,6 +76,7 @@ class Trainer:
         self.temperature = args.rollout_temperature
 
     # ------------------------------------------------------------------------------------------- the loop
+    @phase("step")
     def train_one_step(self, elapsed_s: float = 0.0) -> dict:
         """One RL step; `elapsed_s` is the RL wall time so far (rank 0's clock), for the run's progress."""
         self.step += 1
@@ -86,6 +93,7 @@ class Trainer:
                 "seconds_step": time.perf_counter() - start, "lr": self.actor.lr}
 
     # ------------------------------------------------------------------------------------------- phases
+    @phase("experience")
     def make_experience(self, elapsed_s: float) -> Experience:
         """rank 0 computes, every rank receives: the step's rollouts (prompt level, generation, rewards) → advantages
         (full groups) → history → DAPO → pruning."""
@@ -102,6 +110,7 @@ class Trainer:
     def needs_old_logprob_pass(self) -> bool:
         return self.args.ppo_epochs > 1 or self.args.async_rollout or self.pruner.selects_tokens
 
+    @phase("logprobs")
     def compute_old_logprobs(self, micro_batches, experience: Experience) -> float:
         """Forward-only passes: old log-probs (and entropy for D3S) and reference log-probs, into the batches."""
         start = time.perf_counter()
@@ -125,6 +134,7 @@ class Trainer:
         placeholders on the other stages, which never read them."""
         return outputs if outputs else [{"logprobs": None} for _ in micro_batches]
 
+    @phase("update")
     def update(self, micro_batches, experience: Experience) -> dict:
         """ppo_epochs optimizer steps over the packed batches with the policy loss; returns metrics."""
         start = time.perf_counter()
@@ -153,6 +163,7 @@ class Trainer:
 
         return loss_fn
 
+    @phase("sync")
     def sync_weights(self) -> dict:
         """Push the actor's weights to the rollout servers; every rank iterates (TP gathers, PP sends)."""
         start = time.perf_counter()
@@ -171,6 +182,7 @@ class Trainer:
         return result
 
     # ------------------------------------------------------------------------------------------- evaluation
+    @phase("evaluate")
     def evaluate(self, count: int) -> dict:
         """rank 0 computes, every rank receives: greedy accuracy on the first `count` prompts of each held-out set,
         generated in one batch through the rollout servers: {"accuracy", "count"} of the first set, and "sets":
@@ -195,6 +207,7 @@ class Trainer:
     def total_steps(self) -> int:
         return self.args.train_iters if self.args.train_iters is not None else 10**9
 
+    @phase("save")
     def save(self, extra: dict) -> None:
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
         rng_states = [None] * dist.get_world_size()
@@ -211,6 +224,7 @@ class Trainer:
         return optimizer_layout(self.args.tensor_model_parallel_size, self.args.pipeline_model_parallel_size,
                                 self.args.use_distributed_optimizer)
 
+    @phase("load")
     def load(self, checkpoint) -> dict:
         """Resume: model, optimizer, scheduler, step, data position, pruner history, RNG, pending rollouts. With
         --no-load-optim (Megatron-LM's flag) the optimizer and its LR schedule start afresh, the rest resumes."""
@@ -252,6 +266,7 @@ class NextRollouts:
         self.ready: Rollouts | None = None  # the next step's rollouts, generated (also after a resume)
         self.failed: UserInputError | None = None  # why generating the next step's failed (a reward that fails)
 
+    @phase("rollouts")
     def take(self, step: int) -> Rollouts:
         if self.failed is not None:  # raised where the step's rollouts are taken, inside from_rank0
             raise self.failed
@@ -264,6 +279,7 @@ class NextRollouts:
         if self.executor is not None:
             self.future = self.executor.submit(self.maker.generate, step)
 
+    @phase("rollouts")
     def finish(self) -> None:
         if self.future is not None:
             try:

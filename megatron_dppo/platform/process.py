@@ -1,6 +1,7 @@
 """Which process of a torchrun launch this is, and how every rank stops on an error they all found alike.
 
-Imports nothing of torch: argument parsing, which runs before every Slurm launch (--dry-run), uses it.
+Imports nothing of torch (nor does platform/watchdog.py, which it stops): argument parsing, which runs before every
+Slurm launch (--dry-run), uses it.
 """
 
 import os
@@ -18,7 +19,11 @@ def is_rank0() -> bool:
 def exit_saying_once(status: int, message: str) -> None:
     """Exit with an error every rank found alike, said once, by rank 0. torchrun stops every rank as soon as one
     exits, so a rank that exited first could take rank 0 down before it speaks: the others wait for rank 0's exit to
-    stop them (a bounded wait, in case it cannot)."""
+    stop them (a bounded wait, in case it cannot). This process's watchdog stops first: an error found alike is no lost
+    peer (platform/watchdog.py)."""
+    from megatron_dppo.platform.watchdog import stop_all
+
+    stop_all()
     if is_rank0():
         print(message, file=sys.stderr, flush=True)
     else:

@@ -7,7 +7,8 @@ prompts ──► one request per prompt (input_ids, n samples, per-token log-pr
 
 Invariants:
 - every wait is bounded: each request has `request_timeout_s`, each failure is retried at most `max_retries`
-  times, then `RolloutServerError` names the server URL and the cause;
+  times, then `RolloutServerError` names the server URL and the cause; an answer that is not JSON or not the
+  layout the API parses (a truncated or garbled body) is a failure like an HTTP error, and is retried;
 - a failed request is retried on the next server; with a `supervisor` (launcher.ServerPool) the dead server is
   restarted and re-synced before the retry;
 - payload fields are exactly those of SGLang's `GenerateReqInput` / `SamplingParams` (checked against the
@@ -22,7 +23,7 @@ import json
 import random
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -204,6 +205,15 @@ def control_request(url: str, path: str, payload: dict | None = None, method: st
         return text
 
 
+def read_answer(parse: Callable[[Any, str], Any], body: Any, url: str) -> Any:
+    """`parse(body, url)`, a body of another layout (a field missing, a wrong type) raising RolloutServerError."""
+    try:
+        return parse(body, url)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as error:
+        raise RolloutServerError(f"{url} answered a malformed body ({type(error).__name__}: {error}): "
+                                 f"{str(body)[:200]}") from None
+
+
 class RolloutClient:
     """Generate n samples per prompt on rollout servers speaking `api` (default SGLang's /generate); see the module
     docstring."""
@@ -236,14 +246,19 @@ class RolloutClient:
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
         async with session.post(f"{url}{self.api.path}", json=payload, timeout=timeout,
                                 headers=auth_headers(self.api_key)) as response:
+            text = await response.text()
             if response.status != 200:
-                detail = (await response.text())[:2000]
-                raise RolloutServerError(f"{url}{self.api.path} failed with HTTP {response.status}: {detail}")
-            return await response.json()
+                raise RolloutServerError(f"{url}{self.api.path} failed with HTTP {response.status}: {text[:2000]}")
+        try:
+            return json.loads(text)
+        except ValueError as error:
+            raise RolloutServerError(f"{url}{self.api.path} answered a body that is not JSON ({error}): "
+                                     f"{text[:200]!r}") from None
 
-    async def _post_with_retries(self, session, payload: dict, what: str, first_url: str | None = None):
+    async def _post_with_retries(self, session, payload: dict, what: str, parse: Callable[[Any, str], Any],
+                                 first_url: str | None = None):
         """POST the API's route with bounded retries, on another server where there is one (after the supervisor, if
-        any, has restarted the failed one). Returns (url, body)."""
+        any, has restarted the failed one). Returns `parse(body, url)`; an answer `parse` cannot read is retried."""
         import aiohttp
 
         failed: set[str] = set()
@@ -252,7 +267,7 @@ class RolloutClient:
             url = first_url if attempt == 0 and first_url else self._pick_server(failed)
             self._in_flight[url] += 1
             try:
-                return url, await self._post_generate(session, url, payload)
+                return read_answer(parse, await self._post_generate(session, url, payload), url)
             except (TimeoutError, aiohttp.ClientError, RolloutServerError) as error:
                 errors.append(f"{url}: {type(error).__name__}: {error}")
                 failed.add(url)
@@ -276,9 +291,9 @@ class RolloutClient:
         if params.seed is None:
             params = replace(params, seed=random.getrandbits(62))
         async with semaphore:
-            url, body = await self._post_with_retries(session, self.api.request(input_ids, params, n, prompt_index),
-                                                      f"prompt {prompt_index}")
-        return self.api.parse(body, prompt_index, n, url)
+            return await self._post_with_retries(session, self.api.request(input_ids, params, n, prompt_index),
+                                                 f"prompt {prompt_index}",
+                                                 lambda body, url: self.api.parse(body, prompt_index, n, url))
 
     async def agenerate(self, prompts: list[list[int]], params: SamplingParams,
                         n: int = 1) -> AsyncIterator[Completion]:
@@ -342,18 +357,21 @@ class RolloutClient:
             async with semaphore:
                 payload = self.api.request(request.input_ids, replace(params, max_new_tokens=request.max_new_tokens),
                                            1, index, seed=request.seed)
-                url, body = await self._post_with_retries(session, payload, f"request {index}")
-            return self.api.parse(body, index, 1, url)
+                return await self._post_with_retries(session, payload, f"request {index}",
+                                                     lambda body, url: self.api.parse(body, index, 1, url))
 
         async def batch(session, url_index: int, start: int, part: list[SequenceRequest]) -> list[Completion]:
-            what = f"requests {start}..{start + len(part) - 1}"
-            url, body = await self._post_with_retries(session, batch_payload(part, params), what,
-                                                      first_url=self.urls[url_index])
-            outputs = body if isinstance(body, list) else [body]
-            if len(outputs) != len(part):
-                raise RolloutServerError(f"{url}/generate returned {len(outputs)} outputs for {len(part)} requests")
-            return [completion for offset, output in enumerate(outputs)
-                    for completion in parse_generate_response(output, start + offset, 1, url)]
+            def parse(body, url: str) -> list[Completion]:
+                outputs = body if isinstance(body, list) else [body]
+                if len(outputs) != len(part):
+                    raise RolloutServerError(f"{url}/generate returned {len(outputs)} outputs for {len(part)} "
+                                             "requests")
+                return [completion for offset, output in enumerate(outputs)
+                        for completion in parse_generate_response(output, start + offset, 1, url)]
+
+            return await self._post_with_retries(session, batch_payload(part, params),
+                                                 f"requests {start}..{start + len(part) - 1}", parse,
+                                                 first_url=self.urls[url_index])
 
         async def collect():
             import aiohttp

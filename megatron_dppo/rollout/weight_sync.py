@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from megatron_dppo.platform import collectives
+from megatron_dppo.platform.network import ANY_PORT, PortRange, free_port_in
 from megatron_dppo.rollout.client import RolloutServerError, control_request
 from megatron_dppo.rollout.engine_calls import EngineCalls, PhaseClock
 from megatron_dppo.weight_update_protocol import (
@@ -228,7 +229,7 @@ class SyncStats:
 class WeightSyncer(EngineCalls):
     """Trainer side (group rank 0) of the sync; see the module docstring for the order of operations."""
 
-    def __init__(self, urls: list[str], master_address: str = "127.0.0.1", master_port: int | None = None,
+    def __init__(self, urls: list[str], master_address: str = "127.0.0.1", master_ports: PortRange = ANY_PORT,
                  backend: str = "gloo", group_name: str = DEFAULT_GROUP_NAME,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 120.0, api_key: str | None = None,
                  pause_mode: str = "retract", engine_ranks: list[int] | None = None,
@@ -241,6 +242,7 @@ class WeightSyncer(EngineCalls):
         copy to pack, a small one costs a broadcast's fixed latency to send alone).
         keep_host_copy: remember the last synced tensors (host memory, one model copy) so that `resend()` can
         restore a restarted engine without the trainer ranks' help (they may be busy in a collective).
+        master_ports: where this side's store listens (--weight-sync-port): the range's first free port, or any.
         control: how each SGLang control route reaches a server, `control(url, path, payload, method, timeout_s,
         api_key)`; the default posts it as is, rollout/vllm.VLLMControl carries it out on vLLM."""
         if not urls:
@@ -264,7 +266,7 @@ class WeightSyncer(EngineCalls):
         if len(self.engine_ranks) != len(self.urls):
             raise ValueError(f"engine_ranks has {len(self.engine_ranks)} entries for {len(self.urls)} servers")
         self.master_address = master_address
-        self.master_port = master_port
+        self.master_ports = master_ports
         self.backend = backend
         self.group_name = group_name
         self.bucket_bytes = bucket_bytes
@@ -318,13 +320,13 @@ class WeightSyncer(EngineCalls):
 
     def init_group(self) -> None:
         """Every engine joins at its rank offset while this process joins as rank 0 (all concurrently); first any
-        group of this name is left on both sides: servers started elsewhere outlive a killed trainer, this side's
-        group lost a member when an engine restarted, and torch (so SGLang, as the embedded engine) refuses a group
-        name that exists."""
-        from megatron_dppo.platform.network import free_port
-
+        group of this name is left on both sides, and any weight-update session left open is closed: servers started
+        elsewhere outlive a killed trainer (one killed mid-sync leaves its session open, which would refuse the next
+        begin), this side's group lost a member when an engine restarted, and torch (so SGLang, as the embedded
+        engine) refuses a group name that exists."""
         self.destroy_group()
-        port = self.master_port or free_port()
+        self._end_update(raise_errors=False)  # an engine without an open session refuses: nothing to close
+        port = free_port_in(self.master_ports, "--weight-sync-port")
         offsets, world_size = sync_rank_offsets(self.engine_ranks)
         joining_error = None
         futures = self._submit_each("/init_weights_update_group",
@@ -346,8 +348,10 @@ class WeightSyncer(EngineCalls):
         if tell_engines:
             for url in self.urls:
                 try:
+                    # the whole timeout: an engine still receiving a dead trainer's broadcast holds its model lock
+                    # until its group times out, and a group it still holds would refuse the new one
                     self.control(url, "/destroy_weights_update_group", self.destroy_group_payload(),
-                                 timeout_s=min(self.timeout_s, 10.0), api_key=self.api_key)
+                                 timeout_s=self.timeout_s, api_key=self.api_key)
                 except RolloutServerError:
                     pass  # an engine without the group (a new or restarted one) refuses; a dead one cannot answer
         if self.group is not None:

@@ -5,7 +5,11 @@
 #   tests/cluster/cluster.sh start DIR             make the hosts (as root; apt-get installs iproute2 where missing)
 #   tests/cluster/cluster.sh exec DIR HOST CMD...  run CMD on HOST (its network, host name and /etc/hosts; same cwd)
 #   tests/cluster/cluster.sh kill DIR HOST         SIGKILL every process on HOST (as if it crashed; the host stays)
+#   tests/cluster/cluster.sh link DIR HOST down|up pull HOST's cable (its switch port goes down: the host keeps its
+#                                                  address and routes, its packets go nowhere, nothing tells either
+#                                                  side), or plug it back
 #   tests/cluster/cluster.sh stop DIR              kill every process on the hosts, remove namespaces and bridge
+#   tests/cluster/cluster.sh sweep                 stop the clusters (and namespaces) whose owner is gone
 #
 # DIR/nodes then lists the hosts as "name=address ..." (tests/slurm/local_slurm.sh's NODES).
 #
@@ -22,11 +26,31 @@
 # veths and the bridge; the mount namespaces (and their /etc/hosts mounts) end with their last process. `stop` is
 # safe to run on a half-started cluster and twice.
 # Settings: CLUSTER_HOSTS (default "trainer-0 trainer-1 rollout-0"), CLUSTER_SUBNET (first three octets, default
-# 10.243.0; the i-th host, from 1, gets .i). The namespaces are named after DIR, so clusters in different DIRs coexist.
+# 10.243.0; the i-th host, from 1, gets .i), CLUSTER_OWNER_PID (default: the caller's pid, e.g. pytest's).
+#
+# Namespaces are named dppo-pid<OWNER>-<DIR's checksum>-<host>, so clusters in different DIRs coexist and each names
+# the process it lives for. A test killed without its teardown leaves its cluster behind (the holders are in their own
+# sessions); `sweep` (which the tests run before making a cluster) stops every dppo-pid<N>-* namespace whose process
+# N is gone, and whatever runs in it. Clusters of live owners are left alone.
 set -euo pipefail
 
-ACTION=${1:?usage: cluster.sh start|exec|kill|stop DIR [HOST [CMD...]]}
-DIR=${2:?usage: cluster.sh start|exec|kill|stop DIR [HOST [CMD...]]}
+USAGE="usage: cluster.sh start|exec|kill|link|stop DIR [HOST [CMD...]], or cluster.sh sweep"
+ACTION=${1:?$USAGE}
+if [ "$ACTION" = sweep ]; then
+    for namespace in $(ip netns list 2>/dev/null | cut -d' ' -f1 | grep -E '^dppo-pid[0-9]+-' || true); do
+        owner=${namespace#dppo-pid}
+        owner=${owner%%-*}
+        if ! kill -0 "$owner" 2>/dev/null; then
+            pids=$(ip netns pids "$namespace" 2>/dev/null || true)
+            # shellcheck disable=SC2086
+            [ -z "$pids" ] || kill -KILL $pids 2>/dev/null || true
+            ip netns del "$namespace" 2>/dev/null || true
+            echo "cluster.sh: swept $namespace (its owner, pid $owner, is gone)" >&2
+        fi
+    done
+    exit 0
+fi
+DIR=${2:?$USAGE}
 mkdir -p "$DIR"
 DIR=$(cd "$DIR" && pwd)
 STATE=$DIR/cluster.env
@@ -55,11 +79,11 @@ require_tools() {
 start() {
     require_tools
     [ ! -e "$STATE" ] || fail "$DIR already holds a cluster ($STATE): stop it first"
-    local tag subnet
-    tag=dppo-$(printf '%s' "$DIR" | cksum | cut -d' ' -f1)
+    local tag subnet owner=${CLUSTER_OWNER_PID:-$PPID}
+    tag=dppo-pid$owner-$(printf '%s' "$DIR" | cksum | cut -d' ' -f1)
     HOSTS=${CLUSTER_HOSTS:-trainer-0 trainer-1 rollout-0}
     subnet=${CLUSTER_SUBNET:-10.243.0}
-    printf 'TAG=%q\nHOSTS=%q\nSUBNET=%q\n' "$tag" "$HOSTS" "$subnet" >"$STATE"
+    printf 'TAG=%q\nHOSTS=%q\nSUBNET=%q\nOWNER=%q\n' "$tag" "$HOSTS" "$subnet" "$owner" >"$STATE"
     # shellcheck disable=SC2086
     set -- $HOSTS
     local i=0 host nodes=()
@@ -138,6 +162,19 @@ kill_host() {
     [ -z "$pids" ] || kill -KILL $pids 2>/dev/null || true
 }
 
+set_link() {  # the bridge's end of HOST's cable: veth<i> of the bridge namespace
+    local host=$1 state=$2 i=0 each
+    [ "$state" = down ] || [ "$state" = up ] || fail "link state must be down or up, not '$state'"
+    for each in $HOSTS; do
+        i=$((i + 1))
+        if [ "$each" = "$host" ]; then
+            ip -n "$TAG-bridge" link set "veth$i" "$state"
+            return
+        fi
+    done
+    fail "no host $host in $DIR (hosts: $HOSTS)"
+}
+
 run_on() {
     local host=$1 pid
     shift
@@ -192,10 +229,16 @@ case $ACTION in
         . "$STATE"
         kill_host "${3:?usage: cluster.sh kill DIR HOST}"
         ;;
+    link)
+        [ -e "$STATE" ] || fail "no cluster in $DIR: run cluster.sh start $DIR"
+        # shellcheck disable=SC1090
+        . "$STATE"
+        set_link "${3:?usage: cluster.sh link DIR HOST down|up}" "${4:?usage: cluster.sh link DIR HOST down|up}"
+        ;;
     stop)
         stop
         ;;
     *)
-        fail "unknown action '$ACTION' (use start, exec, kill or stop)"
+        fail "unknown action '$ACTION' (use start, exec, kill, link, stop or sweep)"
         ;;
 esac

@@ -5,7 +5,8 @@
 #   tests/slurm/local_slurm.sh start DIR   install (as root, when missing), write DIR/slurm.conf, start munged,
 #                                          slurmctld (on the first node) and a slurmd per node, wait until every
 #                                          node is idle
-#   tests/slurm/local_slurm.sh stop DIR    stop the daemons started by `start DIR` (by their pid files)
+#   tests/slurm/local_slurm.sh stop DIR    stop the daemons started by `start DIR` (by their pid files) and remove
+#                                          the munge key if `start DIR` created it
 #
 # Clients then need SLURM_CONF=DIR/slurm.conf (and, with ON_NODE, to run on a node). Settings: CPUS (default: nproc),
 # each node's CPU count; NODES, the nodes as "name=address ..." (default "localhost"; the first runs slurmctld);
@@ -102,6 +103,7 @@ with_address() {  # "name=address" PREFIX -> "name PREFIXaddress" (Prefix "(": "
 start_daemons() {
     mkdir -p /run/munge
     if [ ! -s /etc/munge/munge.key ]; then
+        echo created >"$DIR/munge_key.created"  # first: a key half-made by a failed start is removed too
         mungekey --create --keyfile=/etc/munge/munge.key 2>/dev/null \
             || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
         chmod 400 /etc/munge/munge.key
@@ -159,6 +161,9 @@ case $ACTION in
         if [ -e "$DIR/munged.started" ]; then
             stop_pidfile "$DIR/munged.pid"
             rm -f "$DIR/munged.started"
+        fi
+        if [ -e "$DIR/munge_key.created" ]; then  # a munged still running read it at its start
+            rm -f /etc/munge/munge.key "$DIR/munge_key.created"
         fi
         ;;
     *)
