@@ -77,9 +77,7 @@ class Configuration:
     unbiased: bool
     history_lengths: str = "stale"  # "stale" (STALE_LENGTHS, every fifth prompt never seen) or "exact" (all seen)
     engine_gap: float = 0.0  # > 0: the engine disagrees (disagreeing_engine), checked under each CORRECTION_FLAGS
-    # x the unbiased draws: the probe's weights 1 / (π π') vary more, and its scale needs 1.5x the draws for the same
-    # standard error as the others
-    draw_factor: float = 1.0
+    draw_factor: float = 1.0  # x the draws (the probe's 1 / (π π') weights vary more: 1.5x for the same scale SE)
 
 
 # The disagreeing engine's log ratios trainer / engine ~ N(0, ENGINE_GAP²) per token; each threshold below acts on
@@ -558,8 +556,7 @@ def check_configuration(name: str, configuration: Configuration, draws: int, pac
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--draws", type=int, default=20_000,
-                        help="draws per unbiased configuration (x its draw_factor)")
+    parser.add_argument("--draws", type=int, default=20_000, help="draws per unbiased configuration (x draw_factor)")
     parser.add_argument("--biased-draws", type=int, default=500, help="draws per biased configuration")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stale-lengths", type=float, nargs=2, default=STALE_LENGTHS, metavar=("LOW", "HIGH"),
@@ -572,10 +569,9 @@ def main() -> None:
     rows = []
     for position, (name, configuration) in enumerate(CONFIGURATIONS.items()):
         if options.only is None or position in options.only:
-            rows += check_configuration(
-                name, configuration,
-                round(options.draws * configuration.draw_factor) if configuration.unbiased else options.biased_draws,
-                seed=options.seed, stale_lengths=tuple(options.stale_lengths))
+            draws = round(options.draws * configuration.draw_factor) if configuration.unbiased else options.biased_draws
+            rows += check_configuration(name, configuration, draws, seed=options.seed,
+                                        stale_lengths=tuple(options.stale_lengths))
     print(f"{'configuration':<58} {'correction':<10} {'aggregation':<24} {'draws':>6} {'max|bias|/SE':>12} "
           f"{'proj/SE':>7} {'ratio':>7} {'rel.err':>7} {'scale':>7} {'± SE':>6} {'predicted':>9} {'worst/SE':>8} "
           f"{'packed':>8} {'Z rule':>6} {'shift':>6}")
