@@ -1,15 +1,18 @@
-"""The engine calls of the trainer's weight sync (rollout/weight_sync.py's WeightSyncer), and the clock of its phases.
+"""The engine calls of the trainer's weight sync (rollout/weight_sync.py's WeightSyncer holds an EngineCalls), and
+the clock of its phases.
 
-    control call ─► every engine at once (a thread each, kept for the syncer's life) ─► answers in url order
-    bucket k:  POST /update_weights_from_distributed to every engine ‖ broadcast its tensors (Works, at once)
+    EngineCalls(urls, control, timeout_s, api_key): the syncer's engines and how a control route reaches one
+    control call ─► every engine at once (a thread each, kept for the EngineCalls' life) ─► answers in url order
+    bucket k (the syncer hands over its payload, the group, and how to tear the group down):
+               POST /update_weights_from_distributed to every engine ‖ broadcast its tensors on the group (Works)
                ─► sent (this side's last byte out) ─► every engine's answer (its load by name; with
                weight_update_batching, its weight version)
     pipelined: bucket k+1 posted once k is sent; k's answers collected while k+1 travels
 
 Invariants:
 - the engines handle the buckets in order: a bucket is posted only once this side has sent the one before;
-- a refusal of any bucket tears the group down (engines leave first, then this side aborts) with every later
-  bucket's sends pending too, and raises naming each engine that refused;
+- a refusal of any bucket tears the group down (the send's tear_down: engines leave first, then this side aborts)
+  with every later bucket's sends pending too, and raises naming each engine that refused;
 - PhaseClock's phases are PHASES, in the order a sync runs them.
 """
 
@@ -18,9 +21,10 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -69,47 +73,86 @@ class InFlightUpdate:
 
 
 class EngineCalls:
-    """WeightSyncer's calls to its engines: control calls to all at once, and bucket updates posted and broadcast
-    (one at a time, or pipelined). Uses the syncer's urls, control, timeout_s, api_key, pool, group, update_payload
-    and destroy_group, and records reported_versions (each engine's weight version from the last update's answers)."""
+    """A weight syncer's calls to its engines: control calls to all at once (the flush and the group leave one engine
+    after another), and bucket updates posted and broadcast (one at a time, or pipelined). It owns the threads the
+    calls run on; the group a bucket is broadcast on and how to tear it down come with each send. reported_versions:
+    each engine's weight version from the last update's answers (a pipelined send starts with none)."""
 
-    def _submit_each(self, path: str, payloads: list[dict | None], method: str = "POST") -> list[Future]:
-        """The control call to every engine, each with its payload, concurrently, on threads kept for the syncer's
+    def __init__(self, urls: list[str], control: Callable[..., Any], timeout_s: float, api_key: str | None):
+        """control: how a control route reaches a server, `control(url, path, payload, method, timeout_s, api_key)`."""
+        self.urls = urls
+        self.control = control
+        self.timeout_s = timeout_s
+        self.api_key = api_key
+        self.pool: ThreadPoolExecutor | None = None  # started by the first concurrent call
+        self.reported_versions: list[str | None] = []
+
+    def submit_each(self, path: str, payloads: list[dict | None], method: str = "POST") -> list[Future]:
+        """The control call to every engine, each with its payload, concurrently, on threads kept for this object's
         life (a pool per call would start a thread per engine per call)."""
         if self.pool is None:
             self.pool = ThreadPoolExecutor(len(self.urls), thread_name_prefix="weight-sync-control")
         return [self.pool.submit(self.control, url, path, payload, method, self.timeout_s, self.api_key)
                 for url, payload in zip(self.urls, payloads)]
 
-    def _submit_all(self, path: str, payload: dict | None = None, method: str = "POST") -> list[Future]:
-        """The same control call to every engine, concurrently (see _submit_each)."""
-        return self._submit_each(path, [payload] * len(self.urls), method)
+    def submit_all(self, path: str, payload: dict | None = None, method: str = "POST") -> list[Future]:
+        """The same control call to every engine, concurrently (see submit_each)."""
+        return self.submit_each(path, [payload] * len(self.urls), method)
 
-    def _failures(self, futures: list[Future]) -> list[str]:
+    def failures(self, futures: list[Future]) -> list[str]:
         """'url: error' of each engine whose call (one future per engine, in url order) raised; waits for all."""
         return [f"{url}: {error}" for url, future in zip(self.urls, futures)
                 if (error := future.exception()) is not None]
 
-    def _call_all(self, path: str, payload: dict | None = None, method: str = "POST") -> list:
+    def call_all(self, path: str, payload: dict | None = None, method: str = "POST") -> list:
+        """The same control call to every engine; their answers in url order, or the first engine's error."""
         if len(self.urls) == 1:  # in this thread: nothing to wait for but the answer
             return [self.control(self.urls[0], path, payload, method, self.timeout_s, self.api_key)]
-        return [future.result() for future in self._submit_all(path, payload, method)]
+        return [future.result() for future in self.submit_all(path, payload, method)]
 
-    def _send_bucket(self, bucket: Bucket, version: str, clock: PhaseClock | None = None) -> None:
-        """One bucket, not pipelined: post its update and broadcast it (phase buckets), then wait for every engine's
-        answer (phase loads)."""
+    def flush_all(self) -> None:
+        """GET /flush_cache on each engine in turn, retried until the timeout while it refuses."""
+        deadline = time.monotonic() + self.timeout_s
+        for url in self.urls:
+            while True:
+                try:
+                    self.control(url, "/flush_cache", None, "GET", self.timeout_s, self.api_key)
+                    break
+                except RolloutServerError:
+                    if time.monotonic() > deadline:  # SGLang refuses to flush while requests are running
+                        raise
+                    time.sleep(0.2)
+
+    def leave_group(self, payload: dict) -> None:
+        """/destroy_weights_update_group (`payload` names the group) on each engine in turn; engines that refuse or
+        cannot be reached (e.g. dead ones) are skipped."""
+        for url in self.urls:
+            try:
+                # the whole timeout: an engine still receiving a dead trainer's broadcast holds its model lock until
+                # its group times out, and a group it still holds would refuse the new one
+                self.control(url, "/destroy_weights_update_group", payload, timeout_s=self.timeout_s,
+                             api_key=self.api_key)
+            except RolloutServerError:
+                pass  # an engine without the group (a new or restarted one) refuses; a dead one cannot answer
+
+    def send_bucket(self, bucket: Bucket, payload: dict, group, tear_down: Callable[[], None],
+                    clock: PhaseClock | None = None) -> None:
+        """One bucket, not pipelined: post its update (`payload`) and broadcast it on `group` (phase buckets), then
+        wait for every engine's answer (phase loads). `tear_down()`: the group's tear-down, once an engine refused."""
         clock = clock or PhaseClock()
         with clock("buckets"):
-            update = self._start_update(self.update_payload(bucket, version), bucket.broadcasts)
-            self._wait_sent(update, [])
+            update = self._start_update(payload, bucket.broadcasts, group)
+            self._wait_sent(update, [], tear_down)
         with clock("loads"):
-            self._finish_update(update)
+            self._finish_update(update, [], tear_down)
 
-    def _send_pipelined(self, buckets: Iterator[Bucket], version: str, clock: PhaseClock) -> list[Bucket]:
-        """Every bucket, each posted once this side has sent the one before (whose engines are handling it by then,
-        so the engines handle the buckets in order), and the answer to the one before collected while it travels:
-        an engine's load of bucket k and its reply overlap the post and broadcast of bucket k + 1. Returns the
-        buckets sent."""
+    def send_pipelined(self, buckets: Iterator[Bucket], payload: Callable[[Bucket], dict], group,
+                       tear_down: Callable[[], None], clock: PhaseClock) -> list[Bucket]:
+        """Every bucket, each posted (`payload(bucket)`) once this side has sent the one before (whose engines are
+        handling it by then, so the engines handle the buckets in order), and the answer to the one before collected
+        while it travels: an engine's load of bucket k and its reply overlap the post and broadcast of bucket k + 1.
+        `group` and `tear_down` as in send_bucket. Returns the buckets sent."""
+        self.reported_versions = []
         sent, previous = [], None
         while True:
             with clock("next bucket"):
@@ -117,24 +160,24 @@ class EngineCalls:
             if bucket is None:
                 break
             with clock("buckets"):
-                update = self._start_update(self.update_payload(bucket, version), bucket.broadcasts)
+                update = self._start_update(payload(bucket), bucket.broadcasts, group)
             if previous is not None:
                 with clock("loads"):
-                    self._finish_update(previous, [update])
+                    self._finish_update(previous, [update], tear_down)
             with clock("buckets"):
-                self._wait_sent(update, [])
+                self._wait_sent(update, [], tear_down)
             sent.append(bucket)
             previous = update
         if previous is not None:
             with clock("loads"):
-                self._finish_update(previous)
+                self._finish_update(previous, [], tear_down)
         return sent
 
-    def _start_update(self, payload: dict, tensors: list[torch.Tensor]) -> InFlightUpdate:
+    def _start_update(self, payload: dict, tensors: list[torch.Tensor], group) -> InFlightUpdate:
         """POST /update_weights_from_distributed to every engine and broadcast `tensors` in order (Works, at once)."""
-        update = InFlightUpdate(payload, self._submit_all("/update_weights_from_distributed", payload))
+        update = InFlightUpdate(payload, self.submit_all("/update_weights_from_distributed", payload))
         what = f"weight bucket {payload['names'][0]} .. {payload['names'][-1]}"
-        update.pending = [collectives.broadcast(self.group, tensor, 0, what) for tensor in tensors]
+        update.pending = [collectives.broadcast(group, tensor, 0, what) for tensor in tensors]
         if update.pending:
             update.pending[-1].get_future().add_done_callback(update.mark_sent)
         else:
@@ -143,7 +186,7 @@ class EngineCalls:
             future.add_done_callback(lambda _: update.progress.set())
         return update
 
-    def _wait_sent(self, update: InFlightUpdate, later: list[InFlightUpdate]) -> None:
+    def _wait_sent(self, update: InFlightUpdate, later: list[InFlightUpdate], tear_down: Callable[[], None]) -> None:
         """Until this side has sent every byte of `update` (its engines are then handling it, so a request posted
         next is handled after it), or an engine has refused it (which fails the sync: _finish_update raises)."""
         while True:
@@ -151,18 +194,19 @@ class EngineCalls:
             if update.sent_at:
                 return
             if any(future.done() and future.exception() is not None for future in update.futures):
-                self._finish_update(update, later)
+                self._finish_update(update, later, tear_down)
             update.progress.wait(0.1)
 
-    def _finish_update(self, update: InFlightUpdate, later: list[InFlightUpdate] = ()) -> None:
+    def _finish_update(self, update: InFlightUpdate, later: list[InFlightUpdate],
+                       tear_down: Callable[[], None]) -> None:
         """Wait for every engine's answer to `update`; if any refuses, tear the group down (see the module docstring;
         `later`: updates posted after it, whose sends are pending too) and raise. Records each engine's reported
         weight version where its answer gives one (an engine with weight_update_batching)."""
-        refusals = self._failures(update.futures)
+        refusals = self.failures(update.futures)
         if refusals:
-            self._tear_down_after_failed_update([work for u in (update, *later) for work in u.pending])
+            self._tear_down_after_failed_update(tear_down, [work for u in (update, *later) for work in u.pending])
             for other in later:  # their requests fail once the engines left the group; let them end
-                self._failures(other.futures)
+                self.failures(other.futures)
             raise RolloutServerError(
                 "update_weights_from_distributed failed on " + "; ".join(refusals) + "; the weight update group "
                 "was torn down and the next sync builds a new one")
@@ -171,10 +215,10 @@ class EngineCalls:
         self.reported_versions = [answer.get("weight_version") if isinstance(answer, dict) else None
                                   for answer in (future.result() for future in update.futures)]
 
-    def _tear_down_after_failed_update(self, pending: list) -> None:
-        """The engines leave the group first (an engine's end closes, so this side's pending sends fail instead of
-        waiting for a receive that never comes), then this side aborts; the sends' errors are the expected ones."""
-        self.destroy_group(abort=True)
+    def _tear_down_after_failed_update(self, tear_down: Callable[[], None], pending: list) -> None:
+        """`tear_down()`: the engines leave the group first (an engine's end closes, so this side's pending sends fail
+        instead of waiting for a receive that never comes), then this side aborts; the sends' errors are expected."""
+        tear_down()
         for work in pending:
             try:
                 work.wait(datetime.timedelta(seconds=self.timeout_s))

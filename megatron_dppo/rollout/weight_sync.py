@@ -14,8 +14,10 @@ Every phase is timed (SyncStats.phases, PHASES; bench/weight_sync.py prints them
 
 The protocol both sides speak (the group, the bucket layout, packing and unpacking) is
 megatron_dppo/weight_update_protocol.py; this module adds the trainer's order of operations, its staging buffers and
-the thread that packs the next bucket while the current one is sent; rollout/engine_calls.py makes the calls to the
-engines (control calls, bucket updates one at a time or pipelined) and times the phases.
+the thread that packs the next bucket while the current one is sent. The syncer holds an EngineCalls
+(rollout/engine_calls.py), which makes the calls to the engines (control calls, flushes, bucket updates one at a time
+or pipelined, broadcast on the group the syncer hands it, torn down by the syncer's _abort_group); that module also
+times the phases.
 
 Invariants:
 - SGLang 0.5.23 refuses a distributed update outside a begin/end session, before receiving anything; the syncer opens
@@ -43,7 +45,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,7 +227,7 @@ class SyncStats:
         return self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
 
 
-class WeightSyncer(EngineCalls):
+class WeightSyncer:
     """Trainer side (group rank 0) of the sync; see the module docstring for the order of operations."""
 
     def __init__(self, urls: list[str], master_address: str = "127.0.0.1", master_ports: PortRange = ANY_PORT,
@@ -272,19 +273,16 @@ class WeightSyncer(EngineCalls):
         self.bucket_bytes = bucket_bytes
         self.first_bucket_bytes = first_bucket_bytes
         self.timeout_s = timeout_s
-        self.api_key = api_key
         self.pause_mode = pause_mode
         self.group = None
         self.last_version: str | None = None
         self.keep_host_copy = keep_host_copy
         self.host_copy: list[tuple[str, torch.Tensor]] = []
         self.staging = StagingBuffers()
-        self.control = control
         self.load_format = load_format
-        self.pool: ThreadPoolExecutor | None = None
+        self.engines = EngineCalls(self.urls, control, timeout_s, api_key)  # its calls to the engines
         # whether every engine offers weight_update_batching, as the last /model_info said (none read yet: no)
         self.batching = False
-        self.reported_versions: list[str | None] = []  # per engine, from the last update's answers
 
     # Request bodies, one builder per SGLang request dataclass (checked by tests/test_rollout_contract.py).
     def init_group_payload(self, master_port: int, rank_offset: int, world_size: int) -> dict:
@@ -329,14 +327,14 @@ class WeightSyncer(EngineCalls):
         port = free_port_in(self.master_ports, "--weight-sync-port")
         offsets, world_size = sync_rank_offsets(self.engine_ranks)
         joining_error = None
-        futures = self._submit_each("/init_weights_update_group",
-                                    [self.init_group_payload(port, offset, world_size) for offset in offsets])
+        futures = self.engines.submit_each("/init_weights_update_group",
+                                           [self.init_group_payload(port, offset, world_size) for offset in offsets])
         try:
             self.group = init_weight_update_group(self.backend, self.master_address, port, 0, world_size,
                                                   self.group_name, self.timeout_s)
         except Exception as error:  # a store timeout says only that someone did not join: the servers say why
             joining_error = error
-        failures = self._failures(futures)
+        failures = self.engines.failures(futures)
         if failures:
             raise RolloutServerError("init_weights_update_group failed on " + "; ".join(failures)) from joining_error
         if joining_error is not None:
@@ -346,17 +344,18 @@ class WeightSyncer(EngineCalls):
         """Leave the group; engines that cannot be reached (e.g. dead ones) are skipped. `abort`: work of this side
         is still pending (a failed update), so its communicator is aborted instead of destroyed."""
         if tell_engines:
-            for url in self.urls:
-                try:
-                    # the whole timeout: an engine still receiving a dead trainer's broadcast holds its model lock
-                    # until its group times out, and a group it still holds would refuse the new one
-                    self.control(url, "/destroy_weights_update_group", self.destroy_group_payload(),
-                                 timeout_s=self.timeout_s, api_key=self.api_key)
-                except RolloutServerError:
-                    pass  # an engine without the group (a new or restarted one) refuses; a dead one cannot answer
+            self.engines.leave_group(self.destroy_group_payload())
         if self.group is not None:
             (abort_weight_update_group if abort else destroy_weight_update_group)(self.group)
             self.group = None
+
+    def _abort_group(self) -> None:
+        """The tear-down after a refused update: the engines leave the group, then this side aborts its end."""
+        self.destroy_group(abort=True)
+
+    def _send_bucket(self, bucket: Bucket, version: str, clock: PhaseClock | None = None) -> None:
+        """One bucket's update, posted, broadcast and answered before this returns (EngineCalls.send_bucket)."""
+        self.engines.send_bucket(bucket, self.update_payload(bucket, version), self.group, self._abort_group, clock)
 
     def resend(self) -> SyncStats:
         """Sync the last synced weights again (after an engine restart); needs keep_host_copy=True."""
@@ -364,25 +363,12 @@ class WeightSyncer(EngineCalls):
             raise RolloutServerError("resend() needs a WeightSyncer(keep_host_copy=True) that has synced once")
         return self.sync(list(self.host_copy), self.last_version)
 
-    def _flush_all(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        for url in self.urls:
-            while True:
-                try:
-                    self.control(url, "/flush_cache", None, "GET", self.timeout_s, self.api_key)
-                    break
-                except RolloutServerError:
-                    if time.monotonic() > deadline:  # SGLang refuses to flush while requests are running
-                        raise
-                    time.sleep(0.2)
-
     def _begin_update(self) -> None:
-        self._call_all("/begin_weight_update", self.begin_payload())
+        self.engines.call_all("/begin_weight_update", self.begin_payload())
 
     def _end_update(self, raise_errors: bool) -> None:
         """Close the session on every engine; after a failure, an engine without one (its begin failed) is fine."""
-        futures = self._submit_all("/end_weight_update", {})
-        failures = self._failures(futures)
+        failures = self.engines.failures(self.engines.submit_all("/end_weight_update", {}))
         if failures and raise_errors:
             raise RolloutServerError("end_weight_update failed on " + "; ".join(failures))
 
@@ -406,7 +392,6 @@ class WeightSyncer(EngineCalls):
         prefetcher = prefetch_buckets(named_tensors, self.bucket_bytes, self.timeout_s, self.staging,
                                       self.first_bucket_bytes, pack=self._packs)
         batched = self.batching
-        self.reported_versions = []
         try:
             with prefetcher:  # the first bucket is packed while the engines pause and flush
                 sent = (self._batched_sequence if batched else self._sglang_sequence)(iter(prefetcher), version,
@@ -416,9 +401,9 @@ class WeightSyncer(EngineCalls):
             self.staging = StagingBuffers()  # a bucket may not have come back to the pool
             raise
         with clock("version check"):
-            reported = self.reported_versions
+            reported = self.engines.reported_versions
             if not batched or len(reported) != len(self.urls) or None in reported:
-                infos = self._call_all("/model_info", None, "GET")
+                infos = self.engines.call_all("/model_info", None, "GET")
                 reported = [info.get("weight_version") for info in infos]
                 self.batching = all(info.get(BATCHING_FIELD) is True for info in infos)
         seconds = time.perf_counter() - start
@@ -436,10 +421,10 @@ class WeightSyncer(EngineCalls):
         """SGLang's calls, one per step: pause → flush → begin → one update per bucket, each answered before the
         next → end (always) → continue (always, once paused). Returns the buckets sent."""
         with clock("pause"):
-            self._call_all("/pause_generation", self.pause_payload())
+            self.engines.call_all("/pause_generation", self.pause_payload())
         try:
             with clock("flush"):
-                self._flush_all()
+                self.engines.flush_all()
             sent, updated = [], False
             try:
                 with clock("begin"):
@@ -457,22 +442,24 @@ class WeightSyncer(EngineCalls):
                     self._end_update(raise_errors=updated)
         finally:
             with clock("continue"):
-                self._call_all("/continue_generation", {})
+                self.engines.call_all("/continue_generation", {})
         return sent
 
     def _batched_sequence(self, buckets: Iterator[Bucket], version: str, clock: PhaseClock) -> list[Bucket]:
         """The embedded engine's batched calls (weight_update_batching): one /begin_weight_update that also pauses
-        and flushes (phase pause), the updates pipelined (_send_pipelined), whose answers carry the weight version,
-        and one /end_weight_update that also continues (always; phase end). Returns the buckets sent."""
+        and flushes (phase pause), the updates pipelined (EngineCalls.send_pipelined), whose answers carry the weight
+        version, and one /end_weight_update that also continues (always; phase end). Returns the buckets sent."""
         updated = False
         try:
             with clock("pause"):
-                self._call_all("/begin_weight_update", self.batched_begin_payload())
-            sent = self._send_pipelined(buckets, version, clock)
+                self.engines.call_all("/begin_weight_update", self.batched_begin_payload())
+            sent = self.engines.send_pipelined(buckets, lambda bucket: self.update_payload(bucket, version), self.group,
+                                               self._abort_group, clock)
             updated = True
         finally:
             with clock("end"):
-                failures = self._failures(self._submit_all("/end_weight_update", self.batched_end_payload()))
+                failures = self.engines.failures(self.engines.submit_all("/end_weight_update",
+                                                                         self.batched_end_payload()))
                 if failures and updated:
                     raise RolloutServerError("end_weight_update failed on " + "; ".join(failures))
         return sent

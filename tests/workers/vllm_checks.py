@@ -63,7 +63,7 @@ def check_version(version, actor, vocab, syncer, client, url, hf_tensor_count):
         worst = max_gap(vllm_probe_logprobs(url), trained)
         assert moved > 100 * LOGPROB_TOL, f"before the sync vLLM and the trained actor differ by only {moved}"
         assert worst < LOGPROB_TOL, f"after the sync vLLM's probe log-probs differ from the actor's by {worst}"
-        reported = syncer.control(url, "/model_info", None, "GET")["weight_version"]
+        reported = syncer.engines.control(url, "/model_info", None, "GET")["weight_version"]
         assert reported == str(version) == stats.weight_version, (reported, version, stats)
         log(f"CHECK vllm_synced_logprobs_v{version} ok max_abs_diff={worst:.1e} before_sync_diff={moved:.1e} "
             f"{stats.tensors} tensors in {stats.buckets} buckets, weight_version={reported}")
