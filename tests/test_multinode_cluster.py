@@ -262,14 +262,35 @@ def test_the_cluster_script_fails_with_the_reason_where_namespaces_cannot_be_mad
     assert result.returncode == 1 and "network namespaces need root" in result.stderr, result.stderr
 
 
-def test_a_timeout_on_a_host_kills_the_command_inside_it_not_only_the_wrapper(cluster):
+def test_a_timeout_on_a_host_kills_the_command_inside_it_not_only_the_wrapper(cluster, tmp_path):
     """What a timed-out command started on a host, in its session or a new one, is gone with it."""
-    marker = "dppo-timeout-marker"
+    marker, started = "dppo-timeout-marker", tmp_path / "started"
+    # two sleeps named by the marker (exec -a: sleep itself refuses extra words), one in a session of its own; each
+    # writes its pid first, so the test knows both ran before the timeout (a loaded machine may start bash late)
+    command = f"setsid bash -c 'echo $$ >> {started}; exec -a {marker} sleep 1000' & " \
+              f"echo $$ >> {started}; exec -a {marker} sleep 1000"
     with pytest.raises(subprocess.TimeoutExpired):
-        cluster.run("rollout-0", ["bash", "-c", f"setsid sleep 1000 {marker} & exec sleep 1000 {marker}"], timeout=5)
-    left = [pid for pid in cluster.pids("rollout-0") if marker in Path(f"/proc/{pid}/cmdline").read_text(
-        errors="replace").replace("\0", " ")]
-    assert left == [], f"left running on rollout-0: {left}"
+        cluster.run("rollout-0", ["bash", "-c", command], timeout=20)
+    pids = [int(pid) for pid in started.read_text().split()]
+    assert len(pids) == 2, f"both sleeps should have started within the timeout: {pids}"
+
+    def marked() -> list[int]:
+        return [pid for pid in cluster.pids("rollout-0") if marker in Path(f"/proc/{pid}/cmdline").read_text(
+            errors="replace").replace("\0", " ")]
+
+    deadline = time.monotonic() + 10  # a SIGKILLed process is gone once the kernel runs it
+    while marked() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marked() == [], f"left running on rollout-0: {marked()}"
+    assert all(is_gone(pid) for pid in pids), pids
+
+
+def is_gone(pid: int) -> bool:
+    """`pid` has ended: no such process, or a zombie not yet reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def test_a_cluster_whose_owner_is_gone_is_swept_and_a_live_ones_is_kept(cluster, tmp_path):
