@@ -70,6 +70,17 @@ def saturated_history(num_prompts=40) -> tuple[PromptHistory, list[str]]:
     return history, ["cell"] * num_prompts
 
 
+def test_without_the_refill_the_systematic_design_keeps_the_rate_s_share_of_the_batch_not_all_of_it():
+    """--no-dppo-refill draws the batch itself (M = B); the trainer still passes B as the target, and the level keeps
+    M (1 - r) of it (it had kept all B: no prompt pruned at all)."""
+    history, difficulties = saturated_history(16)
+    pruner = build_pruner("dppo", group_size=G, refill=False, prompt_prune_rate=0.5)
+    assert pruner.prompts_to_sample(16, history) == 16
+    for step in range(20):
+        decision = pruner.select_prompts(list(range(16)), history, step, difficulties, batch_size=16)
+        assert len(decision.kept) == 8, step
+
+
 @pytest.mark.parametrize("score", ["success_rate", "zero_variance"])
 def test_the_default_prompt_level_keeps_exactly_the_batch_every_step_informative_prompts_first(score):
     history, difficulties = saturated_history()

@@ -183,8 +183,8 @@ class DPPOPruner(Pruner):
         return history.lookup(prompt_ids)[0], predicted
 
     def select_prompts(self, prompt_ids, history, step, difficulties=None, batch_size=None) -> PromptDecision:
-        """The prompt level's decision over the M drawn `prompt_ids`; `batch_size`: how many to keep (the refill's
-        B; default M x (1 - rate))."""
+        """The prompt level's decision over the M drawn `prompt_ids`; `batch_size`: how many to keep with the refill
+        (its B); without the refill, or by default, M x (1 - rate)."""
         num_prompts = len(prompt_ids)
         if history is None:
             history = PromptHistory()
@@ -202,7 +202,9 @@ class DPPOPruner(Pruner):
             # exactly `target` of the M drawn are rolled out (the refill's B): the candidates keep target - (the
             # others) between them, at least their floors' worth (then the count is one of the two whole numbers
             # around the floors' sum)
-            target = num_prompts * (1.0 - rate) if batch_size is None else min(batch_size, num_prompts)
+            # (without the refill the M drawn are the batch itself, and the level keeps M (1 - r) of them)
+            target = min(batch_size, num_prompts) if batch_size is not None and self.config.refill else (
+                num_prompts * (1.0 - rate))
             kept_candidates = max(target - fixed, self.config.prompt_p_min * num_candidates)
             rate = max(1.0 - kept_candidates / num_candidates, 0.0)
         elif self.config.refill and num_candidates:
