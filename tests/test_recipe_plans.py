@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch import REPO_ROOT
-from tests.test_slurm import recorded, srun_options, stand_in_slurm
+from tests.test_slurm import recorded, srun_options, stand_in_code, stand_in_slurm
 
 RECIPES = [REPO_ROOT / "examples" / "configs" / name for name in ("qwen3_4b_math_dppo.sh", "qwen3_4b_math_grpo.sh")]
 ENTRY = REPO_ROOT / "examples" / "pretrain_dppo.py"
@@ -47,15 +47,15 @@ def slurm_that_runs_the_plan_step(tmp_path: Path, nodes: list[str]) -> tuple[dic
     Returns (environment, Slurm's record, the host Python's record)."""
     env, record = stand_in_slurm(tmp_path, nodes)
     bin_dir, host_record = tmp_path / "bin", tmp_path / "host-python.jsonl"
-    recorder = (bin_dir / "srun").read_text()
-    (bin_dir / "srun").write_text(
+    recorder = stand_in_code(tmp_path, "srun").read_text()
+    stand_in_code(tmp_path, "srun").write_text(
         recorder + "command = [arg for arg in sys.argv[1:] if not arg.startswith('-')][:1]\n"
         "if '--dry-run' in sys.argv:\n"
         "    import subprocess\n"
         "    start = sys.argv.index(command[0])\n"
         "    step = dict(os.environ, SLURM_STEP_ID='0')  # a job step, as Slurm marks one\n"
         "    sys.exit(subprocess.run(sys.argv[start:], env=step).returncode)\n")
-    (bin_dir / "sbatch").write_text(
+    stand_in_code(tmp_path, "sbatch").write_text(
         recorder + "script = next(arg for arg in sys.argv[1:] if arg.endswith('.sbatch'))\n"
         f"env = dict(os.environ, SLURM_JOB_ID='77', SLURM_JOB_NODELIST={','.join(nodes)!r})\n"
         "import subprocess\n"

@@ -111,8 +111,8 @@ def stand_in_slurm(tmp_path: Path, nodes: list[str]) -> tuple[dict, Path]:
     see test_sbatch_reports_rank_0s_summary_from_whichever_node_holds_it. Returns (environment, record file)."""
     bin_dir, record = tmp_path / "bin", tmp_path / "slurm-calls.jsonl"
     bin_dir.mkdir()
-    recorder = (f"#!{sys.executable}\nimport json, os, re, sys\nfrom pathlib import Path\n"
-                f"name = os.path.basename(sys.argv[0])\n"
+    recorder = (f"import json, os, re, sys\nfrom pathlib import Path\n"
+                f"name = os.environ['STAND_IN_NAME']\n"
                 f"with open({str(record)!r}, 'a') as out:\n"
                 f"    out.write(json.dumps({{'command': name, 'args': sys.argv[1:],\n"
                 f"                          'SRUN_ARGS': os.environ.get('SRUN_ARGS')}}) + '\\n')\n"
@@ -124,12 +124,22 @@ def stand_in_slurm(tmp_path: Path, nodes: list[str]) -> tuple[dict, Path]:
                 f"        Path(found.group(1) + '0.log').write_text('rank 2: done\\n')\n"
                 f"        Path(found.group(1) + '1.log').write_text('rank 0: done\\n{{\"steps\": 3}}\\n')\n")
     for name in ("srun", "sbatch", "scontrol"):
-        (bin_dir / name).write_text(recorder)
+        # the stand-in's Python in stand_in_code(tmp_path, name), started with SIGTERM ignored (an ignored signal stays
+        # ignored across exec): dppo.sbatch's clean-up kills the background rollout step when the trainer step ends,
+        # which on a busy machine came before the stand-in had recorded its call
+        stand_in_code(tmp_path, name).write_text(recorder)
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\ntrap '' TERM\nSTAND_IN_NAME={name} exec "
+                                    f"{sys.executable} {stand_in_code(tmp_path, name)} \"$@\"\n")
         (bin_dir / name).chmod(0o755)
     env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "SRUN_"))
            and key not in ("TRAINER_NODES", "ROLLOUT_NODES", "GPUS_PER_NODE", "SGLANG_TP", "STAGES", "EVAL_ARGS")}
     env["PATH"] = f"{bin_dir}:{env['PATH']}"
     return env, record
+
+
+def stand_in_code(tmp_path: Path, name: str) -> Path:
+    """The Python that stand-in `name` (srun, sbatch, scontrol) runs: a test may append to it."""
+    return tmp_path / f"stand_in_{name}.py"
 
 
 def recorded(record: Path, command: str) -> list[dict]:
