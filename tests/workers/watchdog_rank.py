@@ -4,11 +4,11 @@
     plan: {"world": N, "port": P, "interval_s": s, "timeout_s": s, "deadlines": {phase: s},
            "phases": [[name, seconds], ...], "servers": [url, ...] (rank 0 probes them),
            "fail_in": name (raise a RuntimeError in that phase; a UserInputError with "user_error": true),
-           "exit_without_bye": bool,
+           "exit_without_bye": bool (exit inside the last phase),
            "say_once": text (after the phases, exit through exit_saying_once, as an error every rank found alike)}
 
 Prints "ready" once its watchdog runs, then goes through its phases; exits 0 after stopping the watchdog (or 1
-without it, with exit_without_bye, as a crashed process would).
+without it, in its last phase, with exit_without_bye, as a crashed process would).
 """
 
 import json
@@ -28,13 +28,13 @@ def main() -> int:
     watchdog = start(config, int(os.environ["RANK"]), plan["world"], "127.0.0.1", lambda port: plan["port"])
     watchdog.watch_servers(plan.get("servers", []))
     print("ready", flush=True)
-    for name, seconds in plan["phases"]:
+    for position, (name, seconds) in enumerate(plan["phases"]):
         with phase(name):
             time.sleep(seconds)
             if plan.get("fail_in") == name:
                 raise (UserInputError if plan.get("user_error") else RuntimeError)(f"planted failure in {name}")
-    if plan.get("exit_without_bye"):
-        os._exit(1)
+            if plan.get("exit_without_bye") and position == len(plan["phases"]) - 1:
+                os._exit(1)  # inside its last phase, as a crash would: the phase the watchdog names is not a race
     if plan.get("say_once"):
         exit_saying_once(2, plan["say_once"])
     watchdog.stop()
