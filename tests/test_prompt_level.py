@@ -92,21 +92,6 @@ def test_refill_draws_batch_over_one_minus_the_pools_zero_variance_share_and_rol
     assert build_pruner("dppo", refill=False).prompts_to_sample(8, history) == 8
 
 
-def test_refilled_prompt_level_is_unbiased_for_the_drawn_batch():
-    history, difficulties = saturated_history(24)
-    pruner = build_pruner("dppo")
-    values = torch.arange(1.0, 25.0, dtype=torch.float64)  # any per-prompt term of the loss
-    lengths = torch.full((24, G), 10)
-    totals, counts = [], set()
-    for step in range(4000):
-        decision = pruner.select_prompts(list(range(24)), history, step, difficulties)
-        totals.append(float((values[decision.kept] * decision.weights).sum()))
-        counts.add(full_batch_counts(decision, lengths[decision.kept]).num_sequences)
-    mean, error = torch.tensor(totals).mean().item(), torch.tensor(totals).std().item() / math.sqrt(len(totals))
-    assert abs(mean - float(values.sum())) < 4 * error  # Horvitz-Thompson: E[Σ kept w x] = Σ drawn x
-    assert counts == {24.0 * G}  # the normaliser counts the drawn batch, whatever the draw kept
-
-
 def test_deterministic_refill_keeps_the_lowest_predicted_zero_variance_and_rescales():
     history, difficulties = saturated_history()
     pruner = build_pruner("dppo", mode="deterministic")

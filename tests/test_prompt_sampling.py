@@ -96,15 +96,16 @@ def test_the_default_prompt_level_keeps_exactly_the_batch_every_step_informative
     assert (decision.keep_probs[order].diff() <= 1e-12).all()  # less likely zero-variance, more likely kept
 
 
+@pytest.mark.parametrize("batch_size", [9, None])  # the refill's B, or M (1 - r) of the drawn (the level's default)
 @pytest.mark.parametrize("design", ["systematic", "bernoulli"])
-def test_either_design_is_unbiased_for_the_drawn_batch_and_counts_it_whole(design):
+def test_either_design_is_unbiased_for_the_drawn_batch_and_counts_it_whole(design, batch_size):
     history, difficulties = saturated_history(24)
     pruner = build_pruner("dppo", group_size=G, prompt_sampling=design)
     values = torch.arange(1.0, 25.0, dtype=torch.float64)  # any per-prompt term of the loss
     lengths = torch.full((24, G), 10)
     totals, counts = [], set()
     for step in range(4000):
-        decision = pruner.select_prompts(list(range(24)), history, step, difficulties, batch_size=9)
+        decision = pruner.select_prompts(list(range(24)), history, step, difficulties, batch_size=batch_size)
         totals.append(float((values[decision.kept] * decision.weights).sum()))
         counts.add(full_batch_counts(decision, lengths[decision.kept]).num_sequences)
     mean, error = torch.tensor(totals).mean().item(), torch.tensor(totals).std().item() / math.sqrt(len(totals))
