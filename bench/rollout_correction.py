@@ -13,7 +13,7 @@ bias against the on-policy gradient (exact) and its variance (Monte Carlo), at s
        bias = |E[step_c] − g_on| / |g_on|; DPPO's pruned step has the full step's expectation (its 1/p weights
        and the full batch's normaliser; bench/unbiasedness.py shows it), so its bias is the same
     ─► Monte Carlo: --draws steps per gap sampled from μ through the trainer's own code (select_samples with the
-       pruner: DPPO off = none, on = --no-dppo-refill --dppo-prompt-prune-rate 0.5 with the defaults otherwise,
+       pruner: DPPO off = none, on = --no-dppo-refill and both levels at rate 0.5, the defaults otherwise,
        its prompt level predicting from one earlier group per prompt; policy_loss with the trainer's log-probs as old
        log-probs and the engine's as rollout log-probs) ─► variance = mean |g − mean g|² / |g_on|²; and a check that
        the sampled steps' mean is the exact expectation (|mean − E| over its standard error, about 1)
@@ -61,7 +61,8 @@ SEQUENCES = VOCAB**RESPONSE_TOKENS  # every response of one prompt
 MODEL = dict(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, ffn_hidden_size=64,
              max_position_embeddings=16, initializer_range=0.3)  # far from uniform: about 1 nat of entropy per token
 DPPO_FLAGS = ["--algorithm", "dppo", "--no-dppo-refill", "--dppo-prompt-prune-rate", "0.5",
-              "--advantage-estimator", "dr_grpo", "--loss-agg-mode", "seq-mean-token-mean"]
+              "--dppo-completion-prune-rate", "0.5", "--advantage-estimator", "dr_grpo",
+              "--loss-agg-mode", "seq-mean-token-mean"]
 CHUNK = 8192  # sequences per forward pass of the enumeration
 # each correction with the command line's defaults, and geo-rs once more with a band that fits this world's gaps
 CORRECTIONS = {**{name: ["--rollout-correction", name] for name in ROLLOUT_CORRECTIONS},

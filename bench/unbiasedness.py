@@ -93,21 +93,21 @@ CORRECTION_FLAGS = {
 }
 
 
-# A refill draws M = B / (1 - rate) prompts: 27 of the pool's 64 at B = 8 with the world's recorded
-# zero-variance share.
-REFILL = ["--rollout-batch-size", "8"]
-NO_DAPO_RATE_HALF = ["--no-dppo-refill", "--dppo-prompt-prune-rate", "0.5", "--no-dapo-filter"]
+REFILL, HALF = ["--rollout-batch-size", "8"], "0.5"  # a refill draws M = B / (1 - rate): 27 of the 64 at B = 8
+NO_DAPO_RATE_HALF = ["--no-dppo-refill", "--dppo-prompt-prune-rate", HALF, "--dppo-completion-prune-rate", HALF,
+                     "--no-dapo-filter"]
 CONFIGURATIONS = {
     "embedded default (dppo: success-rate score, systematic sampler, auto rate, refill, DAPO)": Configuration(
         REFILL, True),
     "cli default (dppo: success-rate score, systematic sampler, auto rate, refill, no DAPO)": Configuration(
         [*REFILL, "--no-dapo-filter"], True),
     "dppo uniform keep, refill, DAPO": Configuration([*REFILL, "--dppo-keep-policy", "uniform"], True),
-    "dppo previous default (bernoulli sampler, zero-variance score), refill, DAPO": Configuration(
-        [*REFILL, "--dppo-prompt-sampling", "bernoulli", "--dppo-prompt-score", "zero_variance"], True),
+    "dppo previous default (bernoulli sampler, zero-variance score, completion level 0.5), refill, DAPO": Configuration(
+        [*REFILL, "--dppo-prompt-sampling", "bernoulli", "--dppo-prompt-score", "zero_variance",
+         "--dppo-completion-prune-rate", HALF], True),
     "dppo with the in-step probe (2 of 8 samples, 12 prompts probed), refill, DAPO": Configuration(
         [*REFILL, "--dppo-probe-samples", "2", "--dppo-probe-prompts", "12"], True, draw_factor=1.5),
-    "dppo, no refill, rate 0.5, no DAPO": Configuration(NO_DAPO_RATE_HALF, True),
+    "dppo, no refill, rates 0.5, no DAPO": Configuration(NO_DAPO_RATE_HALF, True),
     "dppo mean |A| EMA score, below_mean, no refill, no DAPO": Configuration(
         ["--dppo-prompt-score", "mean_abs_advantage", *NO_DAPO_RATE_HALF], True),
     "dppo, no refill, DAPO over-sampling x2": Configuration(
@@ -118,7 +118,7 @@ CONFIGURATIONS = {
     "grpo, DAPO over-sampling x2": Configuration(
         ["--algorithm", "grpo", "--dapo-oversample", "2", "--rollout-batch-size", "8"], True),
     "embedded default, exact history lengths": Configuration(REFILL, True, "exact"),
-    "dppo, no refill, rate 0.5, no DAPO, exact history lengths": Configuration(NO_DAPO_RATE_HALF, True, "exact"),
+    "dppo, no refill, rates 0.5, no DAPO, exact history lengths": Configuration(NO_DAPO_RATE_HALF, True, "exact"),
     "embedded default, engine disagrees, every correction": Configuration(REFILL, True, engine_gap=ENGINE_GAP),
     "dppo deterministic (the paper's Algorithm 1), refill": Configuration([*REFILL, "--dppo-mode", "deterministic"],
                                                                           False),

@@ -40,8 +40,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     algo.add_argument("--dppo-prompt-prune-rate", type=RATE_OR_AUTO, default="auto",
                       help="expected fraction of the drawn prompts pruned before rollout; auto: the pool's recent "
                            "zero-variance share (about as many prompts are rolled out as are expected to teach)")
-    algo.add_argument("--dppo-completion-prune-rate", type=RATE, default=0.5,
-                      help="expected fraction of the completion candidates pruned after rewards")
+    algo.add_argument("--dppo-completion-prune-rate", type=RATE, default=0.0,
+                      help="expected fraction of the completion candidates pruned after rewards (default 0, off: "
+                           "the screening on docs/results.md found it does not pay on this task)")
     algo.add_argument("--dppo-mode", choices=("stochastic", "deterministic"), default="stochastic",
                       help="stochastic: unbiased (keep with probability p, weight 1/p); deterministic: the paper's "
                            "Algorithm 1 (biased)")
