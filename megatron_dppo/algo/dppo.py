@@ -14,7 +14,7 @@ from megatron_dppo.algo.beta_binomial import (
     continuation_informative_probability,
     expected_sum_squared_advantages,
 )
-from megatron_dppo.algo.history import PROMPT_SCORES, PromptHistory
+from megatron_dppo.algo.history import PREDICTIVE_SCORES, PROMPT_SCORES, PromptHistory
 from megatron_dppo.algo.pruner_interface import (
     COMPLETION_LEVEL,
     PROBE_SEED_OFFSET,
@@ -170,7 +170,8 @@ class DPPOPruner(Pruner):
     def predictions(self, prompt_ids, history: PromptHistory, difficulties) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores, z) [P]: the keep rule's score and the predicted probability that the group is zero-variance, NaN
         where the history knows nothing yet."""
-        if self.score_used(history) == "success_rate":
+        score = self.score_used(history)
+        if score == "success_rate":
             a, b = history.success_rate_posterior(prompt_ids, difficulties)
             known = ~torch.isnan(a)
             scores, predicted = torch.full_like(a, math.nan), torch.full_like(a, math.nan)
@@ -180,7 +181,7 @@ class DPPOPruner(Pruner):
             predicted[known] = all_equal_probability(a[known], b[known], group_size)
             return scores, predicted
         predicted = history.zero_variance_probability(prompt_ids, difficulties)
-        if self.score_used(history) == "zero_variance":
+        if score == "zero_variance":
             return (1.0 - predicted).clamp(min=0.0).sqrt(), predicted
         return history.lookup(prompt_ids)[0], predicted
 
@@ -196,15 +197,14 @@ class DPPOPruner(Pruner):
         # the predictive scores rank every prompt by its own prediction (the sqrt rule above); the EMA scores prune
         # only the prompts seen before and scoring below the mean. A prompt without a score, or whose length could
         # not be counted in the full batch before the draw (full_batch_counts), is never a pruning candidate
-        candidates = known if self.config.prompt_score in ("auto", "success_rate", "zero_variance") else (
+        candidates = known if self.config.prompt_score in PREDICTIVE_SCORES else (
             known & self._below_mean(scores, known))
         rate = self.prune_rate(history)
         num_candidates, fixed = int(candidates.sum()), num_prompts - int(candidates.sum())
         if self.config.prompt_sampling == "systematic" and num_candidates:
-            # exactly `target` of the M drawn are rolled out (the refill's B): the candidates keep target - (the
-            # others) between them, at least their floors' worth (then the count is one of the two whole numbers
-            # around the floors' sum)
-            # (without the refill the M drawn are the batch itself, and the level keeps M (1 - r) of them)
+            # exactly `target` of the M drawn are rolled out (the refill's B; without the refill the M drawn are the
+            # batch itself, and the level keeps M (1 - r) of them): the candidates keep target - (the others) between
+            # them, at least their floors' worth (then the count is one of the two whole numbers around the floors' sum)
             target = min(batch_size, num_prompts) if batch_size is not None and self.config.refill else (
                 num_prompts * (1.0 - rate))
             kept_candidates = max(target - fixed, self.config.prompt_p_min * num_candidates)

@@ -49,6 +49,9 @@ from megatron_dppo.algo.beta_binomial import prior_matching
 from megatron_dppo.errors import UserInputError
 
 PROMPT_SCORES = ("auto", "success_rate", "zero_variance", "mean_abs_advantage", "reward_std", "unsolved_rate")
+# the scores that predict a prompt's next group from its pass counts or zero-variance indicators (every prompt has one
+# once anything was rolled out: its stratum's prior); the others are an EMA of a per-visit score
+PREDICTIVE_SCORES = ("auto", "success_rate", "zero_variance")
 STRATUM_DECAY = 0.98  # per group of the stratum: its prior follows the last ~50 groups, as the policy changes
 POOL = "\0pool"  # the stratum key that pools every group (the prior of a stratum with no groups yet)
 
@@ -62,7 +65,7 @@ def score_prompts(rewards: torch.Tensor, advantages: torch.Tensor, score: str = 
     improves) is not scored as worthless. zero_variance: 1 for a group whose rewards are all equal, else 0.
     """
     check_rewards(rewards)
-    if score in ("auto", "zero_variance", "success_rate"):  # the indicator; success_rate counts passes too
+    if score in PREDICTIVE_SCORES:  # the indicator; the success-rate belief counts passes too (update's rewards)
         return zero_variance_groups(rewards).to(rewards.dtype)
     if score == "mean_abs_advantage":
         return advantages.abs().mean(dim=1)
