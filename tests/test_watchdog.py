@@ -13,13 +13,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from megatron_dppo.platform.network import free_port
-from megatron_dppo.platform.watchdog import EXIT_STATUS
+from megatron_dppo.platform.watchdog import EXIT_STATUS, Connection
 from tests.launch import REPO_ROOT
 
 WORKER = REPO_ROOT / "tests" / "workers" / "watchdog_rank.py"
@@ -150,6 +151,35 @@ def test_ranks_that_finish_stop_their_watchdogs_and_exit_cleanly(ranks):
     for rank in range(3):
         assert ranks.wait(rank, 60) == 0, ranks.output(rank)
         assert endings(ranks.output(rank)) == []
+
+
+def test_a_finished_sides_bye_arrives_though_it_closes_with_the_peers_beats_unread():
+    # the CI failure: a rank finished while the hub's beats waited unread at its end; closing then sends a reset,
+    # which drops the bye that Nagle held back for the unacknowledged phase before it (a long-lived connection is out
+    # of quick-ack mode), and the hub ended a finished run. Plain close() loses it every time on Linux.
+    for _ in range(5):
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            rank_side = socket.create_connection(listener.getsockname())
+            hub_side, _ = listener.accept()
+            with hub_side:
+                for _ in range(30):  # a connection that has talked a while
+                    rank_side.sendall(b'{"phase": "update"}\n')
+                    hub_side.recv(100)
+                    time.sleep(0.002)
+                hub_side.sendall(b'{"beat": "outside"}\n')  # never read by the rank
+                rank_side.setblocking(False)
+                connection = Connection(rank_side)
+                connection.send({"phase": "outside"})
+                connection.send({"bye": True})
+                closer = threading.Thread(target=connection.close_after_peer, args=(time.monotonic() + 5,))
+                closer.start()
+                received = b""
+                hub_side.settimeout(5)
+                while chunk := hub_side.recv(4096):  # the hub reads to the end, then closes its side
+                    received += chunk
+            closer.join(5)
+        assert not closer.is_alive()
+        assert b'{"bye": true}' in received
 
 
 def test_a_phase_past_its_deadline_ends_the_run_naming_it_while_its_peers_are_alive(ranks):

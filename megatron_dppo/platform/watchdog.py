@@ -21,6 +21,9 @@ Invariants:
 - only silence counts against a server: one that answers with an error or refuses the connection (restarting) is the
   rollout client's to handle (retries, restarts, its own error);
 - the deadlines bound phases whose waits have no timeout of their own (a checkpoint save on a stuck file system);
+- a finished side's bye is never lost: a socket closed with bytes unread sends a reset, which can discard the bye
+  still unread at the other end (a false "closed without finishing" that fails a finished run), so the side that
+  finishes sends its bye, stops writing and reads until the other side closes too (Connection.close_after_peer);
 - standard library only (no torch): the processes it watches may be stuck inside torch.
 """
 
@@ -30,6 +33,7 @@ import collections
 import contextlib
 import json
 import os
+import select
 import selectors
 import socket
 import sys
@@ -45,6 +49,7 @@ from megatron_dppo.errors import UserInputError
 EXIT_STATUS = 75  # EX_TEMPFAIL: the run goes on from its last checkpoint
 OUTSIDE = "outside"  # the main thread is in none of the trainer's phases (setup, metrics, between steps)
 MAX_LINE = 4096  # a message is one JSON line; longer ones are refused (a stray client)
+CLOSE_WAIT_S = 3.0  # how long a finished side waits for the other to close after its bye (Connection.close_after_peer)
 
 
 def this_host() -> str:
@@ -191,6 +196,24 @@ class Connection:
             return [json.loads(line) for line in lines if line.strip()]
         except ValueError:
             return None
+
+    def close_after_peer(self, deadline: float) -> None:
+        """Close so that what this side sent last (its bye) reaches the peer: stop writing, then read (and drop)
+        until the peer closes its side or `deadline` (time.monotonic()) passes. Closing at once with the peer's
+        bytes unread would send a reset, and a reset can discard the bye before the peer reads it."""
+        self.flush()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(OSError, ValueError):
+            while (left := deadline - time.monotonic()) > 0:
+                if not select.select([self.sock], [], [], left)[0]:
+                    break
+                try:
+                    if not self.sock.recv(65536):
+                        break
+                except BlockingIOError:
+                    continue
+        self.sock.close()
 
 
 @dataclass
@@ -379,13 +402,16 @@ class Hub:
         end_run(line)
 
     def stop(self) -> None:
-        """The run finished: tell every rank, close."""
-        for connection in list(self.connections):
-            connection.send({"bye": True})
+        """The run finished: stop the thread, then tell every rank and close (each rank's Beat closes on the bye)."""
         self.stopping.set()
         self.thread.join(timeout=5)
+        deadline = time.monotonic() + CLOSE_WAIT_S
         for connection in list(self.connections):
-            self._drop(connection)
+            with contextlib.suppress(Exception):
+                self.selector.unregister(connection.sock)
+            connection.send({"bye": True})
+            connection.close_after_peer(deadline)
+            self.connections.remove(connection)
         self.listener.close()
         CLOCK.listeners.remove(self._own_phase)
         self.wake_read.close()
@@ -445,7 +471,8 @@ class Beat:
                     with contextlib.suppress(OSError):
                         self.wake_read.recv(4096)
                     woken = True
-                elif not self._receive(connection):
+                elif not self._receive(connection):  # the hub said bye (and stops writing): nothing is lost
+                    sock.close()
                     return
             if woken or time.monotonic() >= next_beat:
                 name, seconds = CLOCK.current()
@@ -460,7 +487,7 @@ class Beat:
             self._check_silence()
         with contextlib.suppress(OSError):
             connection.send({"bye": True})
-        sock.close()
+        connection.close_after_peer(time.monotonic() + CLOSE_WAIT_S)
 
     def _receive(self, connection: Connection) -> bool:
         """Take the hub's messages; False once this side is to stop watching (the hub said bye)."""
