@@ -40,9 +40,11 @@ def launch(flags: list[str], log_dir: Path, processes: int) -> float:
     with open(log_dir / "stdout.log", "w") as log:
         result = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     seconds = time.perf_counter() - start
-    if result.returncode != 0:
+    if result.returncode != 0:  # the output's error lines travel with the exception: a remote run's files may not
+        said = [line for line in (log_dir / "stdout.log").read_text(errors="replace").splitlines()
+                if "error" in line.lower() and "warn" not in line.lower()]
         raise RuntimeError(f"training run failed (exit {result.returncode}); its output is in {log_dir / 'stdout.log'}"
-                           f" and its command in {log_dir / 'command.txt'}")
+                           f" and its command in {log_dir / 'command.txt'}; its error lines: {' | '.join(said[-3:])}")
     load = other_load(others_before, process_cpu(), seconds)
     (log_dir / MACHINE_FILE).write_text(json.dumps({
         "wall_seconds": seconds, "run_cpu_seconds": children_cpu_seconds() - children_before, **load,

@@ -583,9 +583,11 @@ def partial_speedup_problems(output: str, bound: float) -> tuple[list[str], floa
 def check_step_cost(options) -> bool:
     """bench/step_cost.py's headline pair with the engine decoding on the device."""
     out = Path(tempfile.mkdtemp(prefix="gpu_check_step_cost_"))
+    # the layer spec as rl_run's: the trainer's GPU default is Transformer Engine's, which a bare machine lacks
+    trainer_flags = f"--transformer-impl {transformer_impl()}"
     rehearsal = ["--modes-budget-s", "8", "--skip-steps", "1", "--trainer-flags",
-                 "--warm-start-steps 20 --rollout-batch-size 4"] if options.rehearse_on_cpu else \
-        ["--modes-budget-s", str(STEP_COST_BUDGET_S), "--skip-steps", "3"]
+                 f"{trainer_flags} --warm-start-steps 20 --rollout-batch-size 4"] if options.rehearse_on_cpu else \
+        ["--modes-budget-s", str(STEP_COST_BUDGET_S), "--skip-steps", "3", "--trainer-flags", trainer_flags]
     output = run([sys.executable, REPO / "bench" / "step_cost.py", "--headline-only", "--out-dir", out,
                   "--processes", 1, "--engine-device", options.device.type, *rehearsal],
                  "bench/step_cost.py --headline-only",
