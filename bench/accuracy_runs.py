@@ -172,6 +172,7 @@ class Settings:
     looks: tuple[int, ...] = ()  # the verdict's looks: seed counts at which the rule may stop (time_to_accuracy.py)
     tune_grpo: bool = False
     screen: bool = False
+    variants: tuple[str, ...] | list[str] = tuple(SCREENING)  # --screen: the variants to run
     analyse_only: bool = False  # --analyse-only: the page from the finished runs, none started
     records_dir: Path | None = None  # RECORDS_DIR, read back from; None: --no-records, --quick
     save_records: bool = False  # record finished runs in records_dir: at the full benchmark's default settings only
@@ -446,6 +447,9 @@ def parse_args(argv: list[str] | None, description: str = "") -> Settings:
     parser.add_argument("--screen", action="store_true",
                         help=f"instead of the methods: SCREENING's DPPO variants, {SCREEN_SEEDS} seeds, against the "
                              "grpo runs; writes the screening block")
+    parser.add_argument("--variants", nargs="+", choices=list(SCREENING), default=list(SCREENING),
+                        help="with --screen: the variants to run (default all); the block reports every variant "
+                             "with the seeds its finished runs have (more seeds for a chosen one: --seeds 1 ... 6)")
     parser.add_argument("--no-records", action="store_true",
                         help=f"neither restore nor record runs in {RECORDS_DIR.relative_to(REPO)} (finished runs, "
                              "kept in the repository so that later sittings resume them: restored for any command "
@@ -475,7 +479,7 @@ def parse_args(argv: list[str] | None, description: str = "") -> Settings:
         processes=args.processes, quick=quick, page=page,
         figures_dir=Path(args.figures_dir) if args.figures_dir else (
             (page.parent if page else out_dir) / "figures" / page_block(quick)), tune_grpo=args.tune_grpo,
-        screen=args.screen, analyse_only=args.analyse_only,
+        screen=args.screen, variants=args.variants, analyse_only=args.analyse_only,
         records_dir=None if args.no_records or quick else RECORDS_DIR, records_warm_start=args.records_warm_start,
         # new records: the full benchmark's runs only, at its default settings (--methods/--seeds among them)
         save_records=not any(value is not None for value in (args.budget_s, args.warm_start_steps, args.eval_interval,

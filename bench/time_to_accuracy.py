@@ -50,6 +50,7 @@ Examples:
     python bench/time_to_accuracy.py --write-page docs/results.md          # the verdict's seeds and the page
     python bench/time_to_accuracy.py --analyse-only --seeds 1 2 3 4 5 6 --write-page docs/results.md   # page only
     python bench/time_to_accuracy.py --screen --write-page docs/results.md # SCREENING's variants, 3 seeds
+    python bench/time_to_accuracy.py --screen --variants dppo-fixed-c0 --seeds 1 2 3 4 5 6 --write-page docs/results.md
     python bench/time_to_accuracy.py --tune-grpo --seeds 1 2 --write-page docs/results.md   # GRPO at batch 64
     python bench/time_to_accuracy.py --quick                               # smoke check
 Last lines (DPPO's defaults against each baseline: the verdict, then the speed-ups on wall time, cost-model time and
@@ -71,7 +72,6 @@ sys.path.insert(0, str(REPO))
 
 from bench.accuracy_runs import (  # noqa: E402
     RENAMED,
-    SCREENING,
     page_block,
     parse_args,
     prepare_warm_start,
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if settings.screen:  # the variants alone, seed by seed, against the recorded grpo runs (restored first)
         for seed in settings.seeds:
-            run_methods(settings, seed, ["grpo", *run_order(settings, seed, list(SCREENING))], warm_start, started)
+            run_methods(settings, seed, ["grpo", *run_order(settings, seed, list(settings.variants))], warm_start,
+                        started)
         publish(settings, "screening", *screening_report(settings))
         return
     for seed in settings.seeds:

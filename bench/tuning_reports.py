@@ -52,6 +52,7 @@ def screening_report(settings: Settings) -> tuple[str, str]:
                      f"{interval_text(result['step'])} steps")
     header = ["variant", "seeds", "speed-up in cost-model time [95%]", "steps-to-target ratio [95%] (per-step "
               "learning)", "speed-up in RL wall time [95%]", "flags (after RL_FLAGS)"]
-    return (f"DPPO variants against grpo (the filtered GRPO's recorded runs), {SCREEN_SEEDS} paired seeds each, read "
-            "as the headline is (the geometric mean over the 50/75/90% targets; 95% intervals over seed pairs). "
+    return ("DPPO variants against grpo (the filtered GRPO's recorded runs), over the paired seeds the seeds column "
+            f"counts ({SCREEN_SEEDS} each, more for a chosen one), read as the headline is (the geometric mean over "
+            "the 50/75/90% targets; 95% intervals over seed pairs). "
             f"Price list over these runs: {price_list(cost)}.\n\n{markdown(header, rows)}"), "\n".join(lines)

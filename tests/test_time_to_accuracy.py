@@ -798,7 +798,6 @@ def test_screen_runs_the_variants_alone_seed_by_seed_after_restoring_grpo(tmp_pa
 
     variants = {"dppo-a": ["--algorithm", "dppo"], "dppo-b": ["--algorithm", "dppo", "--no-dppo-refill"]}
     monkeypatch.setattr(accuracy_runs, "SCREENING", variants)
-    monkeypatch.setattr(time_to_accuracy, "SCREENING", variants)
     monkeypatch.setitem(accuracy_runs.ALL_METHODS, "dppo-a", variants["dppo-a"])
     monkeypatch.setitem(accuracy_runs.ALL_METHODS, "dppo-b", variants["dppo-b"])
     monkeypatch.setattr(training_run, "launch", fake_launch)
@@ -811,3 +810,8 @@ def test_screen_runs_the_variants_alone_seed_by_seed_after_restoring_grpo(tmp_pa
         order = ["grpo", *accuracy_runs.run_order(settings, seed, list(variants))]
         expected += [f"runs/{method}/seed_{seed}" for method in order]
     assert events == expected
+    # more seeds for a chosen variant: its runs and grpo's are added, the finished ones read, the others left alone
+    events.clear()
+    time_to_accuracy.main(["--out-dir", str(tmp_path), "--screen", "--no-records", "--variants", "dppo-b",
+                           "--seeds", "1", "2", "3", "4"])
+    assert events == ["runs/grpo/seed_4", "runs/dppo-b/seed_4"]
