@@ -29,13 +29,15 @@ QWEN3_0_6B = {**QWEN3_4B, "hidden_size": 1024, "intermediate_size": 3072, "num_h
 ENTRY = REPO_ROOT / "examples" / "pretrain_dppo.py"
 
 
-def test_the_estimate_is_within_3_percent_of_the_h200_peak_of_the_qwen3_0_6b_actor_step():
-    # tools/gpu_check.py actor_step on an H200 (docs/actor.md): bf16, local spec, one process, Adam, packed
-    # micro-batches of at most 8192 tokens: torch.cuda.max_memory_allocated 25 GiB (printed rounded: 24.5-25.5)
-    layout = TrainerLayout(model_shape(QWEN3_0_6B), dtype="bf16", tokens=8192, transformer_impl="local")
+def test_the_estimate_stays_within_5_percent_under_the_h200_peak_of_the_qwen3_0_6b_actor_step():
+    # tools/gpu_check.py actor_step on an H200, 2026-11-28 (docs/actor.md): bf16, local spec, one process, Adam, the
+    # check's 4 packed micro-batches (the longest 7956 tokens): torch.cuda.max_memory_allocated 25.19 GiB, which the
+    # plan misses by 4.2% (the GPU check fails on it; the reserve covers it). The bound keeps the gap from growing
+    # unseen, and a plan past the check's 1.25x would refuse layouts that fit.
+    layout = TrainerLayout(model_shape(QWEN3_0_6B), dtype="bf16", tokens=7956, transformer_impl="local")
     (plan,) = plan_memory(layout)
-    assert 24.5 * 0.97 <= plan.estimate / GIB <= 25.5 * 1.03, plan.estimate / GIB
-    assert plan.total > plan.estimate + GIB  # the reserve comes on top
+    assert 0.95 * 25.19 <= plan.estimate / GIB <= 1.25 * 25.19, plan.estimate / GIB
+    assert plan.total / GIB > 25.82  # with the reserve, above the allocator's reserved peak
 
 
 def test_recompute_tensor_parallelism_and_the_distributed_optimizer_each_lower_their_own_terms():
