@@ -202,17 +202,12 @@ class Connection:
         until the peer closes its side or `deadline` (time.monotonic()) passes. Closing at once with the peer's
         bytes unread would send a reset, and a reset can discard the bye before the peer reads it."""
         self.flush()
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_WR)
         with contextlib.suppress(OSError, ValueError):
-            while (left := deadline - time.monotonic()) > 0:
-                if not select.select([self.sock], [], [], left)[0]:
-                    break
-                try:
+            self.sock.shutdown(socket.SHUT_WR)
+            while (left := deadline - time.monotonic()) > 0 and select.select([self.sock], [], [], left)[0]:
+                with contextlib.suppress(BlockingIOError):
                     if not self.sock.recv(65536):
                         break
-                except BlockingIOError:
-                    continue
         self.sock.close()
 
 
