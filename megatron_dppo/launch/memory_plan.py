@@ -29,7 +29,8 @@ What each term counts (bytes on one GPU of the stage; P = the stage's parameters
 Calibration (docs/actor.md, "The memory plan"): the activation count equals what autograd saves on the CPU, per
 tensor (tests/workers/recompute_checks.py counts it with saved-tensor hooks, with and without recompute, at TP 1
 and 2); on a GPU the whole estimate without the reserve falls 2-4% under the allocator's peak (Qwen3-0.6B, bf16,
-local spec, 8192-token micro-batches on an H200: 24.14 GiB estimated, 25.19 GiB measured), a gap the reserve covers.
+local spec, the GPU check's micro-batches, the longest 7956 tokens, on an H200: 24.14 GiB estimated, 25.19 GiB
+measured), a gap the reserve covers.
 
 The flags that decide memory beside the layout and the precision are added and checked here, for arguments.py's
 parser: Megatron-LM's recompute flags (`memory_flags`, `recompute_errors`: its rules, one line each) and

@@ -324,10 +324,14 @@ class Hub:
             self.connections.append(connection)
             self.selector.register(sock, selectors.EVENT_READ, connection)
 
-    def _drop(self, connection: Connection) -> None:
+    def _drop(self, connection: Connection, deadline: float | None = None) -> None:
+        """Forget a connection and close it: at once, or (`deadline`) after the peer closes (close_after_peer)."""
         with contextlib.suppress(Exception):
             self.selector.unregister(connection.sock)
-        connection.sock.close()
+        if deadline is None:
+            connection.sock.close()
+        else:
+            connection.close_after_peer(deadline)
         self.connections.remove(connection)
 
     def _read(self, connection: Connection) -> None:
@@ -402,11 +406,8 @@ class Hub:
         self.thread.join(timeout=5)
         deadline = time.monotonic() + CLOSE_WAIT_S
         for connection in list(self.connections):
-            with contextlib.suppress(Exception):
-                self.selector.unregister(connection.sock)
             connection.send({"bye": True})
-            connection.close_after_peer(deadline)
-            self.connections.remove(connection)
+            self._drop(connection, deadline)
         self.listener.close()
         CLOCK.listeners.remove(self._own_phase)
         self.wake_read.close()
